@@ -1,0 +1,83 @@
+# lockstep's dependencies, found the same way in the source tree and in an installed package.
+#
+# Sets LOCKSTEP_CUDA_FOUND when the CUDA toolkit (with cuBLAS and NCCL) is usable, and defines the imported
+# targets lockstep::openblas, lockstep::nccl (with CUDA) and lockstep::mpi_c (when MPI is found).
+include_guard(GLOBAL)
+include(CMakeFindDependencyMacro)
+
+find_dependency(Threads)
+find_dependency(ZLIB)
+find_dependency(nlohmann_json 3)
+
+# OpenBLAS: Debian's libopenblas-dev ships an OpenBLASConfig.cmake that sets variables, not a target.
+if(NOT TARGET lockstep::openblas)
+  find_package(OpenBLAS CONFIG QUIET)
+  if(NOT OpenBLAS_FOUND)
+    find_path(OpenBLAS_INCLUDE_DIRS cblas.h PATH_SUFFIXES openblas openblas-pthread x86_64-linux-gnu/openblas-pthread)
+    find_library(OpenBLAS_LIBRARIES openblas PATH_SUFFIXES openblas-pthread)
+  endif()
+  if(NOT OpenBLAS_INCLUDE_DIRS OR NOT OpenBLAS_LIBRARIES)
+    message(FATAL_ERROR "lockstep needs OpenBLAS for host GEMM: install Debian's libopenblas-dev "
+                        "(scripts/setup.sh does) or point CMAKE_PREFIX_PATH at an OpenBLAS install.")
+  endif()
+  add_library(lockstep::openblas INTERFACE IMPORTED)
+  set_target_properties(lockstep::openblas PROPERTIES
+    INTERFACE_INCLUDE_DIRECTORIES "${OpenBLAS_INCLUDE_DIRS}"
+    INTERFACE_LINK_LIBRARIES "${OpenBLAS_LIBRARIES}")
+endif()
+
+# CUDA toolkit, cuBLAS and NCCL: optional. Without them lockstep is the host backend alone.
+set(LOCKSTEP_CUDA_FOUND FALSE)
+if(NOT LOCKSTEP_CUDA STREQUAL "OFF")
+  if(NOT CUDAToolkit_ROOT AND EXISTS /usr/local/cuda)
+    set(CUDAToolkit_ROOT /usr/local/cuda)
+  endif()
+  find_package(CUDAToolkit QUIET)
+  if(CUDAToolkit_FOUND AND TARGET CUDA::cudart AND TARGET CUDA::cublas)
+    find_path(LOCKSTEP_NCCL_INCLUDE_DIR nccl.h HINTS ${CUDAToolkit_INCLUDE_DIRS})
+    find_library(LOCKSTEP_NCCL_LIBRARY nccl HINTS ${CUDAToolkit_LIBRARY_DIR})
+    if(LOCKSTEP_NCCL_INCLUDE_DIR AND LOCKSTEP_NCCL_LIBRARY)
+      if(NOT TARGET lockstep::nccl)
+        add_library(lockstep::nccl INTERFACE IMPORTED)
+        set_target_properties(lockstep::nccl PROPERTIES
+          INTERFACE_INCLUDE_DIRECTORIES "${LOCKSTEP_NCCL_INCLUDE_DIR}"
+          INTERFACE_LINK_LIBRARIES "${LOCKSTEP_NCCL_LIBRARY}")
+      endif()
+      set(LOCKSTEP_CUDA_FOUND TRUE)
+    elseif(LOCKSTEP_CUDA STREQUAL "ON")
+      message(FATAL_ERROR "LOCKSTEP_CUDA=ON but NCCL (nccl.h, libnccl) was not found next to the CUDA toolkit")
+    endif()
+  elseif(LOCKSTEP_CUDA STREQUAL "ON")
+    message(FATAL_ERROR "LOCKSTEP_CUDA=ON but the CUDA toolkit (with cuBLAS) was not found")
+  endif()
+endif()
+
+# MPI (OpenMPI) for multi-process runs: optional; lockstep::mpi links it.
+if(NOT TARGET lockstep::mpi_c)
+  find_package(MPI QUIET COMPONENTS C)
+  if(MPI_C_FOUND)
+    add_library(lockstep::mpi_c INTERFACE IMPORTED)
+    set_target_properties(lockstep::mpi_c PROPERTIES INTERFACE_LINK_LIBRARIES MPI::MPI_C)
+  endif()
+endif()
+
+# The link interface of lockstep::lockstep (and lockstep::mpi), attached where the targets are known: to the
+# build-tree targets as $<BUILD_INTERFACE:...> (so they are not exported), and to the imported targets by the
+# installed package's config, on the consumer's machine, where CUDA may or may not exist.
+function(lockstep_attach_dependencies core mpi wrap)
+  set(libs Threads::Threads ZLIB::ZLIB nlohmann_json::nlohmann_json lockstep::openblas ${CMAKE_DL_LIBS})
+  if(LOCKSTEP_CUDA_FOUND)
+    list(APPEND libs CUDA::cudart CUDA::cublas lockstep::nccl)
+  endif()
+  if(TARGET lockstep::mpi_c AND TARGET ${mpi})
+    set(mpi_libs lockstep::mpi_c)
+  endif()
+  if(wrap)
+    list(TRANSFORM libs REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
+    list(TRANSFORM mpi_libs REPLACE "^(.+)$" "$<BUILD_INTERFACE:\\1>")
+  endif()
+  set_property(TARGET ${core} APPEND PROPERTY INTERFACE_LINK_LIBRARIES ${libs})
+  if(mpi_libs)
+    set_property(TARGET ${mpi} APPEND PROPERTY INTERFACE_LINK_LIBRARIES ${mpi_libs})
+  endif()
+endfunction()

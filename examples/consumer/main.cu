@@ -1,0 +1,2 @@
+// The consumer program compiled by nvcc: both backends.
+#include "main.cpp"

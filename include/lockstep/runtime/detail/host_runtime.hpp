@@ -1,0 +1,125 @@
+// lockstep/runtime/detail/host_runtime.hpp — the per-device state of the host backend.
+//
+// This is the host backend's counterpart of the CUDA driver's process-wide state: one entry per host virtual
+// device, holding its memory and its live streams. It starts on first use, sized by the host platform
+// configuration, and is shared by every translation unit of the program, whatever it was compiled with.
+#pragma once
+
+#include <algorithm>
+#include <atomic>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "lockstep/device/host_platform.hpp"
+#include "lockstep/runtime/detail/host_memory.hpp"
+#include "lockstep/runtime/detail/host_stream.hpp"
+
+namespace lockstep::host_backend {
+
+class device_runtime final : public stream_observer {
+ public:
+  device_runtime(int index, std::uint64_t memory_limit) : index_(index), memory_(index, memory_limit) {}
+  device_runtime(const device_runtime&) = delete;
+  device_runtime& operator=(const device_runtime&) = delete;
+  ~device_runtime() {
+    if (default_stream_) {
+      default_stream_->shutdown();
+      default_stream_->drop_ref();
+    }
+  }
+
+  [[nodiscard]] int index() const noexcept { return index_; }
+  [[nodiscard]] device_memory& memory() noexcept { return memory_; }
+
+  /// A new stream of this device; the caller owns the returned reference (shutdown() + drop_ref()).
+  stream_state* create_stream() {
+    const auto id = next_stream_id_.fetch_add(1, std::memory_order_relaxed);
+    auto* s = new stream_state(index_, detail::concat("host:", index_, " stream ", id), this);
+    std::lock_guard lock(mutex_);
+    streams_.push_back(s);
+    return s;
+  }
+
+  /// The stream that exists for the device's lifetime (stream 0), created on first use.
+  stream_state* default_stream() {
+    std::call_once(default_once_, [this] {
+      auto* s = new stream_state(index_, detail::concat("host:", index_, " default stream"), this);
+      std::lock_guard lock(mutex_);
+      streams_.push_back(s);
+      default_stream_ = s;
+    });
+    return default_stream_;
+  }
+
+  /// Waits for every stream of the device (cudaDeviceSynchronize) and rethrows the first kept error.
+  void synchronize() {
+    std::vector<stream_state*> live;
+    {
+      std::lock_guard lock(mutex_);
+      for (auto* s : streams_) {
+        s->add_ref();
+        live.push_back(s);
+      }
+    }
+    std::exception_ptr first;
+    for (auto* s : live) {
+      try {
+        s->wait_for(s->enqueued());
+        s->rethrow_if_failed();
+      } catch (...) {
+        if (!first) first = std::current_exception();
+      }
+      s->drop_ref();
+    }
+    if (first) std::rethrow_exception(first);
+  }
+
+  void on_stream_shutdown(const stream_state* s) noexcept override {
+    memory_.on_stream_destroyed(s);
+    std::lock_guard lock(mutex_);
+    streams_.erase(std::remove(streams_.begin(), streams_.end(), s), streams_.end());
+  }
+
+ private:
+  const int index_;
+  device_memory memory_;
+  std::mutex mutex_;
+  std::vector<stream_state*> streams_;  // live streams, not owned
+  std::once_flag default_once_;
+  stream_state* default_stream_ = nullptr;
+  std::atomic<std::uint64_t> next_stream_id_{1};
+};
+
+/// All host devices of the process.
+class runtime {
+ public:
+  static runtime& instance() {
+    static runtime r(host_platform_configuration());
+    return r;
+  }
+
+  [[nodiscard]] int device_count() const noexcept { return static_cast<int>(devices_.size()); }
+
+  /// The state of host device `index`; throws device_error naming the visible count when out of range.
+  device_runtime& device(int index) {
+    if (index < 0 || index >= device_count()) {
+      throw device_error(detail::concat("host:", index, " does not exist: ", device_count(),
+                                        " host devices are configured (LOCKSTEP_HOST_DEVICES or "
+                                        "configure_host_platform), valid ids are 0..",
+                                        device_count() - 1));
+    }
+    return *devices_[static_cast<std::size_t>(index)];
+  }
+
+ private:
+  explicit runtime(const host_platform_config& config) {
+    for (int i = 0; i < config.device_count; ++i)
+      devices_.push_back(std::make_unique<device_runtime>(i, config.memory_limit(i)));
+  }
+
+  std::vector<std::unique_ptr<device_runtime>> devices_;
+};
+
+}  // namespace lockstep::host_backend

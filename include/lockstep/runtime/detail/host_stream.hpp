@@ -1,0 +1,306 @@
+// lockstep/runtime/detail/host_stream.hpp — streams and events of host virtual devices.
+//
+// A host stream is a worker thread that runs queued work in order, asynchronously to the caller, as a CUDA
+// stream does. An exception thrown by queued work is kept (the first one) and rethrown, with the stream and
+// the work named, at the next synchronization of that stream, like CUDA's asynchronous errors; later work
+// still runs, as later kernels still run on a GPU.
+//
+// A host event is a generation counter: recording enqueues a marker that completes that generation;
+// waiting captures the generation current at the time of the call, as cudaStreamWaitEvent does. Generations
+// may complete out of order (records on different streams); an event is complete for generation g when
+// that very record has run.
+//
+// These types do not depend on the build configuration (no CUDA), so they live in `lockstep::host_backend`
+// and are shared by translation units compiled with and without nvcc.
+#pragma once
+
+#include <atomic>
+#include <chrono>
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <functional>
+#include <mutex>
+#include <set>
+#include <string>
+#include <thread>
+#include <utility>
+
+#include "lockstep/core/error.hpp"
+
+namespace lockstep::host_backend {
+
+/// One unit of queued work. `what` is a static description used in error messages ("copy", "axpy").
+struct task {
+  std::function<void()> body;
+  const char* what = "work";
+};
+
+class stream_state;
+
+/// Told by a stream when it shuts down, so that memory freed on it (stream-ordered) becomes reusable and
+/// device-wide synchronization stops waiting for it.
+class stream_observer {
+ public:
+  virtual void on_stream_shutdown(const stream_state* s) noexcept = 0;
+
+ protected:
+  ~stream_observer() = default;
+};
+
+class stream_state {
+ public:
+  /// Starts the worker thread. `label` names the stream in errors, e.g. "host:0 stream 3".
+  stream_state(int device, std::string label, stream_observer* observer = nullptr)
+      : device_(device), label_(std::move(label)), observer_(observer), worker_([this] { run(); }) {}
+
+  stream_state(const stream_state&) = delete;
+  stream_state& operator=(const stream_state&) = delete;
+
+  /// Shuts down (see shutdown()) if the owner did not.
+  ~stream_state() { shutdown(); }
+
+  /// Completes all queued work (as cudaStreamDestroy does), stops the worker and tells the device's memory
+  /// that blocks freed on this stream are reusable. A pending error is dropped: destruction does not throw.
+  /// Idempotent. The object itself lives on while references remain (see add_ref).
+  void shutdown() noexcept {
+    {
+      std::lock_guard lock(mutex_);
+      if (stopping_) return;
+      stopping_ = true;
+    }
+    work_ready_.notify_one();
+    if (worker_.joinable()) worker_.join();
+    if (observer_) observer_->on_stream_shutdown(this);
+  }
+
+  /// Reference counting: the owner holds one reference; memory blocks freed on the stream and not yet
+  /// reusable hold one each, so that waiting for them never touches a destroyed stream.
+  void add_ref() const noexcept { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void drop_ref() const noexcept {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] const std::string& label() const noexcept { return label_; }
+
+  /// Queues `t`; returns its sequence number (1, 2, ...). Never blocks on queued work.
+  std::uint64_t enqueue(task t) {
+    std::uint64_t seq;
+    {
+      std::lock_guard lock(mutex_);
+      queue_.push_back(std::move(t));
+      seq = ++enqueued_;
+    }
+    work_ready_.notify_one();
+    return seq;
+  }
+
+  /// Sequence number of the last work queued / completed.
+  [[nodiscard]] std::uint64_t enqueued() const {
+    std::lock_guard lock(mutex_);
+    return enqueued_;
+  }
+  [[nodiscard]] std::uint64_t completed() const noexcept { return completed_.load(std::memory_order_acquire); }
+
+  /// True when everything queued so far has run.
+  [[nodiscard]] bool idle() const {
+    std::lock_guard lock(mutex_);
+    return completed_.load(std::memory_order_acquire) == enqueued_;
+  }
+
+  /// True if the calling thread is this stream's worker (queued work must not wait on its own stream).
+  [[nodiscard]] bool on_worker() const noexcept { return std::this_thread::get_id() == worker_.get_id(); }
+
+  /// Blocks until work up to sequence number `seq` has run.
+  void wait_for(std::uint64_t seq) const {
+    std::unique_lock lock(mutex_);
+    work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= seq; });
+  }
+
+  /// Blocks until everything queued so far has run, then rethrows a kept error (and clears it).
+  void synchronize() {
+    LOCKSTEP_EXPECTS(!on_worker(), "synchronize() called from work queued on ", label_,
+                     " itself: the stream would wait for itself forever");
+    std::unique_lock lock(mutex_);
+    const std::uint64_t target = enqueued_;
+    work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= target; });
+    rethrow_locked();
+  }
+
+  /// Rethrows a kept error without waiting (used by device-wide synchronization and queries).
+  void rethrow_if_failed() {
+    std::lock_guard lock(mutex_);
+    rethrow_locked();
+  }
+
+ private:
+  void rethrow_locked() {
+    if (!error_) return;
+    std::exception_ptr e = std::exchange(error_, nullptr);
+    std::string context = std::exchange(error_context_, {});
+    try {
+      std::rethrow_exception(e);
+    } catch (...) {
+      std::throw_with_nested(async_error(context));
+    }
+  }
+
+  void run() {
+    std::unique_lock lock(mutex_);
+    while (true) {
+      work_ready_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      if (queue_.empty()) return;  // stopping, and all work done
+      task t = std::move(queue_.front());
+      queue_.pop_front();
+      lock.unlock();
+      try {
+        t.body();
+      } catch (const std::exception& e) {
+        keep_error(t.what, e.what());
+      } catch (...) {
+        keep_error(t.what, "unknown exception");
+      }
+      t.body = nullptr;  // release captures before reporting completion
+      lock.lock();
+      completed_.fetch_add(1, std::memory_order_acq_rel);
+      work_done_.notify_all();
+    }
+  }
+
+  void keep_error(const char* what, const char* message) {
+    std::lock_guard lock(mutex_);
+    if (error_) return;  // the first error is the one that explains the others
+    error_ = std::current_exception();
+    error_context_ = detail::concat("work queued on ", label_, " failed (", what, "): ", message,
+                                    " [reported at the next synchronization of the stream]");
+  }
+
+  const int device_;
+  const std::string label_;
+  stream_observer* const observer_;
+  mutable std::mutex mutex_;
+  std::condition_variable work_ready_;
+  mutable std::condition_variable work_done_;
+  std::deque<task> queue_;
+  std::uint64_t enqueued_ = 0;
+  std::atomic<std::uint64_t> completed_{0};
+  bool stopping_ = false;
+  std::exception_ptr error_;
+  std::string error_context_;
+  mutable std::atomic<int> refs_{1};
+  std::thread worker_;  // last: starts after every other member is constructed
+};
+
+/// State of a host event; reference counted because queued markers outlive the owning `event`.
+class event_state {
+ public:
+  using clock = std::chrono::steady_clock;
+
+  event_state(int device, bool timing) : device_(device), timing_(timing) {}
+
+  void add_ref() noexcept { refs_.fetch_add(1, std::memory_order_relaxed); }
+  void drop_ref() noexcept {
+    if (refs_.fetch_sub(1, std::memory_order_acq_rel) == 1) delete this;
+  }
+
+  [[nodiscard]] int device() const noexcept { return device_; }
+  [[nodiscard]] bool timing() const noexcept { return timing_; }
+
+  /// Enqueues a marker on `s`; the event is complete for this record once the marker runs.
+  void record(stream_state& s) {
+    std::uint64_t gen;
+    {
+      std::lock_guard lock(mutex_);
+      gen = ++recorded_;
+    }
+    add_ref();
+    s.enqueue(task{[this, gen] {
+                     complete(gen);
+                     drop_ref();
+                   },
+                   "event record"});
+  }
+
+  /// The generation a wait issued now must wait for (0: never recorded, nothing to wait for).
+  [[nodiscard]] std::uint64_t current_generation() const {
+    std::lock_guard lock(mutex_);
+    return recorded_;
+  }
+
+  [[nodiscard]] bool is_complete(std::uint64_t gen) const {
+    std::lock_guard lock(mutex_);
+    return complete_locked(gen);
+  }
+
+  /// True when the most recent record has run (or the event was never recorded).
+  [[nodiscard]] bool ready() const {
+    std::lock_guard lock(mutex_);
+    return complete_locked(recorded_);
+  }
+
+  void wait(std::uint64_t gen) const {
+    std::unique_lock lock(mutex_);
+    done_.wait(lock, [&] { return complete_locked(gen); });
+  }
+
+  /// Waits for the most recent record.
+  void synchronize() const {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t gen = recorded_;
+    done_.wait(lock, [&] { return complete_locked(gen); });
+  }
+
+  /// Enqueues on `s` a wait for the record current now (cudaStreamWaitEvent).
+  void enqueue_wait(stream_state& s) {
+    const std::uint64_t gen = current_generation();
+    if (gen == 0) return;
+    add_ref();
+    s.enqueue(task{[this, gen] {
+                     wait(gen);
+                     drop_ref();
+                   },
+                   "wait for event"});
+  }
+
+  /// Time at which the most recent record ran; precondition: ready() and timing().
+  [[nodiscard]] clock::time_point stamp() const {
+    std::lock_guard lock(mutex_);
+    return stamp_;
+  }
+
+ private:
+  bool complete_locked(std::uint64_t gen) const {
+    return gen <= done_through_ || done_out_of_order_.count(gen) != 0;
+  }
+
+  void complete(std::uint64_t gen) {
+    {
+      std::lock_guard lock(mutex_);
+      if (timing_ && gen >= stamp_gen_) {
+        stamp_ = clock::now();
+        stamp_gen_ = gen;
+      }
+      done_out_of_order_.insert(gen);
+      while (done_out_of_order_.count(done_through_ + 1) != 0) {
+        done_out_of_order_.erase(done_through_ + 1);
+        ++done_through_;
+      }
+    }
+    done_.notify_all();
+  }
+
+  const int device_;
+  const bool timing_;
+  std::atomic<int> refs_{1};
+  mutable std::mutex mutex_;
+  mutable std::condition_variable done_;
+  std::uint64_t recorded_ = 0;
+  std::uint64_t done_through_ = 0;              // every generation <= this has completed
+  std::set<std::uint64_t> done_out_of_order_;   // completed generations above done_through_
+  clock::time_point stamp_{};
+  std::uint64_t stamp_gen_ = 0;
+};
+
+}  // namespace lockstep::host_backend

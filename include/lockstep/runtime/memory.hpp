@@ -1,0 +1,187 @@
+// lockstep/runtime/memory.hpp — stream-ordered device allocation through a per-device caching pool, and
+// per-device memory statistics.
+//
+// On a GPU, allocations come from the device's default memory pool through cudaMallocAsync/cudaFreeAsync,
+// with the pool's release threshold raised so that freed memory stays cached: a steady-state training step
+// never reaches cudaMalloc/cudaFree. On a host device they come from the device's own caching pool with the
+// same stream-ordered semantics (runtime/detail/host_memory.hpp). Both keep the same statistics.
+#pragma once
+
+#include <array>
+#include <atomic>
+#include <cstdint>
+#include <limits>
+#include <mutex>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/cuda_check.hpp"
+#include "lockstep/core/units.hpp"
+#include "lockstep/runtime/detail/host_memory.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+LOCKSTEP_DETAIL_BEGIN
+
+#if LOCKSTEP_HAS_CUDA
+/// lockstep's own accounting of one GPU's allocations (the pool reports reserved memory itself).
+struct cuda_device_accounting {
+  std::mutex mutex;
+  bool pool_ready = false;
+  cudaMemPool_t pool = nullptr;
+  std::uint64_t in_use = 0, peak_in_use = 0, allocations = 0, frees = 0, system_allocations = 0, live = 0;
+  std::uint64_t reserved_seen = 0;  // pool's reserved bytes after the last allocation
+};
+
+inline cuda_device_accounting& cuda_accounting(int index) {
+  static std::array<cuda_device_accounting, 64> all;
+  LOCKSTEP_EXPECTS(index >= 0 && index < 64, "GPU index ", index, " is beyond the 64 devices lockstep tracks");
+  return all[static_cast<std::size_t>(index)];
+}
+
+/// The device's default pool, with its release threshold raised once so freed memory stays cached.
+inline cudaMemPool_t cuda_pool(device d, cuda_device_accounting& acc) {
+  if (!acc.pool_ready) {
+    cudaMemPool_t pool = nullptr;
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGetDefaultMemPool(&pool, d.index), "getting the memory pool of ", d.str());
+    std::uint64_t keep_everything = std::numeric_limits<std::uint64_t>::max();
+    LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReleaseThreshold, &keep_everything),
+                        "making the memory pool of ", d.str(), " cache freed memory");
+    acc.pool = pool;
+    acc.pool_ready = true;
+  }
+  return acc.pool;
+}
+
+inline std::uint64_t cuda_pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, device d) {
+  std::uint64_t value = 0;
+  LOCKSTEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, attr, &value), "reading memory statistics of ", d.str());
+  return value;
+}
+#endif
+
+/// `bytes` of memory on the stream's device, usable in stream order on `s` (cudaMallocAsync semantics).
+/// Zero bytes gives nullptr. Throws out_of_memory_error naming the device, the request and the usage.
+inline void* allocate(std::size_t bytes, stream_ref s) {
+  if (bytes == 0) return nullptr;
+  const device d = s.get_device();
+  if (d.is_host()) return host_backend::runtime::instance().device(d.index).memory().allocate(bytes, &s.host_state());
+#if LOCKSTEP_HAS_CUDA
+  auto& acc = cuda_accounting(d.index);
+  std::lock_guard lock(acc.mutex);
+  device_guard guard(d);
+  cudaMemPool_t pool = cuda_pool(d, acc);
+  void* p = nullptr;
+  const cudaError_t e = cudaMallocFromPoolAsync(&p, bytes, pool, s.cuda_stream());
+  if (e == cudaErrorMemoryAllocation) {
+    (void)cudaGetLastError();
+    size_t free_bytes = 0, total_bytes = 0;
+    (void)cudaMemGetInfo(&free_bytes, &total_bytes);
+    (void)cudaGetLastError();
+    throw out_of_memory_error(concat(d.str(), " is out of memory: tried to allocate ", format_bytes(bytes), "; ",
+                                     format_bytes(acc.in_use), " in use by lockstep allocations, ",
+                                     format_bytes(free_bytes), " free of ", format_bytes(total_bytes),
+                                     " (cudaErrorMemoryAllocation)"),
+                              e);
+  }
+  LOCKSTEP_CUDA_CHECK(e, "allocating ", bytes, " B on ", d.str());
+  acc.in_use += bytes;
+  acc.peak_in_use = std::max(acc.peak_in_use, acc.in_use);
+  ++acc.allocations;
+  ++acc.live;
+  const std::uint64_t reserved = cuda_pool_attribute(pool, cudaMemPoolAttrReservedMemCurrent, d);
+  if (reserved > acc.reserved_seen) ++acc.system_allocations;  // the pool had to grow
+  acc.reserved_seen = reserved;
+  return p;
+#else
+  throw device_error("unreachable: no CUDA device in a host-only translation unit");
+#endif
+}
+
+/// Frees `p` (of `bytes`, from allocate on the same device) in stream order on `s` (cudaFreeAsync
+/// semantics). Never throws.
+inline void deallocate(void* p, std::size_t bytes, stream_ref s) noexcept {
+  if (p == nullptr) return;
+  const device d = s.get_device();
+  if (d.is_host()) {
+    // runtime::instance() exists: the allocation came from it.
+    host_backend::runtime::instance().device(d.index).memory().deallocate(p, &s.host_state());
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  auto& acc = cuda_accounting(d.index);
+  std::lock_guard lock(acc.mutex);
+  int previous = 0;
+  if (cudaGetDevice(&previous) != cudaSuccess) previous = d.index;
+  LOCKSTEP_CUDA_IGNORE(cudaSetDevice(d.index));
+  LOCKSTEP_CUDA_IGNORE(cudaFreeAsync(p, s.cuda_stream()));
+  LOCKSTEP_CUDA_IGNORE(cudaSetDevice(previous));
+  acc.in_use -= std::min<std::uint64_t>(acc.in_use, bytes);
+  ++acc.frees;
+  if (acc.live > 0) --acc.live;
+#else
+  (void)bytes;
+#endif
+}
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// Memory statistics of `d` (see memory_stats). Throws device_error when `d` does not exist.
+inline memory_stats get_memory_stats(device d) {
+  if (d.is_host()) return host_backend::runtime::instance().device(d.index).memory().stats();
+  check_device_exists(d);
+  memory_stats st;
+#if LOCKSTEP_HAS_CUDA
+  auto& acc = detail::cuda_accounting(d.index);
+  std::lock_guard lock(acc.mutex);
+  device_guard guard(d);
+  cudaMemPool_t pool = detail::cuda_pool(d, acc);
+  st.bytes_in_use = acc.in_use;
+  st.peak_bytes_in_use = acc.peak_in_use;
+  st.bytes_reserved = detail::cuda_pool_attribute(pool, cudaMemPoolAttrReservedMemCurrent, d);
+  st.peak_bytes_reserved = detail::cuda_pool_attribute(pool, cudaMemPoolAttrReservedMemHigh, d);
+  st.allocations = acc.allocations;
+  st.frees = acc.frees;
+  st.system_allocations = acc.system_allocations;
+  st.live_allocations = acc.live;
+  size_t free_bytes = 0, total_bytes = 0;
+  LOCKSTEP_CUDA_CHECK(cudaMemGetInfo(&free_bytes, &total_bytes), "reading the memory size of ", d.str());
+  st.limit = total_bytes;
+#endif
+  return st;
+}
+
+/// Resets the peaks of `d` to the current values and its counters to zero (the number of live allocations
+/// is not a counter and stays).
+inline void reset_memory_stats(device d) {
+  if (d.is_host()) return host_backend::runtime::instance().device(d.index).memory().reset_stats();
+  check_device_exists(d);
+#if LOCKSTEP_HAS_CUDA
+  auto& acc = detail::cuda_accounting(d.index);
+  std::lock_guard lock(acc.mutex);
+  device_guard guard(d);
+  cudaMemPool_t pool = detail::cuda_pool(d, acc);
+  acc.peak_in_use = acc.in_use;
+  acc.allocations = acc.frees = acc.system_allocations = 0;
+  std::uint64_t zero = 0;
+  LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAttribute(pool, cudaMemPoolAttrReservedMemHigh, &zero),
+                      "resetting the memory peak of ", d.str());
+#endif
+}
+
+/// Gives the memory cached by the pool of `d` back to the system (torch.cuda.empty_cache). Waits for
+/// pending stream-ordered frees first.
+inline void release_cached_memory(device d) {
+  if (d.is_host()) return host_backend::runtime::instance().device(d.index).memory().release_cached();
+  check_device_exists(d);
+#if LOCKSTEP_HAS_CUDA
+  auto& acc = detail::cuda_accounting(d.index);
+  device_guard guard(d);
+  LOCKSTEP_CUDA_CHECK(cudaDeviceSynchronize(), "waiting for pending frees on ", d.str());
+  std::lock_guard lock(acc.mutex);
+  LOCKSTEP_CUDA_CHECK(cudaMemPoolTrimTo(detail::cuda_pool(d, acc), 0), "trimming the memory pool of ", d.str());
+  acc.reserved_seen = 0;
+#endif
+}
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,53 @@
+// lockstep/kernels/launch.hpp — the two launchers every kernel goes through.
+//
+// A kernel body is a functor with a `LOCKSTEP_HD void operator()(std::size_t i) const` call operator that
+// does the work of element i and nothing else (it never reads threadIdx). `launch_elementwise` runs it for
+// i in [0, n):
+//   - on a GPU stream, as a grid-stride kernel (launch_cuda.cuh);
+//   - on a host stream, as a loop on the stream's worker thread.
+// So the arithmetic tested on the CPU is the arithmetic the GPU runs.
+#pragma once
+
+#include <cstddef>
+#include <type_traits>
+
+#include "lockstep/config.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+#if LOCKSTEP_HAS_CUDA
+#include "lockstep/kernels/launch_cuda.cuh"
+#endif
+
+LOCKSTEP_DETAIL_BEGIN
+/// Checks that memory a kernel touches is on the device of the stream that runs it.
+template <class Span>
+void expect_on_stream_device(const Span& span, stream_ref s, const char* what) {
+  LOCKSTEP_EXPECTS(span.empty() || span.get_device() == s.get_device(), what, ": memory on ", span.get_device().str(),
+                   " cannot be used by a kernel on a stream of ", s.get_device().str());
+}
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// Runs `f(i)` for every i in [0, n) in stream order on `s`. `what` names the kernel in errors ("axpy").
+/// The functor is copied; everything it points to must stay valid until the stream passes the kernel.
+template <class F>
+void launch_elementwise(std::size_t n, F f, stream_ref s, const char* what) {
+  static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
+  if (n == 0) return;
+  if (s.get_device().is_host()) {
+    detail::enqueue_host(
+        s,
+        [n, f] {
+          for (std::size_t i = 0; i < n; ++i) f(i);
+        },
+        what);
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  detail::launch_elementwise_cuda(n, f, s, what);
+#endif
+}
+
+LOCKSTEP_ABI_END

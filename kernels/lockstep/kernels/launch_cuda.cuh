@@ -1,0 +1,73 @@
+// lockstep/kernels/launch_cuda.cuh — the CUDA side of the launchers: a grid-stride kernel and CUB reductions.
+//
+// Thin glue, compiled by nvcc only. Kernels have hidden visibility and live in the ABI namespace, so two
+// shared objects built from these headers never share a kernel symbol.
+#pragma once
+
+#include <cuda_runtime.h>
+
+#include <cub/device/device_reduce.cuh>
+#include <atomic>
+#include <cstddef>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/cuda_check.hpp"
+#include "lockstep/runtime/memory.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+LOCKSTEP_DETAIL_BEGIN
+
+template <class F>
+__global__ LOCKSTEP_HIDDEN void elementwise_kernel(std::size_t n, F f) {
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+}
+
+inline constexpr unsigned elementwise_block = 256;
+
+/// Enough blocks to fill the device a few times over; the grid-stride loop covers the rest.
+inline unsigned elementwise_grid(std::size_t n, device d) {
+  static std::atomic<int> sms[64] = {};
+  int count = sms[d.index & 63].load(std::memory_order_relaxed);
+  if (count == 0) {
+    LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, d.index),
+                        "reading the multiprocessor count of ", d.str());
+    sms[d.index & 63].store(count, std::memory_order_relaxed);
+  }
+  const std::size_t wanted = (n + elementwise_block - 1) / elementwise_block;
+  const std::size_t cap = static_cast<std::size_t>(count) * 16;
+  return static_cast<unsigned>(wanted < cap ? wanted : cap);
+}
+
+template <class F>
+void launch_elementwise_cuda(std::size_t n, F f, stream_ref s, const char* what) {
+  const device d = s.get_device();
+  device_guard guard(d);
+  elementwise_kernel<<<elementwise_grid(n, d), elementwise_block, 0, s.cuda_stream()>>>(n, f);
+  LOCKSTEP_CUDA_CHECK(cudaGetLastError(), "launching ", what, " on ", d.str());
+}
+
+/// out[0] = reduce(transform(in[i]) for i in [0, n)) with CUB; temporary storage comes from the device's
+/// caching pool in stream order.
+template <class In, class Out, class Reduce, class Transform>
+void transform_reduce_cuda(const In* in, std::size_t n, Out* out, Reduce reduce, Transform transform, Out init,
+                           stream_ref s, const char* what) {
+  const device d = s.get_device();
+  device_guard guard(d);
+  std::size_t temp_bytes = 0;
+  LOCKSTEP_CUDA_CHECK(cub::DeviceReduce::TransformReduce(nullptr, temp_bytes, in, out, n, reduce, transform, init,
+                                                         s.cuda_stream()),
+                      "sizing the temporary storage of ", what, " on ", d.str());
+  void* temp = allocate(temp_bytes, s);
+  try {
+    LOCKSTEP_CUDA_CHECK(cub::DeviceReduce::TransformReduce(temp, temp_bytes, in, out, n, reduce, transform, init,
+                                                           s.cuda_stream()),
+                        "running ", what, " over ", n, " elements on ", d.str());
+  } catch (...) {
+    deallocate(temp, temp_bytes, s);
+    throw;
+  }
+  deallocate(temp, temp_bytes, s);
+}
+
+LOCKSTEP_DETAIL_END

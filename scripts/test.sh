@@ -1,0 +1,85 @@
+#!/usr/bin/env bash
+# Builds and runs every lockstep test, the way CI does (.ci/run calls this):
+#   1. with nvcc, when the CUDA toolkit is present: both backends compiled for sm_80 and sm_90 with warnings as
+#      errors; GPU tests skip without a GPU;
+#   2. with g++ alone, AddressSanitizer and UndefinedBehaviorSanitizer: the host backend;
+#   3. with g++ and ThreadSanitizer: the stream, event and memory tests;
+#   4. `cmake --install` into a fresh prefix, then examples/consumer built against it and run.
+# Prints each ctest summary and a final one; exits non-zero if anything failed.
+#
+# Environment: LOCKSTEP_JOBS (parallel build jobs, default: cores), LOCKSTEP_BUILD_ROOT (default: ./build).
+set -uo pipefail
+root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
+cd "$root"
+bash scripts/setup.sh || exit 1
+
+jobs=${LOCKSTEP_JOBS:-$(nproc)}
+build_root=${LOCKSTEP_BUILD_ROOT:-$root/build}
+launcher=()
+if command -v ccache >/dev/null; then
+  launcher=(-DCMAKE_CXX_COMPILER_LAUNCHER=ccache -DCMAKE_CUDA_COMPILER_LAUNCHER=ccache)
+fi
+results=()
+failed=0
+start=$(date +%s)
+
+stage() {  # stage NAME CMD...: runs a stage, records its outcome and time
+  local name=$1; shift
+  local t0=$(date +%s)
+  echo
+  echo "==== $name"
+  if "$@"; then
+    results+=("PASS  $name ($(( $(date +%s) - t0 )) s)")
+  else
+    results+=("FAIL  $name ($(( $(date +%s) - t0 )) s)")
+    failed=1
+  fi
+}
+
+configure_build_test() {  # DIR LABEL-REGEX CMAKE-ARGS...
+  local dir=$1 labels=$2; shift 2
+  cmake -S "$root" -B "$dir" -G Ninja "${launcher[@]}" "$@" >"$dir.configure.log" 2>&1 \
+    || { cat "$dir.configure.log"; return 1; }
+  grep -E "lockstep:" "$dir.configure.log" || true
+  cmake --build "$dir" -j "$jobs" || return 1
+  local args=(--test-dir "$dir" --output-on-failure -j "$jobs" --timeout 900)
+  [[ -n "$labels" ]] && args+=(-L "$labels")
+  ctest "${args[@]}"
+}
+
+mkdir -p "$build_root"
+if [[ -x /usr/local/cuda/bin/nvcc ]]; then
+  stage "nvcc build (cuda + host backends, sm_80;sm_90, -Werror)" \
+    configure_build_test "$build_root/cuda" "" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON
+fi
+stage "g++ build, AddressSanitizer + UndefinedBehaviorSanitizer (host backend)" \
+  configure_build_test "$build_root/asan" "" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
+  -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=address,undefined -DLOCKSTEP_BUILD_BENCHMARKS=OFF
+stage "g++ build, ThreadSanitizer (streams, events, memory)" \
+  configure_build_test "$build_root/tsan" "core|runtime" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
+  -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=thread -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF \
+  -DLOCKSTEP_BUILD_TOOLS=OFF
+
+consumer() {
+  local prefix=$build_root/install
+  rm -rf "$prefix" "$build_root/consumer"
+  cmake -S "$root" -B "$build_root/package" -G Ninja -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF \
+    -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF -DCMAKE_INSTALL_PREFIX="$prefix" >/dev/null || return 1
+  cmake --install "$build_root/package" >/dev/null || return 1
+  cmake -S "$root/examples/consumer" -B "$build_root/consumer" -G Ninja "${launcher[@]}" \
+    -DCMAKE_PREFIX_PATH="$prefix" || return 1
+  cmake --build "$build_root/consumer" -j "$jobs" || return 1
+  local ok=0
+  for exe in "$build_root"/consumer/consumer_*; do
+    [[ -x "$exe" ]] || continue
+    echo "-- $exe"
+    "$exe" || ok=1
+  done
+  return $ok
+}
+stage "examples/consumer against a fresh cmake --install" consumer
+
+echo
+echo "==== summary ($(( $(date +%s) - start )) s)"
+printf '%s\n' "${results[@]}"
+exit $failed

@@ -1,0 +1,240 @@
+// Tests of kernels/: every kernel against a CPU reference, for f32, f16 and bf16, with ragged sizes n, n+1,
+// n+2, on both backends (the CUDA instances skip without a GPU). Inputs are small integers or crafted values
+// so that results compare exactly where the arithmetic allows.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <limits>
+#include <tuple>
+#include <vector>
+
+#include "lockstep/core/half.hpp"
+#include "lockstep/device/device_set.hpp"
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/launch.hpp"
+#include "lockstep/kernels/reduce.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+using namespace lockstep;
+
+namespace {
+
+// Calls f.template operator()<T>() for the C++ type of a floating dtype.
+template <class F>
+void with_float_type(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f32: return f.template operator()<float>();
+    case dtype::f16: return f.template operator()<half>();
+    case dtype::bf16: return f.template operator()<bfloat16>();
+    default: FAIL() << "not a floating dtype";
+  }
+}
+
+template <class T>
+std::vector<T> from_floats(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = convert<T>(v[i]);
+  return out;
+}
+
+template <class T>
+std::vector<float> to_floats(const std::vector<T>& v) {
+  std::vector<float> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_float(v[i]);
+  return out;
+}
+
+// Small integers and halves: exact in f32, f16 and bf16, and never all zero.
+std::vector<float> small_values(std::size_t n, int salt) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<float>(static_cast<int>((i * 5 + salt) % 13) - 6) * 0.5f;
+  return v;
+}
+
+class kernel_test : public ::testing::TestWithParam<std::tuple<device_kind, dtype>> {
+ protected:
+  void SetUp() override {
+    if (kind() == device_kind::cuda && !cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  }
+  device_kind kind() const { return std::get<0>(GetParam()); }
+  dtype type() const { return std::get<1>(GetParam()); }
+  device dev() const { return device{kind(), 0}; }
+};
+
+std::string param_name(const ::testing::TestParamInfo<kernel_test::ParamType>& info) {
+  return std::string(name_of(std::get<0>(info.param))) + "_" + std::string(name_of(std::get<1>(info.param)));
+}
+
+constexpr std::size_t sizes[] = {1000, 1001, 1002, 1, 70001};
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, kernel_test,
+                         ::testing::Combine(::testing::Values(device_kind::host, device_kind::cuda),
+                                            ::testing::Values(dtype::f32, dtype::f16, dtype::bf16)),
+                         param_name);
+
+TEST_P(kernel_test, fill_sets_every_element_and_nothing_else) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    for (std::size_t n : sizes) {
+      auto buf = to_device(from_floats<T>(std::vector<float>(n + 2, -1.0f)), s);
+      fill<T>(buf.span().subspan(1, n), convert<T>(2.5f), s);
+      const auto out = to_floats(to_vector(device_span<const T>(buf.span()), s));
+      EXPECT_EQ(out.front(), -1.0f);
+      EXPECT_EQ(out.back(), -1.0f);
+      for (std::size_t i = 1; i <= n; ++i) ASSERT_EQ(out[i], 2.5f) << "n=" << n << " i=" << i;
+    }
+  });
+}
+
+TEST_P(kernel_test, scale_matches_the_cpu_reference) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    for (std::size_t n : sizes) {
+      const auto x = small_values(n, 3);
+      auto buf = to_device(from_floats<T>(x), s);
+      scale<T>(buf.span(), -0.25f, s);
+      const auto out = to_floats(to_vector(device_span<const T>(buf.span()), s));
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(out[i], static_cast<float>(x[i] * -0.25)) << "n=" << n << " i=" << i;
+    }
+  });
+}
+
+TEST_P(kernel_test, axpy_matches_the_cpu_reference) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    for (std::size_t n : sizes) {
+      const auto x = small_values(n, 1), y = small_values(n, 7);
+      auto dx = to_device(from_floats<T>(x), s);
+      auto dy = to_device(from_floats<T>(y), s);
+      axpy<T>(1.5f, dx.span(), dy.span(), s);
+      const auto out = to_floats(to_vector(device_span<const T>(dy.span()), s));
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(out[i], static_cast<float>(y[i] + 1.5 * x[i])) << "n=" << n << " i=" << i;
+      }
+    }
+  });
+}
+
+TEST_P(kernel_test, reductions_match_the_cpu_reference) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    for (std::size_t n : sizes) {
+      auto values = small_values(n, 2);
+      values[n / 2] = -7.5f;  // the largest magnitude, planted in the middle
+      double expected_sum = 0;
+      for (float v : values) expected_sum += v;
+      auto d = to_device(from_floats<T>(values), s);
+      device_buffer<float> result(2, s);
+      sum<T>(d.span(), result.span().subspan(0, 1), s);
+      max_abs<T>(d.span(), result.span().subspan(1, 1), s);
+      device_buffer<std::uint64_t> count(1, s);
+      count_non_finite<T>(d.span(), count.span(), s);
+      const auto r = to_vector(device_span<const float>(result.span()), s);
+      EXPECT_EQ(r[0], static_cast<float>(expected_sum)) << "n=" << n;
+      EXPECT_EQ(r[1], 7.5f) << "n=" << n;
+      EXPECT_EQ(to_vector(device_span<const std::uint64_t>(count.span()), s)[0], 0u);
+    }
+  });
+}
+
+TEST_P(kernel_test, non_finite_values_are_counted_and_propagate_through_max_abs) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    for (std::size_t n : {std::size_t{1000}, std::size_t{1001}, std::size_t{1002}}) {
+      auto values = small_values(n, 4);
+      const float inf = std::numeric_limits<float>::infinity();
+      values[0] = inf;
+      values[n - 1] = -inf;
+      values[n / 3] = std::numeric_limits<float>::quiet_NaN();
+      auto d = to_device(from_floats<T>(values), s);
+      device_buffer<std::uint64_t> count(1, s);
+      count_non_finite<T>(d.span(), count.span(), s);
+      device_buffer<float> m(1, s);
+      max_abs<T>(d.span(), m.span(), s);
+      EXPECT_EQ(to_vector(device_span<const std::uint64_t>(count.span()), s)[0], 3u) << "n=" << n;
+      EXPECT_TRUE(std::isnan(to_vector(device_span<const float>(m.span()), s)[0])) << "n=" << n;
+    }
+  });
+}
+
+TEST_P(kernel_test, empty_ranges_reduce_to_the_identity) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    device_buffer<T> empty(0, s);
+    auto out = to_device(std::vector<float>{42.0f, 42.0f}, s);
+    sum<T>(empty.span(), out.span().subspan(0, 1), s);
+    max_abs<T>(empty.span(), out.span().subspan(1, 1), s);
+    EXPECT_EQ(to_vector(device_span<const float>(out.span()), s), (std::vector<float>{0.0f, 0.0f}));
+  });
+}
+
+TEST_P(kernel_test, casts_round_to_nearest_even_like_the_scalar_conversions) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    for (std::size_t n : sizes) {
+      // Values that need rounding in f16 and bf16, including exact ties and out-of-range ones.
+      std::vector<float> v(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        const float base = static_cast<float>(i % 977) * 1.0009765625f - 400.0f;  // 1 + 2^-10: ties in f16
+        v[i] = (i % 5 == 0) ? base * 1e-6f : (i % 7 == 0 ? base * 300.0f : base);
+      }
+      auto src = to_device(v, s);
+      device_buffer<T> narrowed(n, s);
+      cast<T, float>(src.span(), narrowed.span(), s);
+      device_buffer<float> widened(n, s);
+      cast<float, T>(narrowed.span(), widened.span(), s);
+      const auto got = to_vector(device_span<const T>(narrowed.span()), s);
+      const auto back = to_vector(device_span<const float>(widened.span()), s);
+      for (std::size_t i = 0; i < n; ++i) {
+        const T expected = convert<T>(v[i]);
+        ASSERT_EQ(std::memcmp(&got[i], &expected, sizeof(T)), 0) << "n=" << n << " i=" << i << " v=" << v[i];
+        ASSERT_EQ(back[i], to_float(expected)) << "n=" << n << " i=" << i;
+      }
+    }
+  });
+}
+
+TEST_P(kernel_test, casts_between_the_two_half_precisions_go_through_f32) {
+  stream s(dev());
+  const std::vector<float> v{1.0f, 1.00390625f, 65504.0f, 1e-7f, -3.140625f, 70000.0f};
+  auto h = to_device(from_floats<half>(v), s);
+  device_buffer<bfloat16> b(v.size(), s);
+  cast<bfloat16, half>(h.span(), b.span(), s);
+  const auto got = to_vector(device_span<const bfloat16>(b.span()), s);
+  for (std::size_t i = 0; i < v.size(); ++i) EXPECT_EQ(got[i].bits, to_bfloat16(to_float(to_half(v[i]))).bits) << i;
+}
+
+TEST_P(kernel_test, kernels_refuse_memory_of_another_device) {
+  if (device_count(kind()) < 2) GTEST_SKIP() << "needs two devices";
+  stream s0(dev()), s1(device{kind(), 1});
+  device_buffer<float> x(10, s0), y(10, s1);
+  EXPECT_THROW(scale<float>(y.span(), 2.0f, s0), precondition_error);
+  EXPECT_THROW(axpy<float>(1.0f, x.span(), y.span(), s0), precondition_error);
+  EXPECT_THROW(axpy<float>(1.0f, x.span(), x.span().first(9), s0), precondition_error);
+  s0.synchronize();
+  s1.synchronize();
+}
+
+namespace {
+// A user's own kernel body: the launcher runs any plain functor.
+struct iota_squares {
+  std::int64_t* out;
+  LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = static_cast<std::int64_t>(i) * static_cast<std::int64_t>(i); }
+};
+}  // namespace
+
+TEST(launch, runs_a_user_functor_over_every_index) {
+  for (device_kind k : {device_kind::host, device_kind::cuda}) {
+    if (k == device_kind::cuda && !cuda_available()) continue;
+    stream s(device{k, 0});
+    for (std::size_t n : sizes) {
+      device_buffer<std::int64_t> out(n, s);
+      launch_elementwise(n, iota_squares{out.data()}, s, "iota_squares");
+      const auto v = to_vector(device_span<const std::int64_t>(out.span()), s);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<std::int64_t>(i * i));
+    }
+  }
+}

@@ -1,0 +1,482 @@
+// Tests of runtime/: streams, events, device and pinned buffers, copies, memory statistics, caching and
+// out-of-memory. Also built with ThreadSanitizer (the stream/event machinery is threads underneath).
+//
+// Tests parameterized over the backend run on host devices here and skip their CUDA instance without a GPU.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <cstdint>
+#include <cstdlib>
+#include <latch>
+#include <numeric>
+#include <thread>
+#include <vector>
+
+#include "lockstep/device/device_set.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/device_buffer.hpp"
+#include "lockstep/runtime/memory.hpp"
+#include "lockstep/runtime/pinned_buffer.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+using namespace lockstep;
+using namespace std::chrono_literals;
+
+namespace {
+
+constexpr device host0{device_kind::host, 0};
+constexpr device host1{device_kind::host, 1};
+
+template <class E, class F>
+std::string message_of(F f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "did not throw";
+  return {};
+}
+
+#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+  << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
+
+template <class F>
+void in_fresh_process(F body) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");
+  EXPECT_EXIT(
+      {
+        try {
+          body();
+        } catch (const std::exception& e) {
+          std::fprintf(stderr, "unexpected exception: %s\n", e.what());
+          std::exit(3);
+        }
+        std::exit(0);
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
+// A gate that queued host work can wait on: the test decides when the stream may go on.
+struct gate {
+  std::mutex m;
+  std::condition_variable cv;
+  bool open = false;
+  void release() {
+    {
+      std::lock_guard l(m);
+      open = true;
+    }
+    cv.notify_all();
+  }
+  void wait() {
+    std::unique_lock l(m);
+    cv.wait(l, [&] { return open; });
+  }
+};
+
+// Both backends: the CUDA instance skips without a GPU.
+class backend : public ::testing::TestWithParam<device_kind> {
+ protected:
+  void SetUp() override {
+    if (GetParam() == device_kind::cuda && !cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  }
+  device dev(int i) const { return device{GetParam(), i}; }
+  int count() const { return device_count(GetParam()); }
+};
+
+std::string kind_name(const ::testing::TestParamInfo<device_kind>& info) { return std::string(name_of(info.param)); }
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, backend, ::testing::Values(device_kind::host, device_kind::cuda), kind_name);
+
+// ---- streams ---------------------------------------------------------------------------------------------------
+
+TEST(host_stream, runs_queued_work_in_order_and_asynchronously) {
+  stream s(host0);
+  gate g;
+  std::vector<int> seen;
+  detail::enqueue_host(s, [&] { g.wait(); }, "test gate");
+  for (int i = 0; i < 1000; ++i) detail::enqueue_host(s, [&seen, i] { seen.push_back(i); }, "test work");
+  EXPECT_FALSE(s.ready());  // the caller got control back while the stream is blocked
+  g.release();
+  s.synchronize();
+  EXPECT_TRUE(s.ready());
+  std::vector<int> expected(1000);
+  std::iota(expected.begin(), expected.end(), 0);
+  EXPECT_EQ(seen, expected);
+}
+
+TEST(host_stream, destroying_a_stream_completes_its_work_first) {
+  std::atomic<int> done{0};
+  {
+    stream s(host1);
+    for (int i = 0; i < 100; ++i) {
+      detail::enqueue_host(s, [&done] {
+        std::this_thread::sleep_for(100us);
+        done.fetch_add(1);
+      }, "test work");
+    }
+  }
+  EXPECT_EQ(done.load(), 100);
+}
+
+TEST(host_stream, an_exception_in_queued_work_is_rethrown_at_the_next_synchronization) {
+  stream s(host0);
+  std::atomic<bool> later_ran{false};
+  detail::enqueue_host(s, [] { throw std::runtime_error("boom in a kernel"); }, "test kernel");
+  detail::enqueue_host(s, [&] { later_ran = true; }, "later work");
+  try {
+    s.synchronize();
+    FAIL() << "synchronize did not rethrow";
+  } catch (const async_error& e) {
+    const std::string msg = e.what();
+    EXPECT_CONTAINS(msg, "host:0 stream");
+    EXPECT_CONTAINS(msg, "(test kernel)");
+    EXPECT_CONTAINS(msg, "boom in a kernel");
+    try {
+      std::rethrow_if_nested(e);
+      FAIL() << "the original exception is not nested";
+    } catch (const std::runtime_error& original) {
+      EXPECT_STREQ(original.what(), "boom in a kernel");
+    }
+  }
+  EXPECT_TRUE(later_ran.load());      // like later kernels on a GPU, later work still ran
+  EXPECT_NO_THROW(s.synchronize());   // reported once
+}
+
+TEST(host_stream, only_the_first_error_is_kept_and_device_synchronize_reports_it) {
+  stream s(host1);
+  detail::enqueue_host(s, [] { throw std::runtime_error("first"); }, "a");
+  detail::enqueue_host(s, [] { throw std::runtime_error("second"); }, "b");
+  const std::string msg = message_of<async_error>([] { synchronize(host1); });
+  EXPECT_CONTAINS(msg, "first");
+  EXPECT_EQ(msg.find("second"), std::string::npos);
+  EXPECT_NO_THROW(s.synchronize());
+}
+
+TEST(host_stream, synchronizing_a_stream_from_its_own_work_is_an_error_not_a_deadlock) {
+  stream s(host0);
+  stream_ref r = s;
+  detail::enqueue_host(s, [r] { r.synchronize(); }, "self wait");
+  EXPECT_CONTAINS(message_of<async_error>([&] { s.synchronize(); }), "would wait for itself");
+}
+
+TEST(host_stream, default_stream_is_one_per_device) {
+  EXPECT_EQ(default_stream(host0), default_stream(host0));
+  EXPECT_FALSE(default_stream(host0) == default_stream(host1));
+  EXPECT_EQ(default_stream(host1).get_device(), host1);
+  EXPECT_THROW((void)default_stream(device{device_kind::host, 7}), device_error);
+  EXPECT_THROW(stream(device{device_kind::host, 7}), device_error);
+}
+
+// ---- events ----------------------------------------------------------------------------------------------------
+
+TEST(host_event, orders_work_across_streams) {
+  stream a(host0), b(host0), c(host1);
+  event e(host0);
+  for (int round = 0; round < 50; ++round) {
+    int value = 0;  // written on a, read on b and c: ordered only by the event
+    int seen_b = -1, seen_c = -1;
+    detail::enqueue_host(a, [&value, round] {
+      std::this_thread::sleep_for(std::chrono::microseconds(50 * (round % 5)));
+      value = round + 1;
+    }, "producer");
+    e.record(a);
+    b.wait(e);
+    c.wait(e);  // a stream of another device may wait too
+    detail::enqueue_host(b, [&] { seen_b = value; }, "consumer");
+    detail::enqueue_host(c, [&] { seen_c = value; }, "consumer");
+    b.synchronize();
+    c.synchronize();
+    EXPECT_EQ(seen_b, round + 1);
+    EXPECT_EQ(seen_c, round + 1);
+  }
+}
+
+TEST(host_event, a_wait_captures_the_record_current_at_the_call) {
+  stream a(host0), b(host0), c(host0);
+  event e(host0);
+  gate g;
+  std::atomic<bool> ran{false};
+  detail::enqueue_host(a, [&] { g.wait(); }, "blocked producer");
+  e.record(a);  // generation 1: blocked behind the gate
+  b.wait(e);    // must wait for generation 1
+  detail::enqueue_host(b, [&] { ran = true; }, "consumer");
+  e.record(c);  // generation 2 completes at once, out of order
+  c.synchronize();
+  std::this_thread::sleep_for(20ms);
+  EXPECT_FALSE(ran.load()) << "the wait was released by a later record";
+  EXPECT_TRUE(e.ready());  // as cudaEventQuery: it reports on the most recent record, which has run
+  g.release();
+  b.synchronize();
+  EXPECT_TRUE(ran.load());
+  EXPECT_TRUE(e.ready());
+}
+
+TEST(host_event, waiting_for_a_never_recorded_event_does_nothing) {
+  stream s(host0);
+  event e(host0);
+  EXPECT_TRUE(e.ready());
+  s.wait(e);
+  s.synchronize();
+  e.synchronize();
+}
+
+TEST(host_event, timing_events_measure_the_work_between_them) {
+  stream s(host0);
+  event start(host0, event_timing::enabled), stop(host0, event_timing::enabled);
+  start.record(s);
+  detail::enqueue_host(s, [] { std::this_thread::sleep_for(20ms); }, "sleep");
+  stop.record(s);
+  stop.synchronize();
+  const float ms = elapsed_ms(start, stop);
+  EXPECT_GE(ms, 19.0f);
+  EXPECT_LT(ms, 5000.0f);
+}
+
+TEST(host_event, misuse_is_reported) {
+  stream s0(host0);
+  event plain(host0), timed(host0, event_timing::enabled), other(host1, event_timing::enabled);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { other.record(s0); }),
+                  "an event of host:1 cannot be recorded on a stream of host:0");
+  plain.record(s0);
+  timed.record(s0);
+  s0.synchronize();
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)elapsed_ms(plain, timed); }), "event_timing::enabled");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)elapsed_ms(timed, other); }), "different devices");
+}
+
+TEST(host_event, an_event_may_be_destroyed_while_its_record_is_queued) {
+  stream s(host0);
+  gate g;
+  detail::enqueue_host(s, [&] { g.wait(); }, "gate");
+  {
+    event e(host0);
+    e.record(s);
+  }
+  g.release();
+  s.synchronize();
+}
+
+// ---- buffers, memory statistics, caching -----------------------------------------------------------------------
+
+TEST_P(backend, buffer_allocation_is_counted_per_device) {
+  stream s(dev(0));
+  reset_memory_stats(dev(0));
+  const auto before = get_memory_stats(dev(0));
+  {
+    device_buffer<float> a(1000, s);  // 4000 B, rounded to the pool granularity
+    EXPECT_EQ(a.size(), 1000u);
+    EXPECT_EQ(a.get_device(), dev(0));
+    EXPECT_NE(a.data(), nullptr);
+    const auto during = get_memory_stats(dev(0));
+    EXPECT_GE(during.bytes_in_use, before.bytes_in_use + 4000);
+    EXPECT_EQ(during.allocations, before.allocations + 1);
+    EXPECT_EQ(during.live_allocations, before.live_allocations + 1);
+    EXPECT_GE(during.peak_bytes_in_use, during.bytes_in_use);
+    device_buffer<float> moved = std::move(a);
+    EXPECT_TRUE(a.empty());  // NOLINT(bugprone-use-after-move): the moved-from state is specified
+    EXPECT_EQ(moved.size(), 1000u);
+  }
+  s.synchronize();
+  const auto after = get_memory_stats(dev(0));
+  EXPECT_EQ(after.bytes_in_use, before.bytes_in_use);
+  EXPECT_EQ(after.frees, before.frees + 1);
+  EXPECT_GE(after.peak_bytes_in_use, before.bytes_in_use + 4000);
+  reset_memory_stats(dev(0));
+  const auto reset = get_memory_stats(dev(0));
+  EXPECT_EQ(reset.allocations, 0u);
+  EXPECT_EQ(reset.peak_bytes_in_use, reset.bytes_in_use);
+  device_buffer<float> empty(0, s);
+  EXPECT_EQ(get_memory_stats(dev(0)).allocations, 0u);
+}
+
+TEST_P(backend, steady_state_reuse_takes_no_memory_from_the_system) {
+  stream s(dev(0));
+  { device_buffer<float> warm(1 << 16, s); }
+  s.synchronize();
+  reset_memory_stats(dev(0));
+  for (int i = 0; i < 20; ++i) {
+    device_buffer<float> a(1 << 16, s);
+    device_buffer<float> b((1 << 16) - 7, s);  // a slightly smaller request fits a cached block too
+  }
+  s.synchronize();
+  const auto st = get_memory_stats(dev(0));
+  EXPECT_EQ(st.allocations, 40u);
+  EXPECT_LE(st.system_allocations, 1u);  // at most the second block, once
+}
+
+TEST(host_memory, frees_are_stream_ordered) {
+  stream a(host0), b(host0);
+  gate g;
+  { device_buffer<float> warm(4096, a); }  // one cached block of this size
+  a.synchronize();
+  reset_memory_stats(host0);
+  detail::enqueue_host(a, [&] { g.wait(); }, "busy");
+  float* freed_on_a = nullptr;
+  {
+    device_buffer<float> x(4096, a);  // from the cache
+    freed_on_a = x.data();
+  }  // freed while a is still busy: pending on a
+  EXPECT_EQ(get_memory_stats(host0).system_allocations, 0u);
+  {
+    device_buffer<float> y(4096, b);  // b must not get memory a may still be using
+    EXPECT_NE(y.data(), freed_on_a);
+    EXPECT_EQ(get_memory_stats(host0).system_allocations, 1u);
+    device_buffer<float> z(4096, a);  // a itself may: its later work runs after the free
+    EXPECT_EQ(z.data(), freed_on_a);
+    EXPECT_EQ(get_memory_stats(host0).system_allocations, 1u);
+  }
+  g.release();
+  a.synchronize();
+  b.synchronize();
+  device_buffer<float> w(4096, b);  // now that a passed the free, b may reuse a's blocks
+  EXPECT_EQ(get_memory_stats(host0).system_allocations, 1u);
+}
+
+TEST(host_memory, running_out_of_memory_fails_like_a_full_gpu) {
+  in_fresh_process([] {
+    configure_host_platform(host_platform_config{2, {std::uint64_t{1} << 20}});
+    stream s(host1);
+    device_buffer<std::byte> a(600 << 10, s);
+    const std::string msg = message_of<out_of_memory_error>([&] { device_buffer<std::byte> b(600 << 10, s); });
+    for (const char* needle : {"host:1 is out of memory", "tried to allocate 600.00 KiB", "600.00 KiB in use",
+                               "limit 1.00 MiB", "LOCKSTEP_HOST_DEVICE_MEMORY"}) {
+      if (msg.find(needle) == std::string::npos) {
+        std::fprintf(stderr, "missing '%s' in: %s\n", needle, msg.c_str());
+        std::exit(4);
+      }
+    }
+    // host:0 has its own memory
+    device_buffer<std::byte> other(600 << 10, default_stream(host0));
+    // freeing makes room again; a cached block of another size is given back to make room
+    a = device_buffer<std::byte>();
+    device_buffer<std::byte> c(900 << 10, s);
+    if (get_memory_stats(host1).bytes_reserved > (std::uint64_t{1} << 20)) std::exit(5);
+  });
+}
+
+TEST(host_memory, out_of_memory_waits_for_pending_frees_before_failing) {
+  in_fresh_process([] {
+    configure_host_platform(host_platform_config{1, {std::uint64_t{1} << 20}});
+    stream a(host0), b(host0);
+    detail::enqueue_host(a, [] { std::this_thread::sleep_for(50ms); }, "busy");
+    { device_buffer<std::byte> x(800 << 10, a); }  // freed on a while a is busy
+    device_buffer<std::byte> y(800 << 10, b);      // fits only once a passes the free
+  });
+}
+
+TEST(memory, statistics_of_a_device_that_does_not_exist) {
+  EXPECT_THROW((void)get_memory_stats(device{device_kind::host, 5}), device_error);
+}
+
+TEST(pinned, buffers_are_page_aligned_and_writable) {
+  pinned_buffer<float> p(3000);
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(p.data()) % 4096, 0u);
+  EXPECT_EQ(p.page_locked(), cuda_available());
+  for (std::size_t i = 0; i < p.size(); ++i) p[i] = static_cast<float>(i);
+  EXPECT_EQ(p.span()[2999], 2999.0f);
+  pinned_buffer<float> q = std::move(p);
+  EXPECT_TRUE(p.empty());  // NOLINT(bugprone-use-after-move)
+  EXPECT_EQ(q.size(), 3000u);
+}
+
+// ---- copies in every direction --------------------------------------------------------------------------------
+
+namespace {
+template <class T>
+std::vector<T> pattern(std::size_t n, int salt) {
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = static_cast<T>((i * 7 + static_cast<std::size_t>(salt)) % 251 + 1);
+  return v;
+}
+}  // namespace
+
+TEST_P(backend, copies_in_every_direction_with_ragged_sizes) {
+  for (std::size_t n : {std::size_t{1000}, std::size_t{1001}, std::size_t{1002}}) {
+    stream s0(dev(0));
+    const auto host = pattern<float>(n, 3);
+    // host memory -> device (from pinned staging, as a loader does)
+    pinned_buffer<float> staging(n);
+    std::copy(host.begin(), host.end(), staging.data());
+    device_buffer<float> a(n, s0);
+    copy(a.span(), std::span<const float>(staging.span()), s0);
+    // device -> device, same device
+    device_buffer<float> b(n, s0);
+    copy(b.span(), device_span<const float>(a.span()), s0);
+    // device -> host memory
+    std::vector<float> back(n, -1.0f);
+    copy(std::span<float>(back), device_span<const float>(b.span()), s0);
+    s0.synchronize();
+    EXPECT_EQ(back, host) << "n = " << n;
+    if (count() < 2) continue;
+    // device -> peer device, on the destination's stream and on the source's stream
+    stream s1(dev(1));
+    event ready(dev(0));
+    ready.record(s0);
+    s1.wait(ready);
+    device_buffer<float> c(n, s1);
+    copy(c.span(), device_span<const float>(b.span()), s1);
+    device_buffer<float> d(n, s1);
+    copy(d.span(), device_span<const float>(c.span()), s1);
+    s1.synchronize();
+    device_buffer<float> e(n, s0);
+    copy(e.span(), device_span<const float>(d.span()), s0);
+    EXPECT_EQ(to_vector(device_span<const float>(e.span()), s0), host) << "peer copy, n = " << n;
+    EXPECT_EQ(e.get_device(), dev(0));
+  }
+}
+
+TEST_P(backend, copies_of_other_element_types_and_subspans) {
+  stream s(dev(0));
+  const auto bytes = pattern<std::uint8_t>(1003, 1);
+  auto d = to_device(bytes, s);
+  EXPECT_EQ(to_vector(device_span<const std::uint8_t>(d.span()), s), bytes);
+  const auto longs = pattern<std::int64_t>(17, 5);
+  auto l = to_device(longs, s);
+  auto tail = to_vector(device_span<const std::int64_t>(l.span().subspan(10, 7)), s);
+  EXPECT_EQ(tail, std::vector<std::int64_t>(longs.begin() + 10, longs.end()));
+  EXPECT_THROW((void)l.span().subspan(10, 8), precondition_error);
+}
+
+TEST_P(backend, to_device_keeps_no_reference_to_the_host_values) {
+  stream s(dev(0));
+  device_buffer<int> d;
+  {
+    std::vector<int> temporary{1, 2, 3, 4};
+    d = to_device(temporary, s);
+    temporary.assign(4, -1);
+  }
+  EXPECT_EQ(to_vector(device_span<const int>(d.span()), s), (std::vector<int>{1, 2, 3, 4}));
+}
+
+TEST_P(backend, fill_zero_clears_exactly_the_range) {
+  stream s(dev(0));
+  auto d = to_device(std::vector<int>(9, 7), s);
+  fill_zero(d.span().subspan(2, 5), s);
+  EXPECT_EQ(to_vector(device_span<const int>(d.span()), s), (std::vector<int>{7, 7, 0, 0, 0, 0, 0, 7, 7}));
+}
+
+TEST_P(backend, copy_preconditions_say_what_is_wrong) {
+  if (count() < 2) GTEST_SKIP() << "needs two devices";
+  stream s0(dev(0)), s1(dev(1));
+  device_buffer<float> a(10, s0), b(11, s0), c(10, s1);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { copy(a.span(), device_span<const float>(b.span()), s0); }),
+                  "destination holds 10 elements, source 11");
+  device_buffer<float> other(10, s1);
+  stream s1b(dev(1));
+  EXPECT_CONTAINS(message_of<precondition_error>([&] {
+                    device_buffer<float> x(10, s0);
+                    copy(x.span(), device_span<const float>(a.span()), s1b);
+                  }),
+                  "cannot run on a stream of " + dev(1).str());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { fill_zero(c.span(), s0); }), "fill_zero of memory on");
+  s0.synchronize();
+  s1.synchronize();
+}

@@ -1,0 +1,135 @@
+// lockstep-info — "is my GPU recognized?": what devices this program can use, and why not when it cannot.
+//
+// Lists the GPUs (name, compute capability, memory, multiprocessors, whether this binary carries code for
+// them, peer access) with the driver and runtime versions and a verdict on their compatibility, the NCCL
+// version, the visibility variables in effect, the host virtual devices, and the devices a program would use
+// by default. Exit code 0 when usable devices exist, 1 otherwise (or when the configuration is invalid).
+#include <cstdio>
+#include <cstdlib>
+#include <string>
+
+#include "lockstep/device/device_set.hpp"
+#include "lockstep/device/query.hpp"
+#include "lockstep/device/visibility.hpp"
+
+#if LOCKSTEP_HAS_CUDA
+#include <nccl.h>
+namespace {
+__global__ void probe_kernel() {}
+}  // namespace
+#endif
+
+namespace {
+
+using namespace lockstep;
+
+std::string version_string(int v) {  // 13000 -> "13.0"
+  return std::to_string(v / 1000) + '.' + std::to_string(v % 1000 / 10);
+}
+
+void print_env(const char* name) {
+  const char* v = std::getenv(name);
+  std::printf("  %-28s %s\n", name, v ? (std::string("'") + v + "'").c_str() : "unset");
+}
+
+#if LOCKSTEP_HAS_CUDA
+// Which of this binary's kernel images the device would run, asked of the runtime itself.
+std::string code_for(int index) {
+  cudaFuncAttributes attr{};
+  if (cudaSetDevice(index) != cudaSuccess) {
+    (void)cudaGetLastError();
+    return "unknown (cannot select the device)";
+  }
+  const cudaError_t e = cudaFuncGetAttributes(&attr, probe_kernel);
+  (void)cudaGetLastError();
+  if (e == cudaErrorNoKernelImageForDevice || e == cudaErrorInvalidDeviceFunction) {
+    return std::string("NO: this binary has no code for it (") + cudaGetErrorName(e) +
+           "); rebuild with its architecture in CMAKE_CUDA_ARCHITECTURES";
+  }
+  if (e != cudaSuccess) return std::string("unknown (") + cudaGetErrorName(e) + ")";
+  return "yes (sm_" + std::to_string(attr.binaryVersion) + " code, PTX " + std::to_string(attr.ptxVersion) + ")";
+}
+#endif
+
+}  // namespace
+
+int main() {
+  try {
+    std::printf("lockstep-info %d.%d.%d\n\n", LOCKSTEP_VERSION_MAJOR, LOCKSTEP_VERSION_MINOR, LOCKSTEP_VERSION_PATCH);
+    const auto& cuda = cuda_status();
+#if LOCKSTEP_HAS_CUDA
+#if defined(__CUDA_ARCH_LIST__)
+#define LOCKSTEP_STR2(x) #x
+#define LOCKSTEP_STR(x) LOCKSTEP_STR2(x)
+    std::printf("CUDA backend:   compiled in (nvcc; GPU code for compute capabilities %s)\n",
+                LOCKSTEP_STR(__CUDA_ARCH_LIST__));
+#else
+    std::printf("CUDA backend:   compiled in (nvcc)\n");
+#endif
+    std::printf("CUDA runtime:   %s\n", version_string(cuda.runtime_version).c_str());
+    if (cuda.driver_version == 0) {
+      std::printf("CUDA driver:    none installed\n");
+    } else {
+      std::printf("CUDA driver:    supports CUDA %s\n", version_string(cuda.driver_version).c_str());
+    }
+    const char* verdict = cuda.driver_version == 0                             ? "no driver: GPUs cannot be used"
+                          : cuda.driver_version >= cuda.runtime_version        ? "compatible"
+                          : cuda.driver_version / 1000 == cuda.runtime_version / 1000
+                              ? "compatible through minor-version compatibility (newer PTX may not JIT)"
+                              : "INCOMPATIBLE: the driver is older than the runtime; update the driver";
+    std::printf("Verdict:        %s\n", verdict);
+    int nccl = 0;
+    if (ncclGetVersion(&nccl) == ncclSuccess) {
+      std::printf("NCCL:           %d.%d.%d\n", nccl / 10000, nccl / 100 % 100, nccl % 100);
+    }
+#else
+    std::printf("CUDA backend:   not compiled in (this binary was built without nvcc: host devices only)\n");
+#endif
+
+    std::printf("\nVisibility (read once, when CUDA / the host platform start):\n");
+    print_env("CUDA_VISIBLE_DEVICES");
+    print_env("CUDA_DEVICE_ORDER");
+    print_env("LOCKSTEP_HOST_DEVICES");
+    print_env("LOCKSTEP_HOST_DEVICE_MEMORY");
+
+    std::printf("\nGPUs: %d\n", cuda.device_count);
+    if (cuda.device_count == 0) std::printf("  none: %s\n", cuda.reason().c_str());
+    std::vector<device> gpus;
+    for (int i = 0; i < cuda.device_count; ++i) {
+      const device d{device_kind::cuda, i};
+      gpus.push_back(d);
+      const auto p = get_device_properties(d);
+      std::printf("  %s  %s  compute capability %d.%d  %s  %d SMs  PCI %s\n", d.str().c_str(), p.name.c_str(),
+                  p.compute_capability_major, p.compute_capability_minor, format_bytes(p.total_memory).c_str(),
+                  p.multiprocessors, p.pci_bus_id.c_str());
+#if LOCKSTEP_HAS_CUDA
+      std::printf("         code in this binary: %s\n", code_for(i).c_str());
+#endif
+    }
+    if (gpus.size() > 1) {
+      std::printf("  peer access (row can read column):\n        ");
+      for (const auto& d : gpus) std::printf(" %6s", d.str().c_str());
+      std::printf("\n");
+      const auto m = peer_access_matrix(gpus);
+      for (std::size_t i = 0; i < gpus.size(); ++i) {
+        std::printf("  %6s", gpus[i].str().c_str());
+        for (std::size_t j = 0; j < gpus.size(); ++j) std::printf(" %6s", i == j ? "-" : (m[i][j] ? "yes" : "no"));
+        std::printf("\n");
+      }
+    }
+
+    const int hosts = host_device_count();
+    std::printf("\nHost virtual devices: %d\n", hosts);
+    for (int i = 0; i < hosts; ++i) {
+      const auto p = get_device_properties(device{device_kind::host, i});
+      std::printf("  host:%d  %s  memory limit %s\n", i, p.name.c_str(), format_bytes(p.total_memory).c_str());
+    }
+
+    const auto selection = default_devices();
+    std::printf("\nDefault devices: %s\n  %s\n", selection.devices.str().c_str(), selection.reason.c_str());
+    return selection.devices.empty() ? 1 : 0;
+  } catch (const std::exception& e) {
+    std::fprintf(stderr, "lockstep-info: %s\n", e.what());
+    return 1;
+  }
+}
