@@ -5,9 +5,19 @@
 include_guard(GLOBAL)
 include(CMakeFindDependencyMacro)
 
-find_dependency(Threads)
-find_dependency(ZLIB)
-find_dependency(nlohmann_json 3)
+# In an installed package's config, a missing dependency makes find_package(lockstep) report NOT FOUND;
+# in lockstep's own build it is an error.
+macro(lockstep_find_required)
+  if(CMAKE_FIND_PACKAGE_NAME STREQUAL "lockstep")
+    find_dependency(${ARGN})
+  else()
+    find_package(${ARGN} REQUIRED)
+  endif()
+endmacro()
+
+lockstep_find_required(Threads)
+lockstep_find_required(ZLIB)
+lockstep_find_required(nlohmann_json 3)
 
 # OpenBLAS: Debian's libopenblas-dev ships an OpenBLASConfig.cmake that sets variables, not a target.
 if(NOT TARGET lockstep::openblas)
@@ -25,6 +35,34 @@ if(NOT TARGET lockstep::openblas)
     INTERFACE_INCLUDE_DIRECTORIES "${OpenBLAS_INCLUDE_DIRS}"
     INTERFACE_LINK_LIBRARIES "${OpenBLAS_LIBRARIES}")
 endif()
+
+# lockstep_enable_cuda(): turns on the CUDA language for a project that wants lockstep's CUDA backend: nvcc
+# from /usr/local/cuda when none is configured, sm_80 and sm_90 unless CMAKE_CUDA_ARCHITECTURES is set, and
+# C++20 for CUDA sources. Sets lockstep_CUDA_LANGUAGE to TRUE when it could. CMake < 3.25.2 does not know
+# nvcc's -std=c++20 (its CUDA20 dialect table is empty); it is taught here.
+macro(lockstep_enable_cuda)
+  set(lockstep_CUDA_LANGUAGE FALSE)
+  if(NOT CMAKE_CUDA_COMPILER AND NOT DEFINED ENV{CUDACXX} AND EXISTS /usr/local/cuda/bin/nvcc)
+    set(CMAKE_CUDA_COMPILER /usr/local/cuda/bin/nvcc)
+  endif()
+  include(CheckLanguage)
+  check_language(CUDA)
+  if(CMAKE_CUDA_COMPILER)
+    if(NOT DEFINED CMAKE_CUDA_ARCHITECTURES)
+      set(CMAKE_CUDA_ARCHITECTURES 80 90)
+    endif()
+    if(NOT CMAKE_CUDA_HOST_COMPILER AND CMAKE_CXX_COMPILER)
+      set(CMAKE_CUDA_HOST_COMPILER ${CMAKE_CXX_COMPILER})
+    endif()
+    enable_language(CUDA)
+    if(NOT CMAKE_CUDA20_STANDARD_COMPILE_OPTION)
+      set(CMAKE_CUDA20_STANDARD_COMPILE_OPTION "-std=c++20")
+      set(CMAKE_CUDA20_EXTENSION_COMPILE_OPTION "-std=c++20")
+      list(APPEND CMAKE_CUDA_COMPILE_FEATURES cuda_std_20)
+    endif()
+    set(lockstep_CUDA_LANGUAGE TRUE)
+  endif()
+endmacro()
 
 # CUDA toolkit, cuBLAS and NCCL: optional. Without them lockstep is the host backend alone.
 set(LOCKSTEP_CUDA_FOUND FALSE)

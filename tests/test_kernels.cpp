@@ -25,7 +25,7 @@ template <class F>
 void with_float_type(dtype t, F&& f) {
   switch (t) {
     case dtype::f32: return f.template operator()<float>();
-    case dtype::f16: return f.template operator()<half>();
+    case dtype::f16: return f.template operator()<lockstep::half>();
     case dtype::bf16: return f.template operator()<bfloat16>();
     default: FAIL() << "not a floating dtype";
   }
@@ -200,9 +200,9 @@ TEST_P(kernel_test, casts_round_to_nearest_even_like_the_scalar_conversions) {
 TEST_P(kernel_test, casts_between_the_two_half_precisions_go_through_f32) {
   stream s(dev());
   const std::vector<float> v{1.0f, 1.00390625f, 65504.0f, 1e-7f, -3.140625f, 70000.0f};
-  auto h = to_device(from_floats<half>(v), s);
+  auto h = to_device(from_floats<lockstep::half>(v), s);
   device_buffer<bfloat16> b(v.size(), s);
-  cast<bfloat16, half>(h.span(), b.span(), s);
+  cast<bfloat16, lockstep::half>(h.span(), b.span(), s);
   const auto got = to_vector(device_span<const bfloat16>(b.span()), s);
   for (std::size_t i = 0; i < v.size(); ++i) EXPECT_EQ(got[i].bits, to_bfloat16(to_float(to_half(v[i]))).bits) << i;
 }

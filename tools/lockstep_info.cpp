@@ -23,13 +23,17 @@ namespace {
 
 using namespace lockstep;
 
-std::string version_string(int v) {  // 13000 -> "13.0"
+[[maybe_unused]] std::string version_string(int v) {  // 13000 -> "13.0"
   return std::to_string(v / 1000) + '.' + std::to_string(v % 1000 / 10);
 }
 
 void print_env(const char* name) {
   const char* v = std::getenv(name);
-  std::printf("  %-28s %s\n", name, v ? (std::string("'") + v + "'").c_str() : "unset");
+  if (v) {
+    std::printf("  %-28s '%s'\n", name, v);
+  } else {
+    std::printf("  %-28s unset\n", name);
+  }
 }
 
 #if LOCKSTEP_HAS_CUDA
@@ -59,9 +63,9 @@ int main() {
     const auto& cuda = cuda_status();
 #if LOCKSTEP_HAS_CUDA
 #if defined(__CUDA_ARCH_LIST__)
-#define LOCKSTEP_STR2(x) #x
-#define LOCKSTEP_STR(x) LOCKSTEP_STR2(x)
-    std::printf("CUDA backend:   compiled in (nvcc; GPU code for compute capabilities %s)\n",
+#define LOCKSTEP_STR2(...) #__VA_ARGS__
+#define LOCKSTEP_STR(...) LOCKSTEP_STR2(__VA_ARGS__)
+    std::printf("CUDA backend:   compiled in (nvcc; GPU code for architectures %s)\n",
                 LOCKSTEP_STR(__CUDA_ARCH_LIST__));
 #else
     std::printf("CUDA backend:   compiled in (nvcc)\n");

@@ -87,7 +87,10 @@ class device_set {
   /// "cuda:0,cuda:2".
   [[nodiscard]] std::string str() const {
     std::string s;
-    for (const auto& d : devices_) s += (s.empty() ? "" : ",") + d.str();
+    for (const auto& d : devices_) {
+      if (!s.empty()) s += ',';
+      s += d.str();
+    }
     return s;
   }
 
@@ -101,7 +104,10 @@ class device_set {
 
   std::string join_ids() const {
     std::string s;
-    for (const auto& d : devices_) s += (s.empty() ? "" : ", ") + std::to_string(d.index);
+    for (const auto& d : devices_) {
+      if (!s.empty()) s += ", ";
+      s += std::to_string(d.index);
+    }
     return s;
   }
 

@@ -17,11 +17,17 @@
 
 LOCKSTEP_DETAIL_BEGIN
 
+// A kernel instantiated with a functor from an anonymous namespace has internal linkage, where nvcc warns that
+// the visibility attribute does not apply (#1407); it is right, and harmless, so that one warning is silenced
+// for lockstep's kernels (users' -Werror builds included).
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1407
 template <class F>
 __global__ LOCKSTEP_HIDDEN void elementwise_kernel(std::size_t n, F f) {
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
   for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
 }
+#pragma nv_diagnostic pop
 
 inline constexpr unsigned elementwise_block = 256;
 

@@ -49,6 +49,7 @@ struct non_finite_op {
 };
 
 }  // namespace kernels
+LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
@@ -87,6 +88,8 @@ void transform_reduce(device_span<const In> in, device_span<Out> out, Reduce red
 }
 
 LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
 
 /// out[0] = sum of in (accumulated in f32), for T in {float, half, bfloat16}.
 template <class T>
