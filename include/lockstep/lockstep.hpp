@@ -1,4 +1,7 @@
 // lockstep/lockstep.hpp — the public surface of lockstep in one include.
+//
+// Compiled by nvcc, it carries both backends (GPUs and host devices); compiled by a plain C++ compiler, the
+// host backend alone. Multi-process support (comm/mpi.hpp) needs lockstep::mpi and is included separately.
 #pragma once
 
 #include "lockstep/config.hpp"
@@ -7,6 +10,7 @@
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/core/random.hpp"
+#include "lockstep/core/shape.hpp"
 #include "lockstep/core/units.hpp"
 
 #include "lockstep/device/device.hpp"
@@ -21,7 +25,31 @@
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/pinned_buffer.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "lockstep/runtime/tensor.hpp"
 
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/kernels/launch.hpp"
+#include "lockstep/kernels/multi_tensor.hpp"
 #include "lockstep/kernels/reduce.hpp"
+
+#include "lockstep/blas/blas_handle.hpp"
+#include "lockstep/blas/gemm.hpp"
+
+#include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/dropout.hpp"
+#include "lockstep/nn/graph.hpp"
+#include "lockstep/nn/init.hpp"
+#include "lockstep/nn/layer.hpp"
+#include "lockstep/nn/linear.hpp"
+#include "lockstep/nn/loss.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/nn/sequential.hpp"
+
+#include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/sgd.hpp"
+
+#include "lockstep/data/data_loader.hpp"
+#include "lockstep/data/dataset.hpp"
+#include "lockstep/data/idx.hpp"
+#include "lockstep/data/sampler.hpp"

@@ -14,6 +14,7 @@
 #include "lockstep/core/cuda_check.hpp"
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "lockstep/runtime/tensor.hpp"
 
 LOCKSTEP_DETAIL_BEGIN
 
@@ -53,17 +54,26 @@ void launch_elementwise_cuda(std::size_t n, F f, stream_ref s, const char* what)
   LOCKSTEP_CUDA_CHECK(cudaGetLastError(), "launching ", what, " on ", d.str());
 }
 
-/// out[0] = reduce(transform(in[i]) for i in [0, n)) with CUB; temporary storage comes from the device's
-/// caching pool in stream order.
+/// out[0] = reduce(transform(in[i]) for i in [0, n)) with CUB. Temporary storage comes from `workspace` when
+/// given (grown in stream order on `s` and kept), else from the device's caching pool for this call.
 template <class In, class Out, class Reduce, class Transform>
 void transform_reduce_cuda(const In* in, std::size_t n, Out* out, Reduce reduce, Transform transform, Out init,
-                           stream_ref s, const char* what) {
+                           stream_ref s, const char* what, tensor* workspace) {
   const device d = s.get_device();
   device_guard guard(d);
   std::size_t temp_bytes = 0;
   LOCKSTEP_CUDA_CHECK(cub::DeviceReduce::TransformReduce(nullptr, temp_bytes, in, out, n, reduce, transform, init,
                                                          s.cuda_stream()),
                       "sizing the temporary storage of ", what, " on ", d.str());
+  if (workspace != nullptr) {
+    if (workspace->empty() || workspace->capacity_bytes() < temp_bytes || workspace->get_device() != d) {
+      workspace->ensure(shape{static_cast<std::int64_t>(temp_bytes)}, dtype::u8, s);
+    }
+    LOCKSTEP_CUDA_CHECK(cub::DeviceReduce::TransformReduce(workspace->data(), temp_bytes, in, out, n, reduce, transform,
+                                                           init, s.cuda_stream()),
+                        "running ", what, " over ", n, " elements on ", d.str());
+    return;
+  }
   void* temp = allocate(temp_bytes, s);
   try {
     LOCKSTEP_CUDA_CHECK(cub::DeviceReduce::TransformReduce(temp, temp_bytes, in, out, n, reduce, transform, init,

@@ -14,6 +14,7 @@
 #include "lockstep/core/half.hpp"
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/runtime/device_buffer.hpp"
+#include "lockstep/runtime/tensor.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
@@ -43,6 +44,13 @@ struct abs_op {
   }
 };
 
+struct identity_op {
+  template <class V>
+  LOCKSTEP_HD V operator()(V v) const {
+    return v;
+  }
+};
+
 template <class T>
 struct non_finite_op {
   LOCKSTEP_HD std::uint64_t operator()(T x) const { return is_finite(x) ? 0u : 1u; }
@@ -53,10 +61,12 @@ LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
-/// out[0] = reduce over i of transform(in[i]), starting from init.
+/// out[0] = reduce over i of transform(in[i]), starting from init. On a GPU, CUB needs temporary memory:
+/// from `workspace` when given (grown as needed and kept, so a caller that reduces every step allocates
+/// nothing in the steady state), else from the device's pool for this call.
 template <class In, class Out, class Reduce, class Transform>
 void transform_reduce(device_span<const In> in, device_span<Out> out, Reduce reduce, Transform transform, Out init,
-                      stream_ref s, const char* what) {
+                      stream_ref s, const char* what, tensor* workspace = nullptr) {
   LOCKSTEP_EXPECTS(!out.empty(), what, ": the output range is empty; it needs one element");
   expect_on_stream_device(in, s, what);
   expect_on_stream_device(out, s, what);
@@ -83,7 +93,9 @@ void transform_reduce(device_span<const In> in, device_span<Out> out, Reduce red
     return;
   }
 #if LOCKSTEP_HAS_CUDA
-  transform_reduce_cuda(in.data(), in.size(), out.data(), reduce, transform, init, s, what);
+  transform_reduce_cuda(in.data(), in.size(), out.data(), reduce, transform, init, s, what, workspace);
+#else
+  (void)workspace;
 #endif
 }
 
@@ -91,23 +103,25 @@ LOCKSTEP_DETAIL_END
 
 LOCKSTEP_ABI_BEGIN
 
-/// out[0] = sum of in (accumulated in f32), for T in {float, half, bfloat16}.
+/// out[0] = sum of in (accumulated in f32), for T in {float, half, bfloat16}. `workspace`: see
+/// detail::transform_reduce (pass one to reduce every step without allocating).
 template <class T>
-void sum(device_span<const T> in, device_span<float> out, stream_ref s) {
-  detail::transform_reduce(in, out, kernels::plus_op{}, kernels::to_float_op<T>{}, 0.0f, s, "sum");
+void sum(device_span<const T> in, device_span<float> out, stream_ref s, tensor* workspace = nullptr) {
+  detail::transform_reduce(in, out, kernels::plus_op{}, kernels::to_float_op<T>{}, 0.0f, s, "sum", workspace);
 }
 
 /// out[0] = max |in[i]| (NaN if any element is NaN; 0 for an empty range).
 template <class T>
-void max_abs(device_span<const T> in, device_span<float> out, stream_ref s) {
-  detail::transform_reduce(in, out, kernels::max_nan_op{}, kernels::abs_op<T>{}, 0.0f, s, "max_abs");
+void max_abs(device_span<const T> in, device_span<float> out, stream_ref s, tensor* workspace = nullptr) {
+  detail::transform_reduce(in, out, kernels::max_nan_op{}, kernels::abs_op<T>{}, 0.0f, s, "max_abs", workspace);
 }
 
 /// out[0] = number of elements that are inf or NaN.
 template <class T>
-void count_non_finite(device_span<const T> in, device_span<std::uint64_t> out, stream_ref s) {
+void count_non_finite(device_span<const T> in, device_span<std::uint64_t> out, stream_ref s,
+                      tensor* workspace = nullptr) {
   detail::transform_reduce(in, out, kernels::plus_op{}, kernels::non_finite_op<T>{}, std::uint64_t{0}, s,
-                           "count_non_finite");
+                           "count_non_finite", workspace);
 }
 
 LOCKSTEP_ABI_END

@@ -1,0 +1,163 @@
+// Command-line options of mlp_train, with errors that say what was wrong.
+#pragma once
+
+#include <lockstep/core/dtype.hpp>
+#include <lockstep/data/idx.hpp>
+
+#include <charconv>
+#include <cstdint>
+#include <stdexcept>
+#include <string>
+#include <string_view>
+#include <vector>
+
+struct usage_error : std::runtime_error {
+  using std::runtime_error::runtime_error;
+};
+
+struct mlp_options {
+  std::string data = std::string(lockstep::default_fashion_mnist_dir);
+  std::string devices;  // empty: lockstep::default_devices()
+  std::string mode = "single";
+  int epochs = 5;
+  std::int64_t batch = 128;
+  float lr = 0.05f;
+  float momentum = 0.9f;
+  float weight_decay = 0.0f;
+  std::vector<std::int64_t> hidden = {256, 256};
+  std::string optimizer = "sgd";
+  std::uint64_t seed = 0;
+  int workers = 0;
+  lockstep::dtype precision = lockstep::dtype::f32;
+  std::int64_t max_steps = 0;  // 0: no limit
+  int print_every = 50;
+  std::int64_t eval_batch = 1000;
+  bool json = false;
+  bool help = false;
+};
+
+inline constexpr const char* usage_text =
+    "usage: mlp_train [options]\n"
+    "  --data DIR            IDX files (default /usr/share/datasets/fashion-mnist)\n"
+    "  --devices SPEC        devices: \"0,1\", \"cuda:0,cuda:1\", \"host:0\", \"all\" (default: all GPUs, else host)\n"
+    "  --mode M              single (default)\n"
+    "  --epochs N            epochs (default 5)\n"
+    "  --batch N             global batch size (default 128)\n"
+    "  --lr X                learning rate (default 0.05)\n"
+    "  --momentum X          SGD momentum (default 0.9)\n"
+    "  --weight-decay X      weight decay (default 0)\n"
+    "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
+    "  --optimizer NAME      sgd (default) or adamw\n"
+    "  --precision P         f32 (default), f16 or bf16\n"
+    "  --seed N              seed of initialization and shuffling (default 0)\n"
+    "  --workers N           data loader worker threads (default: min(4 x devices, cores))\n"
+    "  --max-steps N         stop after N training steps (default: no limit)\n"
+    "  --print-every N       progress every N steps (default 50)\n"
+    "  --eval-batch N        batch size of the test evaluation (default 1000)\n"
+    "  --json                print one JSON line with the results instead of text\n"
+    "  --help                this text\n";
+
+namespace mlp_detail {
+
+template <class T>
+T parse_number(std::string_view flag, std::string_view text) {
+  T value{};
+  const char* end = text.data() + text.size();
+  auto [p, ec] = std::from_chars(text.data(), end, value);
+  if (ec != std::errc{} || p != end) {
+    throw usage_error(std::string(flag) + " expects a number, got '" + std::string(text) + "'");
+  }
+  return value;
+}
+
+inline float parse_float(std::string_view flag, std::string_view text) {
+  try {
+    std::size_t used = 0;
+    const float v = std::stof(std::string(text), &used);
+    if (used == text.size()) return v;
+  } catch (const std::exception&) {
+  }
+  throw usage_error(std::string(flag) + " expects a number, got '" + std::string(text) + "'");
+}
+
+}  // namespace mlp_detail
+
+inline mlp_options parse_options(int argc, char** argv) {
+  using mlp_detail::parse_float;
+  using mlp_detail::parse_number;
+  mlp_options o;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view flag = argv[i];
+    auto value = [&]() -> std::string_view {
+      if (i + 1 >= argc) throw usage_error(std::string(flag) + " needs a value");
+      return argv[++i];
+    };
+    if (flag == "--help" || flag == "-h") {
+      o.help = true;
+    } else if (flag == "--json") {
+      o.json = true;
+    } else if (flag == "--data") {
+      o.data = value();
+    } else if (flag == "--devices") {
+      o.devices = value();
+    } else if (flag == "--mode") {
+      o.mode = value();
+      if (o.mode != "single") throw usage_error("--mode must be single, got '" + o.mode + "'");
+    } else if (flag == "--epochs") {
+      o.epochs = parse_number<int>(flag, value());
+      if (o.epochs < 1) throw usage_error("--epochs must be at least 1");
+    } else if (flag == "--batch") {
+      o.batch = parse_number<std::int64_t>(flag, value());
+      if (o.batch < 1) throw usage_error("--batch must be at least 1");
+    } else if (flag == "--lr") {
+      o.lr = parse_float(flag, value());
+    } else if (flag == "--momentum") {
+      o.momentum = parse_float(flag, value());
+    } else if (flag == "--weight-decay") {
+      o.weight_decay = parse_float(flag, value());
+    } else if (flag == "--hidden") {
+      o.hidden.clear();
+      std::string_view list = value();
+      while (!list.empty()) {
+        const auto comma = list.find(',');
+        const auto item = list.substr(0, comma);
+        const auto width = parse_number<std::int64_t>(flag, item);
+        if (width < 1) throw usage_error("--hidden widths must be positive, got " + std::string(item));
+        o.hidden.push_back(width);
+        if (comma == std::string_view::npos) break;
+        list.remove_prefix(comma + 1);
+      }
+    } else if (flag == "--optimizer") {
+      o.optimizer = value();
+      if (o.optimizer != "sgd" && o.optimizer != "adamw") {
+        throw usage_error("--optimizer must be sgd or adamw, got '" + o.optimizer + "'");
+      }
+    } else if (flag == "--precision") {
+      const std::string_view p = value();
+      try {
+        o.precision = lockstep::parse_dtype(p);
+      } catch (const std::exception&) {
+        o.precision = lockstep::dtype::u8;
+      }
+      if (!lockstep::is_floating(o.precision)) {
+        throw usage_error("--precision must be f32, f16 or bf16, got '" + std::string(p) + "'");
+      }
+    } else if (flag == "--seed") {
+      o.seed = parse_number<std::uint64_t>(flag, value());
+    } else if (flag == "--workers") {
+      o.workers = parse_number<int>(flag, value());
+      if (o.workers < 0) throw usage_error("--workers must be >= 0");
+    } else if (flag == "--max-steps") {
+      o.max_steps = parse_number<std::int64_t>(flag, value());
+    } else if (flag == "--print-every") {
+      o.print_every = parse_number<int>(flag, value());
+      if (o.print_every < 1) throw usage_error("--print-every must be at least 1");
+    } else if (flag == "--eval-batch") {
+      o.eval_batch = parse_number<std::int64_t>(flag, value());
+      if (o.eval_batch < 1) throw usage_error("--eval-batch must be at least 1");
+    } else {
+      throw usage_error("unknown option '" + std::string(flag) + "'");
+    }
+  }
+  return o;
+}

@@ -1,0 +1,552 @@
+// lockstep/blas/gemm.hpp — row-major GEMM in fp32, fp16 and bf16 with fp32 accumulation, on both backends.
+//
+//   gemm<T>(h, ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc)
+//     C[m, n] = alpha * op(A)[m, k] * op(B)[k, n] + beta * C[m, n]      (all row-major, op(X) = X or X^T)
+//
+// The arithmetic is the same on both backends: products are summed in fp32, alpha and beta are applied in
+// fp32, and the result is rounded to T once, at the end (where a GPU rounds). With T = half or bfloat16 the
+// only difference to an fp32 GEMM on the same rounded inputs is that final rounding.
+//
+//   - GPU: cublasGemmEx with compute type CUBLAS_COMPUTE_32F (fp32 without TF32, fp16 and bf16 with fp32
+//     accumulation); row-major is the column-major product C^T = op(B)^T op(A)^T.
+//   - host device: queued on the handle's stream and run by its worker. fp32 is cblas_sgemm. fp16/bf16 are
+//     converted to fp32 block by block into the handle's scratch memory, multiplied with cblas_sgemm into an
+//     fp32 accumulator block that sums the whole k dimension, and rounded once (see detail::gemm_host_blocked).
+//     The scratch memory is bounded by the block sizes (at most 6 MiB), whatever the problem size.
+//
+// BLAS semantics for the corner cases: m == 0 or n == 0 does nothing; k == 0 or alpha == 0 sets
+// C = beta * C without reading A or B; beta == 0 sets C without reading it (NaNs in C do not propagate).
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string_view>
+#include <type_traits>
+
+#include "lockstep/blas/blas_handle.hpp"  // and OpenBLAS's cblas.h
+#include "lockstep/config.hpp"
+#include "lockstep/core/error.hpp"
+#include "lockstep/core/half.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+// The host fp16/bf16 conversions have an AVX2 + F16C version on x86 with GCC or Clang (nvcc's host
+// compiler included), chosen at run time. Define LOCKSTEP_BLAS_X86_SIMD=0 to use the portable code only.
+#if !defined(LOCKSTEP_BLAS_X86_SIMD)
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define LOCKSTEP_BLAS_X86_SIMD 1
+#else
+#define LOCKSTEP_BLAS_X86_SIMD 0
+#endif
+#endif
+#if LOCKSTEP_BLAS_X86_SIMD
+#include <immintrin.h>
+#endif
+
+LOCKSTEP_ABI_BEGIN
+
+/// Whether a GEMM operand is used as stored or transposed.
+enum class transpose : std::uint8_t { no, yes };
+
+/// "no" or "yes".
+constexpr std::string_view name_of(transpose t) noexcept { return t == transpose::yes ? "yes" : "no"; }
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// The arguments of one GEMM, as checked by gemm() (trivially copyable: host work captures it).
+template <class T>
+struct gemm_problem {
+  transpose ta, tb;
+  std::int64_t m, n, k;
+  float alpha;
+  const T* a;
+  std::int64_t lda;
+  const T* b;
+  std::int64_t ldb;
+  float beta;
+  T* c;
+  std::int64_t ldc;
+};
+
+// ---- conversions the compiler can vectorize ----------------------------------------------------------------
+//
+// core/half.hpp converts one value with branches, which is right for kernels and scalars but keeps a loop
+// scalar. These are the same functions written without branches (every case is computed and one selected),
+// so that the fixed-length inner loops below become SIMD code even at -O2. They give the same bits as
+// to_float() and convert<T>() for every input (test_blas.cpp compares all 2^16 patterns and a sweep of
+// floats); in particular NaNs come out as the canonical NaNs of core/half.hpp.
+
+/// `if_true` where `condition` holds, else `if_false`: a select written as bit operations, which compilers
+/// keep branch-free (a `?:` on values that are costly to compute may become a branch, which stops
+/// vectorization).
+inline std::uint32_t select_bits(bool condition, std::uint32_t if_true, std::uint32_t if_false) noexcept {
+  const std::uint32_t mask = 0u - static_cast<std::uint32_t>(condition);
+  return (if_true & mask) | (if_false & ~mask);
+}
+
+/// binary16 bits -> float bits, like half_bits_to_float.
+inline std::uint32_t widen_half_bits(std::uint32_t h) noexcept {
+  const std::uint32_t em = h & 0x7fffu;  // exponent and mantissa
+  const std::uint32_t sign = (h & 0x8000u) << 16;
+  const std::uint32_t normal = (em << 13) + 0x38000000u;  // rebias the exponent from 15 to 127
+  // A subnormal (or zero) is em * 2^-24: an exact int -> float conversion and a scaling by a power of two.
+  const std::uint32_t subnormal = float_as_bits(static_cast<float>(static_cast<std::int32_t>(em)) * 0x1p-24f);
+  std::uint32_t r = select_bits(em < 0x400u, subnormal, normal);
+  r = select_bits(em >= 0x7c00u, 0x7f800000u, r);  // infinity (NaN is replaced below)
+  return select_bits(em > 0x7c00u, 0x7fffffffu, r | sign);
+}
+
+/// float bits -> binary16 bits, round to nearest even, like float_to_half_bits.
+inline std::uint32_t narrow_half_bits(std::uint32_t x) noexcept {
+  const std::uint32_t sign = (x >> 16) & 0x8000u;
+  const std::uint32_t mag = x & 0x7fffffffu;
+  // Normal half: rebias, then drop 13 mantissa bits rounding to nearest even. From 65520 on, the carry
+  // gives exactly 0x7c00 (infinity).
+  const std::uint32_t v = mag - 0x38000000u;
+  const std::uint32_t normal = (v + 0x0fffu + ((v >> 13) & 1u)) >> 13;
+  // Subnormal half or zero (|x| < 2^-14): in 0.5 + |x| the last mantissa bit is worth 2^-24, the unit of a
+  // subnormal half, so the float addition itself rounds |x| to nearest even in those units (up to 0x400,
+  // the smallest normal, which is right).
+  const std::uint32_t subnormal = float_as_bits(bits_as_float(mag) + 0.5f) - 0x3f000000u;
+  std::uint32_t r = select_bits(mag < 0x38800000u, subnormal, normal);
+  r = select_bits(mag >= 0x47800000u, 0x7c00u, r);  // |x| >= 65536 and infinity
+  return select_bits(mag > 0x7f800000u, 0x7fffu, r | sign);  // NaN: the canonical NaN, sign dropped
+}
+
+/// float bits -> bfloat16 bits, round to nearest even, like float_to_bfloat16_bits.
+inline std::uint32_t narrow_bfloat16_bits(std::uint32_t x) noexcept {
+  const std::uint32_t mag = x & 0x7fffffffu;
+  const std::uint32_t r = ((x >> 16) & 0x8000u) | ((mag + 0x7fffu + ((mag >> 16) & 1u)) >> 16);
+  return select_bits(mag > 0x7f800000u, 0x7fffu, r);
+}
+
+/// The value of a half or bfloat16 as a float (the same bits as to_float).
+template <class T>
+inline float widen_value(T x) noexcept {
+  if constexpr (std::is_same_v<T, half>) {
+    return bits_as_float(widen_half_bits(x.bits));
+  } else {
+    static_assert(std::is_same_v<T, bfloat16>);
+    return bits_as_float(std::uint32_t{x.bits} << 16);
+  }
+}
+
+/// A float rounded to T (the same bits as convert<T>).
+template <class T>
+inline T narrow_value(float f) noexcept {
+  if constexpr (std::is_same_v<T, half>) {
+    return half::from_bits(static_cast<std::uint16_t>(narrow_half_bits(float_as_bits(f))));
+  } else {
+    static_assert(std::is_same_v<T, bfloat16>);
+    return bfloat16::from_bits(static_cast<std::uint16_t>(narrow_bfloat16_bits(float_as_bits(f))));
+  }
+}
+
+// Loops run in chunks of a fixed length: a loop whose trip count is a known multiple of the vector width is
+// vectorized by GCC's default cost model at -O2, an open-ended one is not.
+inline constexpr std::int64_t conversion_chunk = 16;
+
+/// dst[i] = float(src[i]) for i < n (portable code).
+template <class T>
+void widen_run_portable(const T* __restrict src, float* __restrict dst, std::int64_t n) noexcept {
+  const std::int64_t full = n - n % conversion_chunk;
+  for (std::int64_t i = 0; i < full; i += conversion_chunk) {
+    for (std::int64_t l = 0; l < conversion_chunk; ++l) dst[i + l] = widen_value(src[i + l]);
+  }
+  for (std::int64_t i = full; i < n; ++i) dst[i] = widen_value(src[i]);
+}
+
+/// c[i] = T(alpha * acc[i] + beta * float(c[i])) for i < n; c is not read when beta == 0 (portable code).
+template <class T>
+void store_run_portable(const float* __restrict acc, T* __restrict c, std::int64_t n, float alpha,
+                        float beta) noexcept {
+  const std::int64_t full = n - n % conversion_chunk;
+  if (beta == 0.0f) {
+    for (std::int64_t i = 0; i < full; i += conversion_chunk) {
+      for (std::int64_t l = 0; l < conversion_chunk; ++l) c[i + l] = narrow_value<T>(alpha * acc[i + l]);
+    }
+    for (std::int64_t i = full; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i]);
+    return;
+  }
+  for (std::int64_t i = 0; i < full; i += conversion_chunk) {
+    for (std::int64_t l = 0; l < conversion_chunk; ++l) {
+      c[i + l] = narrow_value<T>(alpha * acc[i + l] + beta * widen_value(c[i + l]));
+    }
+  }
+  for (std::int64_t i = full; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
+}
+
+#if LOCKSTEP_BLAS_X86_SIMD
+// x86 with AVX2 and F16C (every x86 CPU since 2013): the same conversions 8 lanes at a time, the half ones
+// by the hardware's own instructions (vcvtph2ps, and vcvtps2ph rounding to nearest even). Built for the
+// baseline x86-64 (SSE2), the portable code costs 0.8 ns per half widened and 1.8-3.4 ns per half rounded
+// and stored; these cost 0.2-0.4 ns, which is what keeps the fp16 GEMM near the speed of the fp32 one.
+// Chosen at run time (see has_avx2_f16c), so a program built for the baseline still uses them. The results
+// are the same bits as the portable code, except the payload of a NaN widened from a half (it stays a NaN;
+// the final rounding makes every NaN the canonical 0x7fff anyway).
+
+inline bool has_avx2_f16c() noexcept {
+  static const bool yes = [] {
+    __builtin_cpu_init();
+    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+  }();
+  return yes;
+}
+
+__attribute__((target("avx2,f16c"))) inline __m256 widen8(const half* src) noexcept {
+  return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+}
+__attribute__((target("avx2,f16c"))) inline __m256 widen8(const bfloat16* src) noexcept {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
+/// Rounds 8 floats to half (nearest even; NaN -> 0x7fff) and stores them.
+__attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, half* dst) noexcept {
+  __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m128i nan = _mm_cmpgt_epi16(_mm_and_si128(h, _mm_set1_epi16(0x7fff)), _mm_set1_epi16(0x7c00));
+  h = _mm_or_si128(_mm_andnot_si128(nan, h), _mm_and_si128(nan, _mm_set1_epi16(0x7fff)));
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
+}
+/// Rounds 8 floats to bfloat16 (nearest even; NaN -> 0x7fff) and stores them: narrow_bfloat16_bits.
+__attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, bfloat16* dst) noexcept {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7fff)), lsb), 16);
+  r = _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)));
+  const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fff), nan);
+  // Every lane is <= 0xffff, so the saturating pack is exact; it packs within 128-bit halves, so the
+  // 64-bit quarters are put back in order afterwards.
+  const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
+  _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+}
+
+template <class T>
+__attribute__((target("avx2,f16c"))) void widen_run_avx2(const T* __restrict src, float* __restrict dst,
+                                                         std::int64_t n) noexcept {
+  std::int64_t i = 0;
+  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
+  for (; i < n; ++i) dst[i] = widen_value(src[i]);
+}
+
+template <class T>
+__attribute__((target("avx2,f16c"))) void store_run_avx2(const float* __restrict acc, T* __restrict c, std::int64_t n,
+                                                         float alpha, float beta) noexcept {
+  const __m256 a = _mm256_set1_ps(alpha), b = _mm256_set1_ps(beta);
+  std::int64_t i = 0;
+  if (beta == 0.0f) {
+    for (; i + 8 <= n; i += 8) narrow8(_mm256_mul_ps(a, _mm256_loadu_ps(acc + i)), c + i);
+    for (; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i]);
+    return;
+  }
+  // alpha * acc + beta * c as two products and a sum, as the portable code computes it (no FMA).
+  for (; i + 8 <= n; i += 8) {
+    narrow8(_mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(acc + i)), _mm256_mul_ps(b, widen8(c + i))), c + i);
+  }
+  for (; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
+}
+#endif
+
+/// dst[i] = float(src[i]) for i < n.
+template <class T>
+void widen_run(const T* src, float* dst, std::int64_t n) noexcept {
+#if LOCKSTEP_BLAS_X86_SIMD
+  if (has_avx2_f16c()) return widen_run_avx2(src, dst, n);
+#endif
+  widen_run_portable(src, dst, n);
+}
+
+/// c[i] = T(alpha * acc[i] + beta * float(c[i])) for i < n; c is not read when beta == 0.
+template <class T>
+void store_run(const float* acc, T* c, std::int64_t n, float alpha, float beta) noexcept {
+#if LOCKSTEP_BLAS_X86_SIMD
+  if (has_avx2_f16c()) return store_run_avx2(acc, c, n, alpha, beta);
+#endif
+  store_run_portable(acc, c, n, alpha, beta);
+}
+
+/// Rows x cols of a row-major matrix (leading dimension ld) into a dense fp32 block (leading dimension cols).
+template <class T>
+void widen_block(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t cols, float* dst) noexcept {
+  for (std::int64_t r = 0; r < rows; ++r) widen_run(src + r * ld, dst + r * cols, cols);
+}
+
+// ---- the host backend ----------------------------------------------------------------------------------------
+
+/// Block sizes of the host fp16/bf16 GEMM. Each dimension is split into equal blocks of at most the maximum
+/// (1100 rows are 2 x 550, not 1024 + 76, so that no sgemm call gets a sliver).
+///
+/// What costs time besides the multiply-adds is the traffic per element: converting an operand block to fp32,
+/// and OpenBLAS packing it again inside each sgemm call. op(A) is converted and packed once per block of
+/// columns and op(B) once per block of rows, so that traffic is about m n k (1 / rows + 1 / cols) elements:
+/// rows and columns get large blocks. The depth block can be small without cost (OpenBLAS itself works through
+/// the depth in steps of a few hundred) and bounds the operand blocks. Measured on one core (AVX-512 Xeon,
+/// OpenBLAS 0.3.21), the f16 GEMM takes 0.99x, 1.07x and 1.17x the time of the fp32 sgemm for square sizes
+/// 512, 1024 and 2048, against 1.09x, 1.15x and 1.30x with 256 x 512 x 2048 blocks. The scratch memory is at
+/// most 1024 x 256 + 256 x 1024 + 1024 x 1024 floats (6 MiB), whatever the problem size.
+struct host_blocking {
+  static constexpr std::int64_t max_rows = 1024;
+  static constexpr std::int64_t max_cols = 1024;
+  static constexpr std::int64_t max_depth = 256;
+
+  std::int64_t rows, cols, depth;
+
+  static constexpr std::int64_t split(std::int64_t extent, std::int64_t max_block) noexcept {
+    if (extent <= max_block) return extent;
+    const std::int64_t blocks = (extent + max_block - 1) / max_block;
+    return (extent + blocks - 1) / blocks;
+  }
+  static constexpr host_blocking for_problem(std::int64_t m, std::int64_t n, std::int64_t k) noexcept {
+    return {split(m, max_rows), split(n, max_cols), split(k, max_depth)};
+  }
+  /// Floats of scratch memory: a block of op(A) [rows, depth], of op(B) [depth, cols], of C [rows, cols].
+  [[nodiscard]] constexpr std::size_t scratch_floats() const noexcept {
+    return static_cast<std::size_t>(rows * depth + depth * cols + rows * cols);
+  }
+};
+
+/// C = beta * C (k == 0 or alpha == 0), rounding once; C is not read when beta == 0.
+template <class T>
+void scale_host(std::int64_t m, std::int64_t n, float beta, T* c, std::int64_t ldc) noexcept {
+  if (beta == 1.0f) return;
+  for (std::int64_t i = 0; i < m; ++i) {
+    T* row = c + i * ldc;
+    if (beta == 0.0f) {
+      std::memset(static_cast<void*>(row), 0, static_cast<std::size_t>(n) * sizeof(T));  // +0 in every type
+      continue;
+    }
+    for (std::int64_t j = 0; j < n; ++j) row[j] = convert<T>(beta * to_float(row[j]));
+  }
+}
+
+inline CBLAS_TRANSPOSE cblas_op(transpose t) noexcept { return t == transpose::yes ? CblasTrans : CblasNoTrans; }
+
+/// The fp16/bf16 GEMM on the host, in blocks of C: for each block of columns and each block of rows, the
+/// products over the whole depth are accumulated in an fp32 block `acc` (one or more sgemm calls) before
+/// the block is rounded into C, once. Operand blocks are converted in their stored layout (rows of the
+/// stored matrix stay contiguous) and sgemm transposes them as the caller asked. `scratch` holds
+/// `bl.scratch_floats()` floats. Runs on the stream's worker.
+template <class T>
+void gemm_host_blocked(const gemm_problem<T>& p, const host_blocking& bl, float* scratch) {
+  float* a_block = scratch;                        // op(A) block [rows, depth], stored as A is
+  float* b_block = a_block + bl.rows * bl.depth;   // op(B) block [depth, cols], stored as B is
+  float* acc = b_block + bl.depth * bl.cols;       // [rows, cols]
+  const bool ta = p.ta == transpose::yes, tb = p.tb == transpose::yes;
+  const bool one_depth_block = p.k <= bl.depth;
+
+  // Converts op(B)[p0 : p0 + kb, j0 : j0 + nb] into b_block; returns its leading dimension.
+  auto convert_b = [&](std::int64_t p0, std::int64_t kb, std::int64_t j0, std::int64_t nb) {
+    if (!tb) {
+      widen_block(p.b + p0 * p.ldb + j0, p.ldb, kb, nb, b_block);  // stored [k, n]
+      return nb;
+    }
+    widen_block(p.b + j0 * p.ldb + p0, p.ldb, nb, kb, b_block);  // stored [n, k]
+    return kb;
+  };
+  // Converts op(A)[i0 : i0 + mb, p0 : p0 + kb] into a_block; returns its leading dimension.
+  auto convert_a = [&](std::int64_t i0, std::int64_t mb, std::int64_t p0, std::int64_t kb) {
+    if (!ta) {
+      widen_block(p.a + i0 * p.lda + p0, p.lda, mb, kb, a_block);  // stored [m, k]
+      return kb;
+    }
+    widen_block(p.a + p0 * p.lda + i0, p.lda, kb, mb, a_block);  // stored [k, m]
+    return mb;
+  };
+
+  for (std::int64_t j0 = 0; j0 < p.n; j0 += bl.cols) {
+    const std::int64_t nb = std::min(bl.cols, p.n - j0);
+    std::int64_t ldb_block = 0;
+    if (one_depth_block) ldb_block = convert_b(0, p.k, j0, nb);  // serves every block of rows
+    for (std::int64_t i0 = 0; i0 < p.m; i0 += bl.rows) {
+      const std::int64_t mb = std::min(bl.rows, p.m - i0);
+      for (std::int64_t p0 = 0; p0 < p.k; p0 += bl.depth) {
+        const std::int64_t kb = std::min(bl.depth, p.k - p0);
+        if (!one_depth_block) ldb_block = convert_b(p0, kb, j0, nb);
+        const std::int64_t lda_block = convert_a(i0, mb, p0, kb);
+        cblas_sgemm(CblasRowMajor, cblas_op(p.ta), cblas_op(p.tb), static_cast<blasint>(mb),
+                    static_cast<blasint>(nb), static_cast<blasint>(kb), 1.0f, a_block,
+                    static_cast<blasint>(lda_block), b_block, static_cast<blasint>(ldb_block),
+                    p0 == 0 ? 0.0f : 1.0f, acc, static_cast<blasint>(nb));
+      }
+      for (std::int64_t r = 0; r < mb; ++r) {
+        store_run(acc + r * nb, p.c + (i0 + r) * p.ldc + j0, nb, p.alpha, p.beta);
+      }
+    }
+  }
+}
+
+template <class T>
+void gemm_host(blas_handle& h, const gemm_problem<T>& p) {
+  const stream_ref s = h.stream();
+  if (p.k == 0 || p.alpha == 0.0f) {
+    if (p.beta == 1.0f) return;
+    detail::enqueue_host(s, [p] { scale_host(p.m, p.n, p.beta, p.c, p.ldc); }, "gemm (C = beta * C)");
+    return;
+  }
+  if constexpr (std::is_same_v<T, float>) {
+    // OpenBLAS takes blasint (int in the LP64 build Debian ships) dimensions.
+    constexpr auto blas_max = static_cast<std::int64_t>(std::numeric_limits<blasint>::max());
+    LOCKSTEP_EXPECTS(p.m <= blas_max && p.n <= blas_max && p.k <= blas_max && p.lda <= blas_max &&
+                         p.ldb <= blas_max && p.ldc <= blas_max,
+                     "gemm: m = ", p.m, ", n = ", p.n, ", k = ", p.k, ", lda = ", p.lda, ", ldb = ", p.ldb,
+                     ", ldc = ", p.ldc, " exceed OpenBLAS's integer range (", blas_max,
+                     "); split the product into smaller GEMMs");
+    detail::enqueue_host(
+        s,
+        [p] {
+          cblas_sgemm(CblasRowMajor, cblas_op(p.ta), cblas_op(p.tb), static_cast<blasint>(p.m),
+                      static_cast<blasint>(p.n), static_cast<blasint>(p.k), p.alpha, p.a, static_cast<blasint>(p.lda),
+                      p.b, static_cast<blasint>(p.ldb), p.beta, p.c, static_cast<blasint>(p.ldc));
+        },
+        "gemm (f32, OpenBLAS)");
+  } else {
+    const host_blocking bl = host_blocking::for_problem(p.m, p.n, p.k);
+    float* scratch = h.scratch(bl.scratch_floats());  // in stream order, before the work that uses it
+    detail::enqueue_host(s, [p, bl, scratch] { gemm_host_blocked(p, bl, scratch); },
+                         std::is_same_v<T, half> ? "gemm (f16 via f32 blocks, OpenBLAS)"
+                                                 : "gemm (bf16 via f32 blocks, OpenBLAS)");
+  }
+}
+
+// ---- the CUDA backend ----------------------------------------------------------------------------------------
+
+#if LOCKSTEP_HAS_CUDA
+template <class T>
+constexpr cudaDataType_t cuda_data_type() noexcept {
+  if constexpr (std::is_same_v<T, float>) {
+    return CUDA_R_32F;
+  } else if constexpr (std::is_same_v<T, half>) {
+    return CUDA_R_16F;
+  } else {
+    return CUDA_R_16BF;
+  }
+}
+
+inline cublasOperation_t cublas_op(transpose t) noexcept { return t == transpose::yes ? CUBLAS_OP_T : CUBLAS_OP_N; }
+
+template <class T>
+void gemm_cuda(blas_handle& h, const gemm_problem<T>& p) {
+  const device d = h.get_device();
+  constexpr auto int_max = static_cast<std::int64_t>(std::numeric_limits<int>::max());
+  LOCKSTEP_EXPECTS(p.m <= int_max && p.n <= int_max && p.k <= int_max && p.lda <= int_max && p.ldb <= int_max &&
+                       p.ldc <= int_max,
+                   "gemm: m = ", p.m, ", n = ", p.n, ", k = ", p.k, ", lda = ", p.lda, ", ldb = ", p.ldb,
+                   ", ldc = ", p.ldc, " exceed cuBLAS's 32-bit range (", int_max,
+                   "); split the product into smaller GEMMs");
+  device_guard guard(d);
+  const cudaDataType_t type = cuda_data_type<T>();
+  const auto m = static_cast<int>(p.m), n = static_cast<int>(p.n), k = static_cast<int>(p.k);
+  const auto ldc = static_cast<int>(p.ldc);
+  if (p.k == 0 || p.alpha == 0.0f) {
+    // C = beta * C without reading A or B. Done here rather than by cuBLAS, which has not always applied
+    // beta when k == 0 (pytorch/pytorch#31421) and does not promise to skip A and B when alpha == 0.
+    if (p.beta == 1.0f) return;
+    if (p.beta == 0.0f) {
+      LOCKSTEP_CUDA_CHECK(cudaMemset2DAsync(p.c, static_cast<std::size_t>(p.ldc) * sizeof(T), 0,
+                                            static_cast<std::size_t>(p.n) * sizeof(T), static_cast<std::size_t>(p.m),
+                                            h.stream().cuda_stream()),
+                          "zeroing C of a ", p.m, " x ", p.n, " GEMM (k = ", p.k, ", beta = 0) on ", d.str());
+      return;
+    }
+    // Scale the rows (dense C: all of it at once) or the columns, whichever takes fewer calls.
+    const float beta = p.beta;
+    if ((p.ldc == p.n || p.m == 1) && p.m * p.n <= int_max) {
+      LOCKSTEP_CUBLAS_CHECK(cublasScalEx(h.cublas(), m * n, &beta, CUDA_R_32F, p.c, type, 1, CUDA_R_32F),
+                            "scaling C of a ", p.m, " x ", p.n, " GEMM by beta = ", beta, " on ", d.str());
+    } else if (p.m <= p.n) {
+      for (std::int64_t i = 0; i < p.m; ++i) {
+        LOCKSTEP_CUBLAS_CHECK(cublasScalEx(h.cublas(), n, &beta, CUDA_R_32F, p.c + i * p.ldc, type, 1, CUDA_R_32F),
+                              "scaling row ", i, " of C of a ", p.m, " x ", p.n, " GEMM by beta on ", d.str());
+      }
+    } else {
+      for (std::int64_t j = 0; j < p.n; ++j) {
+        LOCKSTEP_CUBLAS_CHECK(cublasScalEx(h.cublas(), m, &beta, CUDA_R_32F, p.c + j, type, ldc, CUDA_R_32F),
+                              "scaling column ", j, " of C of a ", p.m, " x ", p.n, " GEMM by beta on ", d.str());
+      }
+    }
+    return;
+  }
+  // Row-major C [m, n] is column-major C^T [n, m] = op(B)^T op(A)^T: a row-major matrix read as column-major
+  // is its transpose, so B and A are passed as they are, in swapped order, with their own transpose flags.
+  LOCKSTEP_CUBLAS_CHECK(cublasGemmEx(h.cublas(), cublas_op(p.tb), cublas_op(p.ta), n, m, k, &p.alpha, p.b, type,
+                                     static_cast<int>(p.ldb), p.a, type, static_cast<int>(p.lda), &p.beta, p.c, type,
+                                     ldc, CUBLAS_COMPUTE_32F, CUBLAS_GEMM_DEFAULT),
+                        "computing a GEMM in ", name_of(dtype_of_v<T>), " (m = ", p.m, ", n = ", p.n, ", k = ", p.k,
+                        ", ta = ", name_of(p.ta), ", tb = ", name_of(p.tb), ") on ", d.str());
+}
+#endif
+
+/// Checks the arguments of gemm() with NCCL's care: the argument, its value, and the valid range.
+template <class T>
+void check_gemm_arguments(const gemm_problem<T>& p, device d) {
+  LOCKSTEP_EXPECTS(p.m >= 0, "gemm: invalid m = ", p.m, " (the number of rows of C must be >= 0)");
+  LOCKSTEP_EXPECTS(p.n >= 0, "gemm: invalid n = ", p.n, " (the number of columns of C must be >= 0)");
+  LOCKSTEP_EXPECTS(p.k >= 0, "gemm: invalid k = ", p.k, " (the inner dimension must be >= 0)");
+  const bool ta = p.ta == transpose::yes, tb = p.tb == transpose::yes;
+  const std::int64_t a_cols = ta ? p.m : p.k, b_cols = tb ? p.k : p.n;
+  LOCKSTEP_EXPECTS(p.lda >= std::max<std::int64_t>(1, a_cols), "gemm: invalid lda = ", p.lda, " (with ta = ",
+                   name_of(p.ta), ", A is stored row-major as ", ta ? "k x m = " : "m x k = ", ta ? p.k : p.m,
+                   " x ", a_cols, ", so lda must be >= max(1, ", ta ? "m" : "k", ") = ",
+                   std::max<std::int64_t>(1, a_cols), ")");
+  LOCKSTEP_EXPECTS(p.ldb >= std::max<std::int64_t>(1, b_cols), "gemm: invalid ldb = ", p.ldb, " (with tb = ",
+                   name_of(p.tb), ", B is stored row-major as ", tb ? "n x k = " : "k x n = ", tb ? p.n : p.k,
+                   " x ", b_cols, ", so ldb must be >= max(1, ", tb ? "k" : "n", ") = ",
+                   std::max<std::int64_t>(1, b_cols), ")");
+  LOCKSTEP_EXPECTS(p.ldc >= std::max<std::int64_t>(1, p.n), "gemm: invalid ldc = ", p.ldc,
+                   " (C is stored row-major as m x n = ", p.m, " x ", p.n, ", so ldc must be >= max(1, n) = ",
+                   std::max<std::int64_t>(1, p.n), ")");
+  LOCKSTEP_EXPECTS(p.a != nullptr || p.m == 0 || p.k == 0, "gemm: a is null but op(A) is m x k = ", p.m, " x ",
+                   p.k, " (expected memory of ", d.str(), ")");
+  LOCKSTEP_EXPECTS(p.b != nullptr || p.k == 0 || p.n == 0, "gemm: b is null but op(B) is k x n = ", p.k, " x ",
+                   p.n, " (expected memory of ", d.str(), ")");
+  LOCKSTEP_EXPECTS(p.c != nullptr || p.m == 0 || p.n == 0, "gemm: c is null but C is m x n = ", p.m, " x ", p.n,
+                   " (expected memory of ", d.str(), ")");
+}
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// C[m, n] = alpha * op(A)[m, k] * op(B)[k, n] + beta * C, row-major, queued on h.stream().
+///
+/// Layout: every matrix is row-major with a leading dimension in elements. With ta == transpose::no, A is
+/// stored m x k and lda >= max(1, k); with ta == transpose::yes, A is stored k x m (op(A) = A^T) and
+/// lda >= max(1, m). Likewise B is stored k x n (ldb >= max(1, n)) or n x k (ldb >= max(1, k)), and C is
+/// m x n with ldc >= max(1, n). Elements of C beyond column n of a row are neither read nor written.
+///
+/// Arithmetic: T is float, half or bfloat16; products are summed in fp32 and the result is rounded to T
+/// once (see the file comment). k == 0 or alpha == 0 gives C = beta * C without reading A and B; beta == 0
+/// does not read C; m == 0 or n == 0 does nothing.
+///
+/// Preconditions, checked (throws precondition_error naming the argument, its value and the valid range):
+/// m, n, k >= 0; the leading dimensions above; a, b, c not null where the matrix is not empty. Not
+/// checkable, and the caller's duty: a, b and c point to memory of h.get_device() that holds the matrices
+/// and stays valid until the stream has passed the GEMM; C does not overlap A or B.
+///
+/// Asynchronous: returns once the work is queued on h.stream(). A failure of the queued host work is
+/// reported by the next synchronization of the stream; cuBLAS errors at launch throw cublas_error. On a host
+/// device, an fp16/bf16 GEMM may first grow the handle's scratch memory (out_of_memory_error when the
+/// device is full); an fp32 GEMM never allocates, and neither does any GEMM on a GPU.
+template <class T>
+void gemm(blas_handle& h, transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
+          const T* a, std::int64_t lda, const T* b, std::int64_t ldb, float beta, T* c, std::int64_t ldc) {
+  static_assert(is_storage_float_v<T>, "lockstep::gemm<T>: T must be float, lockstep::half or lockstep::bfloat16");
+  const detail::gemm_problem<T> p{ta, tb, m, n, k, alpha, a, lda, b, ldb, beta, c, ldc};
+  detail::check_gemm_arguments(p, h.get_device());
+  if (m == 0 || n == 0) return;
+  if (h.get_device().is_host()) return detail::gemm_host(h, p);
+#if LOCKSTEP_HAS_CUDA
+  detail::gemm_cuda(h, p);
+#else
+  throw device_error("unreachable: a blas_handle of a GPU in a host-only translation unit");
+#endif
+}
+
+LOCKSTEP_ABI_END

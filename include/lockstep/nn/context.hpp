@@ -1,0 +1,87 @@
+// lockstep/nn/context.hpp — what a layer needs to run on one device: the device, its compute stream, a BLAS
+// handle bound to that stream, the compute precision, the training mode, and the random-number state.
+//
+// One context per device replica. Contexts are passed explicitly to every forward and backward: there is no
+// global current stream.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <span>
+
+#include "lockstep/blas/blas_handle.hpp"
+#include "lockstep/config.hpp"
+#include "lockstep/core/dtype.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+class parameter;
+
+/// Training (dropout active, gradients needed) or evaluation.
+enum class run_mode : std::uint8_t { train, eval };
+
+/// Whether backward must compute the gradient of the layer's input (the first layer's is not needed).
+enum class input_grad : std::uint8_t { required, not_required };
+
+class context {
+ public:
+  /// A context running on `s` (a stream of the replica's device) computing in `compute_type`.
+  explicit context(stream_ref s, dtype compute_type = dtype::f32) : stream_(s), blas_(s), compute_type_(compute_type) {
+    LOCKSTEP_EXPECTS(is_floating(compute_type), "a context computes in f32, f16 or bf16, not ", name_of(compute_type));
+  }
+  context(const context&) = delete;
+  context& operator=(const context&) = delete;
+
+  [[nodiscard]] device get_device() const noexcept { return stream_.get_device(); }
+  [[nodiscard]] stream_ref stream() const noexcept { return stream_; }
+  [[nodiscard]] blas_handle& blas() noexcept { return blas_; }
+  /// The precision activations and gradients are stored in (f32 unless a mixed-precision policy is set).
+  [[nodiscard]] dtype compute_type() const noexcept { return compute_type_; }
+  void set_compute_type(dtype t) {
+    LOCKSTEP_EXPECTS(is_floating(t), "a context computes in f32, f16 or bf16, not ", name_of(t));
+    compute_type_ = t;
+  }
+
+  [[nodiscard]] run_mode mode() const noexcept { return mode_; }
+  [[nodiscard]] bool training() const noexcept { return mode_ == run_mode::train; }
+  void set_mode(run_mode m) noexcept { mode_ = m; }
+
+  /// Random numbers (dropout) are a pure function of (seed, step, layer, global element index), so that a
+  /// batch split across devices draws the same numbers as on one device.
+  [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
+  void set_seed(std::uint64_t s) noexcept { seed_ = s; }
+  [[nodiscard]] std::uint64_t step() const noexcept { return step_; }
+  void set_step(std::uint64_t s) noexcept { step_ = s; }
+  /// Index, in the global batch, of this replica's first row (0 on one device).
+  [[nodiscard]] std::int64_t row_offset() const noexcept { return row_offset_; }
+  void set_row_offset(std::int64_t r) noexcept { row_offset_ = r; }
+
+  /// Called by containers after a child's backward has been queued, with the child's parameters: their
+  /// gradients are final once the work queued so far on stream() has run. DistributedDataParallel uses it
+  /// to start all-reducing a bucket while the rest of backward runs.
+  using gradients_ready_fn = std::function<void(std::span<parameter* const>)>;
+  void set_gradients_ready_hook(gradients_ready_fn f) { on_gradients_ready_ = std::move(f); }
+  void gradients_ready(std::span<parameter* const> params) {
+    if (on_gradients_ready_ && !params.empty()) on_gradients_ready_(params);
+  }
+  [[nodiscard]] bool has_gradients_ready_hook() const noexcept { return static_cast<bool>(on_gradients_ready_); }
+
+  /// Device pointer to the loss scale (amp/): losses multiply the gradient they start backward with by it.
+  /// nullptr means 1.
+  [[nodiscard]] const float* loss_scale() const noexcept { return loss_scale_; }
+  void set_loss_scale(const float* device_scale) noexcept { loss_scale_ = device_scale; }
+
+ private:
+  stream_ref stream_;
+  blas_handle blas_;
+  dtype compute_type_;
+  run_mode mode_ = run_mode::train;
+  std::uint64_t seed_ = 0;
+  std::uint64_t step_ = 0;
+  std::int64_t row_offset_ = 0;
+  gradients_ready_fn on_gradients_ready_;
+  const float* loss_scale_ = nullptr;
+};
+
+LOCKSTEP_ABI_END

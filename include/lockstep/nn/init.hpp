@@ -1,0 +1,55 @@
+// lockstep/nn/init.hpp — deterministic parameter initialization.
+//
+// `initializer` hands out a new random stream to every parameter it initializes, in creation order, so that a
+// model built the same way from the same seed has the same weights on any device and either backend.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <vector>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/random.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+class initializer {
+ public:
+  explicit initializer(std::uint64_t seed = 0) noexcept : seed_(seed) {}
+
+  /// Fills `p`'s values with U(-bound, bound) (PyTorch's Linear default uses bound = 1/sqrt(fan_in)), copied to
+  /// the device in stream order on `s`, and refreshes its working copy.
+  void uniform(parameter& p, float bound, stream_ref s) {
+    const std::uint64_t stream_id = next_stream();
+    std::vector<float> values(static_cast<std::size_t>(p.numel()));
+    for (std::size_t i = 0; i < values.size(); ++i) {
+      values[i] = (2.0f * philox_uniform(seed_, stream_id, i) - 1.0f) * bound;
+    }
+    write(p, values, s);
+  }
+
+  /// Fills `p`'s values with a constant.
+  void constant(parameter& p, float value, stream_ref s) {
+    (void)next_stream();
+    write(p, std::vector<float>(static_cast<std::size_t>(p.numel()), value), s);
+  }
+
+  [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
+
+  /// A random stream id of its own for a layer that draws numbers while training (dropout).
+  [[nodiscard]] std::uint64_t next_stream() noexcept { return next_stream_++; }
+
+ private:
+  static void write(parameter& p, const std::vector<float>& values, stream_ref s) {
+    auto staged = to_device(values, s);
+    copy(p.value().span<float>(), device_span<const float>(staged.span()), s);
+    p.refresh_working_copy(s);
+  }
+
+  std::uint64_t seed_;
+  std::uint64_t next_stream_ = 0;
+};
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,135 @@
+// lockstep/nn/layer.hpp — the `layer` concept user code writes against, and `any_layer`, its type-erased box.
+//
+// A layer maps a batch [rows, ...] to a batch [rows, ...] on one device:
+//
+//   tensor_view forward(const tensor_view& x, context& ctx);
+//       Computes the output into memory the layer owns (valid until its next forward) and remembers what
+//       backward needs. Work is queued on ctx.stream(); nothing waits for the device.
+//   tensor_view backward(const tensor_view& grad_y, context& ctx, input_grad need);
+//       Given dL/dy for the last forward's output, accumulates dL/dparameter into each parameter's gradient
+//       (parameter::begin_accumulate gives the factor for the old contents) and returns dL/dx in memory the
+//       layer owns — or an empty view when `need` is input_grad::not_required.
+//   void parameters(parameter_list& out);
+//       Adds its parameters, always in the same order.
+//   L clone(context& ctx) const;
+//       A copy on ctx's device with the same parameter values (copied in stream order on ctx.stream()).
+//   shape output_shape(const shape& sample) const;
+//       The shape of one output sample for one input sample (no batch dimension); throws
+//       precondition_error when the input shape does not fit the layer. Graphs check shapes with it.
+//
+// Activations are kept in ctx.compute_type(); parameters are read through parameter::compute_value().
+#pragma once
+
+#include <concepts>
+#include <memory>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include "lockstep/config.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/runtime/tensor.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+template <class L>
+concept layer = std::movable<L> && requires(L& l, const L& cl, const tensor_view& t, context& ctx, parameter_list& ps,
+                                            const shape& s) {
+  { l.forward(t, ctx) } -> std::same_as<tensor_view>;
+  { l.backward(t, ctx, input_grad::required) } -> std::same_as<tensor_view>;
+  l.parameters(ps);
+  { cl.clone(ctx) } -> std::same_as<L>;
+  { cl.output_shape(s) } -> std::same_as<shape>;
+};
+
+/// All parameters of a layer, in order, with qualified names.
+template <layer L>
+parameter_list parameters_of(L& l) {
+  parameter_list out;
+  l.parameters(out);
+  return out;
+}
+
+/// Marks every gradient of `l` zero (no memory is written; see parameter::zero_grad).
+template <layer L>
+void zero_grad(L& l) {
+  for (const auto& p : parameters_of(l)) p.param->zero_grad();
+}
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+/// Runs a child's backward and tells the context which parameters now have final gradients.
+template <layer L>
+tensor_view backward_and_report(L& child, const tensor_view& grad_y, context& ctx, input_grad need) {
+  tensor_view gx = child.backward(grad_y, ctx, need);
+  if (ctx.has_gradients_ready_hook()) {
+    parameter_list ps;
+    child.parameters(ps);
+    const auto ptrs = ps.pointers();
+    ctx.gradients_ready(ptrs);
+  }
+  return gx;
+}
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// A layer of any type satisfying `layer`, behind one type: what runtime graphs hold. Move-only.
+class any_layer {
+ public:
+  any_layer() = default;
+  template <layer L>
+    requires(!std::same_as<std::remove_cvref_t<L>, any_layer>)
+  any_layer(L l)  // NOLINT(google-explicit-constructor): wrapping is the point
+      : self_(std::make_unique<model<L>>(std::move(l))) {}
+
+  tensor_view forward(const tensor_view& x, context& ctx) { return get().forward(x, ctx); }
+  tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) { return get().backward(gy, ctx, need); }
+  void parameters(parameter_list& out) { get().parameters(out); }
+  [[nodiscard]] any_layer clone(context& ctx) const { return any_layer(get().clone(ctx)); }
+  [[nodiscard]] shape output_shape(const shape& s) const { return get().output_shape(s); }
+  [[nodiscard]] bool has_value() const noexcept { return static_cast<bool>(self_); }
+
+  /// The wrapped layer when it is an L, else nullptr.
+  template <class L>
+  [[nodiscard]] L* target() noexcept {
+    auto* m = dynamic_cast<model<L>*>(self_.get());
+    return m ? &m->impl : nullptr;
+  }
+
+ private:
+  struct interface {
+    virtual ~interface() = default;
+    virtual tensor_view forward(const tensor_view& x, context& ctx) = 0;
+    virtual tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) = 0;
+    virtual void parameters(parameter_list& out) = 0;
+    [[nodiscard]] virtual std::unique_ptr<interface> clone(context& ctx) const = 0;
+    [[nodiscard]] virtual shape output_shape(const shape& s) const = 0;
+  };
+  template <class L>
+  struct model final : interface {
+    explicit model(L l) : impl(std::move(l)) {}
+    tensor_view forward(const tensor_view& x, context& ctx) override { return impl.forward(x, ctx); }
+    tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) override {
+      return impl.backward(gy, ctx, need);
+    }
+    void parameters(parameter_list& out) override { impl.parameters(out); }
+    [[nodiscard]] std::unique_ptr<interface> clone(context& ctx) const override {
+      return std::make_unique<model<L>>(impl.clone(ctx));
+    }
+    [[nodiscard]] shape output_shape(const shape& s) const override { return impl.output_shape(s); }
+    L impl;
+  };
+  explicit any_layer(std::unique_ptr<interface> p) : self_(std::move(p)) {}
+  interface& get() const {
+    LOCKSTEP_EXPECTS(self_ != nullptr, "use of an empty any_layer");
+    return *self_;
+  }
+
+  std::unique_ptr<interface> self_;
+};
+static_assert(layer<any_layer>);
+
+LOCKSTEP_ABI_END

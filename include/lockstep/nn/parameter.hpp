@@ -1,0 +1,162 @@
+// lockstep/nn/parameter.hpp — trainable parameters and the ordered lists of them.
+//
+// A parameter holds fp32 master values, a gradient, and, under a reduced-precision policy (amp/), a working
+// copy in that precision that forward and backward read. Gradients are stored in the compute precision.
+//
+// Gradients accumulate (as in PyTorch): backward adds into them. `zero_grad` does not write memory; it marks
+// the gradient as zero, and the first accumulation after it overwrites instead of adding (beta = 0 in a
+// GEMM), which saves a pass over every gradient per step. Code that reads gradients calls
+// `materialize_grad` first, which zeroes a gradient nobody wrote since (an unused parameter).
+#pragma once
+
+#include <string>
+#include <string_view>
+#include <vector>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/runtime/tensor.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+class parameter {
+ public:
+  parameter() = default;
+
+  /// A parameter named `name` (local to its layer: "weight") of shape `dims` on the device of `s`, with
+  /// uninitialized fp32 values and a gradient in `compute_type`, marked zero.
+  parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
+      : name_(std::move(name)), value_(dims, dtype::f32, s) {
+    set_compute_type(compute_type, s);
+  }
+
+  [[nodiscard]] const std::string& name() const noexcept { return name_; }
+  [[nodiscard]] const shape& dims() const noexcept { return value_.dims(); }
+  [[nodiscard]] std::int64_t numel() const noexcept { return value_.numel(); }
+  [[nodiscard]] device get_device() const noexcept { return value_.get_device(); }
+
+  /// The fp32 master values (what the optimizer updates and checkpoints store).
+  [[nodiscard]] tensor_view value() const noexcept { return value_.view(); }
+  /// What forward and backward read: the working copy under f16/bf16, the master values under f32.
+  [[nodiscard]] tensor_view compute_value() const noexcept { return working_.empty() ? value_.view() : working_.view(); }
+  /// The gradient, in the compute precision.
+  [[nodiscard]] tensor_view grad() const noexcept { return grad_.view(); }
+  [[nodiscard]] dtype compute_type() const noexcept { return grad_.type(); }
+
+  /// True when the gradient is logically zero (zero_grad was called and nothing accumulated since).
+  [[nodiscard]] bool grad_is_zero() const noexcept { return grad_zero_; }
+
+  /// Marks the gradient zero without writing it.
+  void zero_grad() noexcept { grad_zero_ = true; }
+
+  /// For code about to accumulate into the gradient: returns the factor for the old contents (0 when the
+  /// gradient is logically zero, so the accumulation overwrites; 1 otherwise) and marks it written.
+  [[nodiscard]] float begin_accumulate() noexcept { return std::exchange(grad_zero_, false) ? 0.0f : 1.0f; }
+
+  /// Writes zeros into a gradient that is logically zero, so that readers of its memory see them.
+  void materialize_grad(stream_ref s) {
+    if (!grad_zero_) return;
+    fill_zero(device_span<std::byte>(static_cast<std::byte*>(grad_.data()), grad_.size_bytes(), grad_.get_device()), s);
+    grad_zero_ = false;
+  }
+
+  /// Switches the compute precision: allocates the gradient in `type` and, for f16/bf16, a working copy
+  /// refreshed from the master values (in stream order on `s`). f32 drops the working copy.
+  void set_compute_type(dtype type, stream_ref s) {
+    LOCKSTEP_EXPECTS(is_floating(type), "parameter ", name_, ": compute type must be f32, f16 or bf16, got ",
+                     name_of(type));
+    if (grad_.empty() || grad_.type() != type) grad_ = tensor(value_.dims(), type, s);
+    grad_zero_ = true;
+    if (type == dtype::f32) {
+      working_ = tensor();
+    } else {
+      working_.ensure(value_.dims(), type, s);
+      refresh_working_copy(s);
+    }
+  }
+
+  /// Rounds the master values into the working copy (after an optimizer step). No-op under f32.
+  void refresh_working_copy(stream_ref s) {
+    if (working_.empty()) return;
+    dispatch_floating(working_.type(), "refresh_working_copy", [&]<class T>() {
+      cast<T, float>(value_.span<const float>(), working_.span<T>(), s);
+    });
+  }
+
+  /// The working copy, for a fused optimizer that writes it directly; empty under f32.
+  [[nodiscard]] tensor_view working() const noexcept { return working_.view(); }
+
+  /// A copy of this parameter on the device of `s` (values copied in stream order on `s`; the caller makes
+  /// `s` wait for the work that produced the source values). The gradient starts zero.
+  [[nodiscard]] parameter clone(stream_ref s) const {
+    parameter p(name_, value_.dims(), s, compute_type());
+    copy(p.value_.span<float>(), value_.span<const float>(), s);
+    p.refresh_working_copy(s);
+    return p;
+  }
+
+ private:
+  std::string name_;
+  tensor value_;
+  tensor working_;
+  tensor grad_;
+  bool grad_zero_ = true;
+};
+
+/// A parameter and its qualified name ("fc1.weight").
+struct named_parameter {
+  std::string name;
+  parameter* param;
+};
+
+/// The parameters of a model in a stable order (the order layers add them: creation order within a layer,
+/// layer order within a container). Containers open a scope per child so names are qualified.
+class parameter_list {
+ public:
+  /// Appends `p` under the current scope.
+  void add(parameter& p) { items_.push_back(named_parameter{prefix_ + p.name(), &p}); }
+
+  /// Names the parameters added until the returned guard ends with `scope` + ".".
+  [[nodiscard]] auto scope(std::string_view name) {
+    struct guard {
+      guard(parameter_list* l, std::size_t p) noexcept : list(l), previous(p) {}
+      guard(const guard&) = delete;
+      guard& operator=(const guard&) = delete;
+      ~guard() { list->prefix_.resize(previous); }
+      parameter_list* list;
+      std::size_t previous;
+    };
+    const std::size_t previous = prefix_.size();
+    prefix_ += name;
+    prefix_ += '.';
+    return guard{this, previous};
+  }
+
+  [[nodiscard]] const std::vector<named_parameter>& items() const noexcept { return items_; }
+  [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
+  [[nodiscard]] auto begin() const noexcept { return items_.begin(); }
+  [[nodiscard]] auto end() const noexcept { return items_.end(); }
+  [[nodiscard]] const named_parameter& operator[](std::size_t i) const { return items_.at(i); }
+
+  /// The parameters alone, in order.
+  [[nodiscard]] std::vector<parameter*> pointers() const {
+    std::vector<parameter*> out;
+    out.reserve(items_.size());
+    for (const auto& item : items_) out.push_back(item.param);
+    return out;
+  }
+
+  /// Total number of elements.
+  [[nodiscard]] std::int64_t numel() const noexcept {
+    std::int64_t n = 0;
+    for (const auto& item : items_) n += item.param->numel();
+    return n;
+  }
+
+ private:
+  std::vector<named_parameter> items_;
+  std::string prefix_;
+};
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,143 @@
+// lockstep/optim/optimizer.hpp — what SGD and AdamW share: parameter groups, state on the parameters'
+// device, a device-side step count, and one fused multi-tensor update per group and dtype.
+#pragma once
+
+#include <array>
+#include <cstring>
+#include <optional>
+#include <cstdint>
+#include <span>
+#include <string>
+#include <vector>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/launch.hpp"
+#include "lockstep/kernels/multi_tensor.hpp"
+#include "lockstep/kernels/optim.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/tensor.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+/// What a step reads from mixed precision (amp/): the inverse loss scale applied to gradients as they are
+/// read, and a device flag that skips the step. Both null (the default) outside mixed precision.
+using step_inputs = kernels::step_inputs;
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// Parameter groups with `State` fp32 state tensors per parameter (momentum; Adam's m and v).
+template <class Options, int State>
+class optimizer_core {
+ public:
+  /// Adds a group of parameters updated with `options`. All parameters of an optimizer live on one device.
+  void add_param_group(std::span<parameter* const> params, const Options& options) {
+    param_group g{std::vector<parameter*>(params.begin(), params.end()), options, {}};
+    for (parameter* p : g.params) {
+      LOCKSTEP_EXPECTS(p != nullptr, "a null parameter in an optimizer group");
+      if (!dev_) dev_ = p->get_device();
+      LOCKSTEP_EXPECTS(p->get_device() == *dev_, "optimizer parameters must be on one device: ", p->name(), " is on ",
+                       p->get_device().str(), ", others on ", dev_->str(),
+                       " (use one optimizer per replica, or DataParallel which steps on device_ids[0])");
+      for (const auto& other : groups_)
+        for (parameter* q : other.params)
+          LOCKSTEP_EXPECTS(q != p, "parameter ", p->name(), " is in two optimizer groups");
+    }
+    groups_.push_back(std::move(g));
+  }
+
+  /// Marks every gradient of every group zero.
+  void zero_grad() noexcept {
+    for (auto& g : groups_)
+      for (parameter* p : g.params) p->zero_grad();
+  }
+
+  [[nodiscard]] std::size_t group_count() const noexcept { return groups_.size(); }
+  [[nodiscard]] Options& options(std::size_t index = 0) { return groups_.at(index).options; }
+  [[nodiscard]] const std::vector<parameter*>& params(std::size_t index = 0) const { return groups_.at(index).params; }
+
+  /// State tensor `which` of parameter `index` of `group` (empty before the first step).
+  [[nodiscard]] tensor_view state(std::size_t group_index, std::size_t index, int which) const {
+    const auto& g = groups_.at(group_index);
+    if (g.state.empty()) return {};
+    return g.state.at(index).at(static_cast<std::size_t>(which)).view();
+  }
+
+  /// Steps applied so far; synchronizes `s`. (The count lives on the device: a skipped step does not count.)
+  [[nodiscard]] std::int64_t steps_taken(stream_ref s) const {
+    if (counters_.empty()) return 0;
+    const auto bytes = to_vector(counters_.template span<const std::uint8_t>(), s);
+    kernels::optimizer_counters c{};
+    std::memcpy(&c, bytes.data(), sizeof c);
+    return c.step;
+  }
+
+ protected:
+  struct param_group {
+    std::vector<parameter*> params;
+    Options options;
+    std::vector<std::array<tensor, State>> state;
+  };
+
+  /// Allocates zeroed state (for groups whose options need it) and counters on the first step,
+  /// materializes gradients nobody wrote, and advances the device step count (unless skipped).
+  template <class NeedsState>
+  kernels::optimizer_counters* prepare(stream_ref s, step_inputs in, float beta1, float beta2, NeedsState needs_state) {
+    LOCKSTEP_EXPECTS(dev_.has_value(), "an optimizer without parameters cannot step");
+    LOCKSTEP_EXPECTS(s.get_device() == *dev_, "optimizer step on a stream of ", s.get_device().str(),
+                     " for parameters on ", dev_->str());
+    if (counters_.empty()) {
+      counters_.ensure(shape{static_cast<std::int64_t>(sizeof(kernels::optimizer_counters))}, dtype::u8, s);
+      fill_zero(counters_.template span<std::uint8_t>(), s);
+    }
+    for (auto& g : groups_) {
+      if (g.state.empty() && needs_state(g.options)) {
+        g.state.resize(g.params.size());
+        for (std::size_t i = 0; i < g.params.size(); ++i) {
+          for (auto& t : g.state[i]) {
+            t.ensure(g.params[i]->dims(), dtype::f32, s);
+            fill_zero(t.template span<float>(), s);
+          }
+        }
+      }
+      for (parameter* p : g.params) p->materialize_grad(s);
+    }
+    auto* counters = reinterpret_cast<kernels::optimizer_counters*>(counters_.data());
+    launch_elementwise(1, kernels::prepare_step_op{counters, in, beta1, beta2}, s, "optimizer step count");
+    return counters;
+  }
+
+  /// Calls launch(groups_of_dtype_T, options) for every group and every gradient dtype T present, with the
+  /// tensor groups [value, grad, state..., working] built for T.
+  template <int K, class Launch>
+  void for_each_batch(Launch&& launch) {
+    static_assert(K == State + 3, "tensor groups are [value, grad, state..., working]");
+    for (auto& g : groups_) {
+      for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+        std::vector<tensor_group<K>> batch;
+        for (std::size_t i = 0; i < g.params.size(); ++i) {
+          parameter* p = g.params[i];
+          if (p->compute_type() != t) continue;
+          tensor_group<K> tg{};
+          tg.ptr[0] = p->value().data();
+          tg.ptr[1] = p->grad().data();
+          for (int k = 0; k < State; ++k) {
+            tg.ptr[2 + k] = g.state.empty() ? nullptr : g.state[i][static_cast<std::size_t>(k)].data();
+          }
+          tg.ptr[K - 1] = p->working().empty() ? nullptr : p->working().data();
+          tg.size = static_cast<std::size_t>(p->numel());
+          batch.push_back(tg);
+        }
+        if (!batch.empty()) launch(t, std::span<const tensor_group<K>>(batch), g.options);
+      }
+    }
+  }
+
+  std::vector<param_group> groups_;
+  std::optional<device> dev_;
+  tensor counters_;
+};
+
+LOCKSTEP_DETAIL_END

@@ -1,0 +1,111 @@
+// lockstep/kernels/activation.hpp — kernel bodies of the element-wise layers: bias, ReLU, GELU, tanh,
+// dropout, and the column sums that give a bias gradient.
+//
+// Values are loaded from the storage type T, computed in f32, and rounded to T once when stored.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/half.hpp"
+#include "lockstep/core/random.hpp"
+
+LOCKSTEP_ABI_BEGIN
+namespace kernels {
+
+/// y[r, c] = x[r, c] + b[c] over a [rows, cols] row-major matrix (x and y may be the same memory).
+template <class T>
+struct add_bias_op {
+  const T* x;
+  const T* b;
+  T* y;
+  std::size_t cols;
+  LOCKSTEP_HD void operator()(std::size_t i) const { y[i] = convert<T>(to_float(x[i]) + to_float(b[i % cols])); }
+};
+
+/// db[c] = beta * db[c] + sum over r of g[r, c]: one index per column; the loop over rows makes reads of
+/// neighbouring columns by neighbouring threads coalesced on a GPU.
+template <class T>
+struct column_sum_op {
+  const T* g;
+  T* db;
+  std::size_t rows;
+  std::size_t cols;
+  float beta;
+  LOCKSTEP_HD void operator()(std::size_t c) const {
+    float acc = 0.0f;
+    for (std::size_t r = 0; r < rows; ++r) acc += to_float(g[r * cols + c]);
+    db[c] = convert<T>(beta == 0.0f ? acc : beta * to_float(db[c]) + acc);
+  }
+};
+
+struct relu_fn {
+  LOCKSTEP_HD static float forward(float x) { return x > 0.0f ? x : 0.0f; }
+  /// dL/dx from dL/dy and the saved output y (ReLU's derivative is y > 0).
+  LOCKSTEP_HD static float backward(float gy, float /*x*/, float y) { return y > 0.0f ? gy : 0.0f; }
+};
+
+struct tanh_fn {
+  LOCKSTEP_HD static float forward(float x) { return ::tanhf(x); }
+  LOCKSTEP_HD static float backward(float gy, float /*x*/, float y) { return gy * (1.0f - y * y); }
+};
+
+/// GELU with the exact erf form (PyTorch's default): x * Phi(x).
+struct gelu_fn {
+  LOCKSTEP_HD static float forward(float x) { return 0.5f * x * (1.0f + ::erff(x * 0.70710678118654752f)); }
+  LOCKSTEP_HD static float backward(float gy, float x, float /*y*/) {
+    const float cdf = 0.5f * (1.0f + ::erff(x * 0.70710678118654752f));
+    const float pdf = 0.39894228040143268f * ::expf(-0.5f * x * x);
+    return gy * (cdf + x * pdf);
+  }
+};
+
+template <class Fn, class T>
+struct activation_forward_op {
+  const T* x;
+  T* y;
+  LOCKSTEP_HD void operator()(std::size_t i) const { y[i] = convert<T>(Fn::forward(to_float(x[i]))); }
+};
+
+template <class Fn, class T>
+struct activation_backward_op {
+  const T* gy;
+  const T* x;
+  const T* y;
+  T* gx;
+  LOCKSTEP_HD void operator()(std::size_t i) const {
+    gx[i] = convert<T>(Fn::backward(to_float(gy[i]), to_float(x[i]), to_float(y[i])));
+  }
+};
+
+/// Dropout's keep decision for element `global_index` of the step: a pure function of (seed, stream, step,
+/// index), so the mask is recomputed in backward instead of stored, and a batch split across devices draws
+/// the same mask as on one device.
+struct dropout_mask {
+  std::uint64_t seed;
+  std::uint64_t stream;  // distinguishes dropout layers
+  std::uint64_t step;
+  float keep_probability;
+  LOCKSTEP_HD bool keep(std::uint64_t global_index) const {
+    const std::uint64_t offset = stream * 0x9E3779B97F4A7C15ull + step;
+    return philox_uniform(seed, offset, global_index) < keep_probability;
+  }
+};
+
+/// y = x * mask / keep (forward) or gx = gy * mask / keep (backward: the same mask).
+template <class T>
+struct dropout_op {
+  const T* in;
+  T* out;
+  dropout_mask mask;
+  std::uint64_t first_index;  // global index of element 0 of this replica's slice
+  LOCKSTEP_HD void operator()(std::size_t i) const {
+    const bool keep = mask.keep(first_index + i);
+    out[i] = convert<T>(keep ? to_float(in[i]) / mask.keep_probability : 0.0f);
+  }
+};
+
+}  // namespace kernels
+LOCKSTEP_ABI_END

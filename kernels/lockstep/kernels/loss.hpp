@@ -1,0 +1,140 @@
+// lockstep/kernels/loss.hpp — kernel bodies of the losses and of the accuracy count.
+//
+// Softmax cross-entropy works one row at a time and is numerically stable (subtract the row maximum before
+// exponentiating); the loss and the probabilities are computed in f32 whatever the logits' storage type.
+// A label outside [0, classes) gives a NaN loss for its row (so the loss a user reads shows it) and a zero
+// gradient.
+#pragma once
+
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <limits>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/half.hpp"
+
+LOCKSTEP_ABI_BEGIN
+namespace kernels {
+
+/// Maximum and sum of exp(x - max) of one row.
+template <class T>
+struct row_softmax_stats {
+  float max;
+  float sum;
+  LOCKSTEP_HD static row_softmax_stats of(const T* x, std::size_t n) {
+    float m = to_float(x[0]);
+    for (std::size_t c = 1; c < n; ++c) {
+      const float v = to_float(x[c]);
+      m = v > m ? v : m;
+    }
+    float s = 0.0f;
+    for (std::size_t c = 0; c < n; ++c) s += ::expf(to_float(x[c]) - m);
+    return {m, s};
+  }
+};
+
+/// row_loss[r] = factor * (log sum_c exp(x[r, c]) - x[r, label[r]]).
+template <class T>
+struct softmax_xent_forward_op {
+  const T* logits;
+  const std::int32_t* labels;
+  float* row_loss;
+  std::size_t classes;
+  float factor;  // 1 for a sum, 1/count for a mean
+  LOCKSTEP_HD void operator()(std::size_t r) const {
+    const T* x = logits + r * classes;
+    const std::int32_t label = labels[r];
+    if (label < 0 || static_cast<std::size_t>(label) >= classes) {
+      row_loss[r] = std::numeric_limits<float>::quiet_NaN();
+      return;
+    }
+    const auto st = row_softmax_stats<T>::of(x, classes);
+    row_loss[r] = factor * (::logf(st.sum) + st.max - to_float(x[label]));
+  }
+};
+
+/// grad[r, c] = factor * scale * (softmax(x[r])[c] - [c == label[r]]).
+template <class T>
+struct softmax_xent_backward_op {
+  const T* logits;
+  const std::int32_t* labels;
+  T* grad;
+  std::size_t classes;
+  float factor;
+  const float* scale;  // device loss scale, or nullptr for 1
+  LOCKSTEP_HD void operator()(std::size_t r) const {
+    const T* x = logits + r * classes;
+    T* g = grad + r * classes;
+    const std::int32_t label = labels[r];
+    if (label < 0 || static_cast<std::size_t>(label) >= classes) {
+      for (std::size_t c = 0; c < classes; ++c) g[c] = convert<T>(0.0f);
+      return;
+    }
+    const auto st = row_softmax_stats<T>::of(x, classes);
+    const float f = factor * (scale ? *scale : 1.0f);
+    const float inv_sum = 1.0f / st.sum;
+    for (std::size_t c = 0; c < classes; ++c) {
+      const float p = ::expf(to_float(x[c]) - st.max) * inv_sum;
+      g[c] = convert<T>(f * (p - (static_cast<std::size_t>(label) == c ? 1.0f : 0.0f)));
+    }
+  }
+};
+
+/// element_loss[i] = factor * (y[i] - t[i])^2.
+template <class T>
+struct mse_forward_op {
+  const T* y;
+  const float* t;
+  float* element_loss;
+  float factor;
+  LOCKSTEP_HD void operator()(std::size_t i) const {
+    const float d = to_float(y[i]) - t[i];
+    element_loss[i] = factor * d * d;
+  }
+};
+
+/// grad[i] = 2 * factor * scale * (y[i] - t[i]).
+template <class T>
+struct mse_backward_op {
+  const T* y;
+  const float* t;
+  T* grad;
+  float factor;
+  const float* scale;
+  LOCKSTEP_HD void operator()(std::size_t i) const {
+    grad[i] = convert<T>(2.0f * factor * (scale ? *scale : 1.0f) * (to_float(y[i]) - t[i]));
+  }
+};
+
+/// hit[r] = 1 when the first maximum of row r is at the label, else 0.
+template <class T>
+struct argmax_hit_op {
+  const T* logits;
+  const std::int32_t* labels;
+  std::uint64_t* hit;
+  std::size_t classes;
+  LOCKSTEP_HD void operator()(std::size_t r) const {
+    const T* x = logits + r * classes;
+    std::size_t best = 0;
+    float best_value = to_float(x[0]);
+    for (std::size_t c = 1; c < classes; ++c) {
+      const float v = to_float(x[c]);
+      if (v > best_value) {
+        best_value = v;
+        best = c;
+      }
+    }
+    hit[r] = (labels[r] >= 0 && static_cast<std::size_t>(labels[r]) == best) ? 1u : 0u;
+  }
+};
+
+/// *total += *batch (one element: a running count kept on the device).
+struct accumulate_op {
+  const std::uint64_t* batch;
+  std::uint64_t* total;
+  LOCKSTEP_HD void operator()(std::size_t) const { *total += *batch; }
+};
+
+}  // namespace kernels
+LOCKSTEP_ABI_END

@@ -1,0 +1,116 @@
+// lockstep/kernels/multi_tensor.hpp — one launch over many tensors (optimizer updates, gradient checks).
+//
+// A training step touches every parameter: launching one kernel per tensor costs a launch per tensor on a
+// GPU (and a queued task per tensor on a host stream). `launch_multi_tensor` runs a functor over all the
+// elements of a list of tensor groups — a group is K pointers to same-sized tensors (say a parameter, its
+// gradient and its momentum) — in as few launches as possible:
+//   - on a GPU, the groups and a block-to-chunk table travel in the kernel's parameter block (kept under the
+//     4 KiB every architecture accepts); a list that does not fit is split into several launches;
+//   - on a host device, one queued task loops over every group.
+// The functor is called as f(group, i) for element i of the group.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+#include <span>
+#include <vector>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/launch.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+/// K pointers to tensors of `size` elements each (any pointer may be null when the functor ignores it).
+template <int K>
+struct tensor_group {
+  void* ptr[K];
+  std::size_t size;
+};
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+inline constexpr std::size_t multi_tensor_chunk = 16384;  // elements per GPU block
+inline constexpr int multi_tensor_threads = 256;
+
+template <int K>
+struct multi_tensor_table {
+  // Sized so that the table and a functor stay under the 4 KiB of kernel parameters every GPU accepts.
+  static constexpr int max_groups = 24;
+  static constexpr int max_blocks = 320;
+  tensor_group<K> groups[max_groups];
+  std::uint8_t block_group[max_blocks];
+  std::uint32_t block_chunk[max_blocks];
+};
+
+#if LOCKSTEP_HAS_CUDA
+template <int K, class F>
+__global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table, F f) {
+  const tensor_group<K>& g = table.groups[table.block_group[blockIdx.x]];
+  const std::size_t begin = static_cast<std::size_t>(table.block_chunk[blockIdx.x]) * multi_tensor_chunk;
+  const std::size_t end = begin + multi_tensor_chunk < g.size ? begin + multi_tensor_chunk : g.size;
+  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) f(g, i);
+}
+
+template <int K, class F>
+void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
+  using table_t = multi_tensor_table<K>;
+  static_assert(sizeof(table_t) + sizeof(F) <= 4096, "kernel parameters must fit in 4 KiB");
+  const device d = s.get_device();
+  device_guard guard(d);
+  table_t table{};
+  int n_groups = 0, n_blocks = 0;
+  auto flush = [&] {
+    if (n_blocks == 0) return;
+    multi_tensor_kernel<K, F><<<n_blocks, multi_tensor_threads, 0, s.cuda_stream()>>>(table, f);
+    LOCKSTEP_CUDA_CHECK(cudaGetLastError(), "launching ", what, " over ", n_groups, " tensors on ", d.str());
+    n_groups = n_blocks = 0;
+  };
+  for (const auto& g : groups) {
+    if (g.size == 0) continue;
+    if (n_groups == table_t::max_groups) flush();
+    table.groups[n_groups] = g;
+    const std::size_t chunks = (g.size + multi_tensor_chunk - 1) / multi_tensor_chunk;
+    for (std::size_t c = 0; c < chunks; ++c) {
+      if (n_blocks == table_t::max_blocks) {
+        const int current = n_groups;
+        flush();
+        table.groups[0] = table.groups[current];  // the group being split continues in the next launch
+      }
+      table.block_group[n_blocks] = static_cast<std::uint8_t>(n_groups);
+      table.block_chunk[n_blocks] = static_cast<std::uint32_t>(c);
+      ++n_blocks;
+    }
+    ++n_groups;
+  }
+  flush();
+}
+#endif
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// Runs f(group, i) for every element i of every group, in stream order on `s`, in as few launches as the
+/// backend needs. Every pointer must be memory of the stream's device.
+template <int K, class F>
+void launch_multi_tensor(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
+  static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
+  if (groups.empty()) return;
+  if (s.get_device().is_host()) {
+    detail::enqueue_host(
+        s,
+        [list = std::vector<tensor_group<K>>(groups.begin(), groups.end()), f] {
+          for (const auto& g : list)
+            for (std::size_t i = 0; i < g.size; ++i) f(g, i);
+        },
+        what);
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  detail::launch_multi_tensor_cuda<K>(groups, f, s, what);
+#endif
+}
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,525 @@
+// Tests of blas/: gemm against a naive triple loop in double, for f32, f16 and bf16, every transpose
+// combination, odd sizes, sizes that cross the host backend's block boundaries, alpha/beta variations and
+// padded leading dimensions, on both backends (the CUDA instances skip without a GPU).
+//
+// Why the comparisons are exact. gemm sums products in fp32 and rounds to T once, at the end. In general its
+// error against the exact result is the fp32 accumulation error plus that final rounding (1/2 ulp of T), so
+// |got - reference| <= 1 ulp of T for sums whose fp32 error stays below 1/2 ulp of T. The inputs here are
+// small integers (exact in f32, f16 and bf16), alpha and beta are -0.5, 0.25 or 1, and every partial sum is
+// an integer below 2^24: the fp32 accumulation is exact, in any order and on any hardware. The only rounding
+// left is the final one, so the result must EQUAL convert<T>(reference), where the reference is computed in
+// double (exact too) and converted to float (exact: a multiple of 0.25 below 2^22). Results are large
+// enough (up to ~10^4) that the final rounding to f16 and bf16 really happens. Values are compared as floats:
+// the sign of a zero result is not specified (OpenBLAS computes 0 + alpha * AB when beta = 0).
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstring>
+#include <limits>
+#include <string>
+#include <thread>
+#include <tuple>
+#include <vector>
+
+#include "lockstep/blas/blas_handle.hpp"
+#include "lockstep/blas/gemm.hpp"
+#include "lockstep/core/half.hpp"
+#include "lockstep/device/query.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/memory.hpp"
+
+using namespace lockstep;
+
+namespace {
+
+// Calls f.template operator()<T>() for the C++ type of a floating dtype. (`lockstep::half` is spelled out:
+// compiled by nvcc, cuda_fp16.h also declares `::half`.)
+template <class F>
+void with_float_type(dtype t, F&& f) {
+  switch (t) {
+    case dtype::f32: return f.template operator()<float>();
+    case dtype::f16: return f.template operator()<lockstep::half>();
+    case dtype::bf16: return f.template operator()<bfloat16>();
+    default: FAIL() << "not a floating dtype";
+  }
+}
+
+template <class T>
+std::vector<T> from_floats(const std::vector<float>& v) {
+  std::vector<T> out(v.size());
+  for (std::size_t i = 0; i < v.size(); ++i) out[i] = convert<T>(v[i]);
+  return out;
+}
+
+template <class T>
+std::uint32_t bits_of(T x) {
+  if constexpr (std::is_same_v<T, float>) {
+    return std::bit_cast<std::uint32_t>(x);
+  } else {
+    return x.bits;
+  }
+}
+
+template <class E, class F>
+std::string message_of(F f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "did not throw";
+  return {};
+}
+
+#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+    << "message: " << (haystack)
+
+// Small integers in [-4, 4] from a hash of (seed, i): exact in every type, varied, never all zero.
+float small_int(std::uint32_t seed, std::int64_t i) {
+  std::uint32_t x = seed * 0x9e3779b9u + static_cast<std::uint32_t>(i) * 0x85ebca6bu;
+  x ^= x >> 15;
+  x *= 0x2c1b3c6du;
+  x ^= x >> 12;
+  return static_cast<float>(static_cast<int>(x % 9u) - 4);
+}
+
+constexpr float nan_value = std::numeric_limits<float>::quiet_NaN();
+constexpr float padding_sentinel = 77.0f;  // exact in every type
+
+struct gemm_case {
+  transpose ta, tb;
+  std::int64_t m, n, k;
+  float alpha, beta;
+  std::int64_t pad_a = 0, pad_b = 0, pad_c = 0;  // extra columns of the stored matrices
+
+  [[nodiscard]] std::string str() const {
+    return detail::concat("ta=", name_of(ta), " tb=", name_of(tb), " m=", m, " n=", n, " k=", k, " alpha=", alpha,
+                          " beta=", beta, " pads=", pad_a, ',', pad_b, ',', pad_c);
+  }
+};
+
+// A row-major stored matrix of floats: `rows` x `cols` values, leading dimension `ld`, padding set to `pad`.
+struct stored_matrix {
+  std::int64_t rows, cols, ld;
+  std::vector<float> values;
+
+  stored_matrix(std::int64_t r, std::int64_t c, std::int64_t extra, float pad)
+      : rows(r), cols(c), ld(std::max<std::int64_t>(1, c) + extra),
+        values(static_cast<std::size_t>(std::max<std::int64_t>(r, 1) * ld), pad) {}
+  float& at(std::int64_t r, std::int64_t c) { return values[static_cast<std::size_t>(r * ld + c)]; }
+  [[nodiscard]] float at(std::int64_t r, std::int64_t c) const { return values[static_cast<std::size_t>(r * ld + c)]; }
+};
+
+// alpha * op(A) op(B) + beta * C in double, element by element; C is not used when beta == 0 (BLAS
+// semantics: it may hold NaN).
+class reference {
+ public:
+  reference(const gemm_case& g, const stored_matrix& a, const stored_matrix& b, const stored_matrix& c)
+      : g_(g), c_(c), op_a_(static_cast<std::size_t>(g.m * g.k)), op_bt_(static_cast<std::size_t>(g.n * g.k)) {
+    // op(A) as [m, k] and op(B)^T as [n, k], dense, so that a dot product runs over contiguous memory.
+    const bool ta = g.ta == transpose::yes, tb = g.tb == transpose::yes;
+    for (std::int64_t i = 0; i < g.m; ++i)
+      for (std::int64_t p = 0; p < g.k; ++p) op_a_[idx(i * g.k + p)] = ta ? a.at(p, i) : a.at(i, p);
+    for (std::int64_t j = 0; j < g.n; ++j)
+      for (std::int64_t p = 0; p < g.k; ++p) op_bt_[idx(j * g.k + p)] = tb ? b.at(j, p) : b.at(p, j);
+  }
+
+  [[nodiscard]] double at(std::int64_t i, std::int64_t j) const {
+    const double* ra = op_a_.data() + i * g_.k;
+    const double* rb = op_bt_.data() + j * g_.k;
+    double sum = 0;
+    for (std::int64_t p = 0; p < g_.k; ++p) sum += ra[p] * rb[p];
+    double r = double{g_.alpha} * sum;
+    if (g_.beta != 0.0f) r += double{g_.beta} * double{c_.at(i, j)};
+    return r;
+  }
+
+ private:
+  static std::size_t idx(std::int64_t i) { return static_cast<std::size_t>(i); }
+  gemm_case g_;
+  const stored_matrix& c_;
+  std::vector<double> op_a_, op_bt_;
+};
+
+// Which elements of a large C are compared with the reference (it costs k operations per element): whole
+// rows and whole columns, every 31st and those on both sides of each host block boundary, so that every
+// pair of row block and column block is visited. Small products are compared in full.
+bool checked_index(std::int64_t i, std::int64_t extent, std::int64_t block) {
+  const std::int64_t in_block = i % block;
+  return i % 31 == 0 || in_block <= 1 || in_block >= block - 2 || i >= extent - 2;
+}
+
+// Runs one GEMM on `h` and checks C against the reference (every element, or rows and columns through
+// every block of a large C), and that the padding of C (columns n..ldc-1) kept its bits. A and B carry NaN
+// in their padding, C carries NaN where beta == 0, so reading either shows up as a wrong result.
+template <class T>
+void check_gemm(blas_handle& h, const gemm_case& g, std::uint32_t seed) {
+  SCOPED_TRACE(g.str());
+  const stream_ref s = h.stream();
+  const bool ta = g.ta == transpose::yes, tb = g.tb == transpose::yes;
+  stored_matrix a(ta ? g.k : g.m, ta ? g.m : g.k, g.pad_a, nan_value);
+  stored_matrix b(tb ? g.n : g.k, tb ? g.k : g.n, g.pad_b, nan_value);
+  stored_matrix c(g.m, g.n, g.pad_c, padding_sentinel);
+  for (std::int64_t r = 0; r < a.rows; ++r)
+    for (std::int64_t col = 0; col < a.cols; ++col) a.at(r, col) = small_int(seed, r * a.cols + col);
+  for (std::int64_t r = 0; r < b.rows; ++r)
+    for (std::int64_t col = 0; col < b.cols; ++col) b.at(r, col) = small_int(seed + 1, r * b.cols + col);
+  for (std::int64_t r = 0; r < c.rows; ++r)
+    for (std::int64_t col = 0; col < c.cols; ++col) {
+      c.at(r, col) = g.beta == 0.0f ? nan_value : 2.0f * small_int(seed + 2, r * c.cols + col);
+    }
+
+  const auto c_initial = from_floats<T>(c.values);
+  auto da = to_device(from_floats<T>(a.values), s);
+  auto db = to_device(from_floats<T>(b.values), s);
+  auto dc = to_device(c_initial, s);
+  gemm<T>(h, g.ta, g.tb, g.m, g.n, g.k, g.alpha, da.data(), a.ld, db.data(), b.ld, g.beta, dc.data(), c.ld);
+  const auto got = to_vector(device_span<const T>(dc.span()), s);
+
+  const reference ref(g, a, b, c);
+  const bool sample = g.m * g.n * g.k > 20'000'000;
+  const auto blocks = detail::host_blocking::for_problem(g.m, g.n, g.k);
+  std::int64_t wrong = 0, padding_written = 0, compared = 0;
+  std::string first;
+  for (std::int64_t i = 0; i < g.m; ++i) {
+    const bool whole_row = !sample || checked_index(i, g.m, blocks.rows);
+    for (std::int64_t j = 0; j < c.ld; ++j) {
+      const auto at = static_cast<std::size_t>(i * c.ld + j);
+      if (j >= g.n) {
+        if (bits_of(got[at]) != bits_of(c_initial[at])) ++padding_written;
+        continue;
+      }
+      if (!whole_row && !checked_index(j, g.n, blocks.cols)) continue;
+      ++compared;
+      const double r = ref.at(i, j);
+      const float expected = to_float(convert<T>(static_cast<float>(r)));
+      if (!(to_float(got[at]) == expected)) {
+        if (wrong++ == 0) {
+          first = detail::concat("C[", i, ", ", j, "] = ", to_float(got[at]), ", expected ", expected,
+                                 " (reference ", r, ")");
+        }
+      }
+    }
+  }
+  EXPECT_EQ(wrong, 0) << "first wrong element: " << first;
+  EXPECT_EQ(padding_written, 0) << "elements of C beyond column n were written";
+  EXPECT_GE(compared, std::min<std::int64_t>(g.m * g.n, 1000));  // the check checked something
+}
+
+constexpr transpose both[] = {transpose::no, transpose::yes};
+
+struct alpha_beta {
+  float alpha, beta;
+};
+constexpr alpha_beta scalings[] = {{1.0f, 0.0f}, {-0.5f, 1.0f}, {1.0f, 0.25f}, {-0.5f, 0.0f}, {1.0f, 1.0f}};
+
+class blas_test : public ::testing::TestWithParam<std::tuple<device_kind, dtype>> {
+ protected:
+  void SetUp() override {
+    if (kind() == device_kind::cuda && !cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  }
+  device_kind kind() const { return std::get<0>(GetParam()); }
+  dtype type() const { return std::get<1>(GetParam()); }
+  device dev() const { return device{kind(), 0}; }
+};
+
+std::string param_name(const ::testing::TestParamInfo<blas_test::ParamType>& info) {
+  return std::string(name_of(std::get<0>(info.param))) + "_" + std::string(name_of(std::get<1>(info.param)));
+}
+
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, blas_test,
+                         ::testing::Combine(::testing::Values(device_kind::host, device_kind::cuda),
+                                            ::testing::Values(dtype::f32, dtype::f16, dtype::bf16)),
+                         param_name);
+
+TEST_P(blas_test, gemm_matches_the_reference_for_every_transpose_and_odd_sizes) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle h(s);
+    // Each of 1, 7, 33, 65, 130, 257 appears as m, as n and as k.
+    const std::int64_t shapes[][3] = {{1, 1, 1},    {7, 33, 65},   {33, 65, 130}, {65, 130, 257}, {130, 257, 1},
+                                      {257, 1, 7},  {1, 257, 33},  {33, 7, 257},  {257, 130, 65}, {130, 65, 7}};
+    std::uint32_t seed = 1;
+    for (transpose ta : both) {
+      for (transpose tb : both) {
+        for (const auto& shape : shapes) {
+          const alpha_beta ab = scalings[seed % std::size(scalings)];
+          gemm_case g{ta, tb, shape[0], shape[1], shape[2], ab.alpha, ab.beta};
+          if (seed % 2 == 0) {  // half of the cases with leading dimensions above the minimum
+            g.pad_a = 3;
+            g.pad_b = 1;
+            g.pad_c = 2;
+          }
+          check_gemm<T>(h, g, seed++);
+          if (::testing::Test::HasFailure()) return;
+        }
+      }
+    }
+  });
+}
+
+TEST_P(blas_test, gemm_is_exact_across_the_host_block_boundaries) {
+  // The host fp16/bf16 GEMM works in blocks of at most 1024 rows, 1024 columns and 256 of depth; these sizes
+  // cross each boundary, alone and together (1030 rows are two blocks of 515, 300 of depth two of 150).
+  using blocking = detail::host_blocking;
+  static_assert(blocking::max_rows < 1030 && blocking::max_cols < 1030 && blocking::max_depth < 260,
+                "the sizes below no longer cross the block boundaries");
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle h(s);
+    struct big_case {
+      std::int64_t m, n, k;
+      transpose ta, tb;
+      alpha_beta ab;
+      std::int64_t pad;
+    };
+    const big_case cases[] = {
+        {300, 513, 600, transpose::yes, transpose::yes, {-0.5f, 0.25f}, 5},  // depth: 3 blocks of 200
+        {65, 33, 600, transpose::no, transpose::no, {1.0f, 0.0f}, 0},
+        {1030, 33, 65, transpose::no, transpose::yes, {1.0f, 1.0f}, 3},   // rows
+        {33, 1030, 65, transpose::yes, transpose::no, {-0.5f, 0.0f}, 1},  // columns
+        {1030, 20, 300, transpose::yes, transpose::no, {1.0f, 0.25f}, 0}, // rows and depth (B converted again)
+        {20, 1030, 300, transpose::no, transpose::yes, {-0.5f, 1.0f}, 2}, // columns and depth
+        {1030, 1030, 8, transpose::no, transpose::no, {1.0f, 0.0f}, 0},   // rows and columns
+        {1030, 1030, 260, transpose::yes, transpose::no, {-0.5f, 0.25f}, 1},  // all three
+    };
+    std::uint32_t seed = 100;
+    for (const auto& c : cases) {
+      check_gemm<T>(h, gemm_case{c.ta, c.tb, c.m, c.n, c.k, c.ab.alpha, c.ab.beta, c.pad, c.pad, c.pad}, seed++);
+      if (::testing::Test::HasFailure()) return;
+    }
+  });
+}
+
+TEST_P(blas_test, k_zero_or_alpha_zero_scales_c_without_reading_a_or_b) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle h(s);
+    const std::int64_t m = 5, n = 7, ldc = 9;
+    std::vector<float> c0(static_cast<std::size_t>(m * ldc));
+    for (std::size_t i = 0; i < c0.size(); ++i) c0[i] = small_int(7, static_cast<std::int64_t>(i)) * 2.0f + 1.0f;
+    // A and B full of NaN: reading them would poison C.
+    auto nan_a = to_device(from_floats<T>(std::vector<float>(static_cast<std::size_t>(m * 3), nan_value)), s);
+    auto nan_b = to_device(from_floats<T>(std::vector<float>(static_cast<std::size_t>(3 * n), nan_value)), s);
+    for (float beta : {0.0f, 1.0f, 0.25f, -0.5f}) {
+      for (bool k_zero : {true, false}) {
+        SCOPED_TRACE(detail::concat("beta=", beta, k_zero ? " k=0 (a = b = nullptr)" : " alpha=0 (A, B NaN)"));
+        std::vector<float> start = c0;
+        if (beta == 0.0f) {
+          for (std::int64_t i = 0; i < m; ++i)
+            for (std::int64_t j = 0; j < n; ++j) start[static_cast<std::size_t>(i * ldc + j)] = nan_value;
+        }
+        auto dc = to_device(from_floats<T>(start), s);
+        if (k_zero) {
+          gemm<T>(h, transpose::no, transpose::no, m, n, 0, 1.0f, nullptr, 1, nullptr, n, beta, dc.data(), ldc);
+        } else {
+          gemm<T>(h, transpose::no, transpose::no, m, n, 3, 0.0f, nan_a.data(), 3, nan_b.data(), n, beta, dc.data(),
+                  ldc);
+        }
+        const auto got = to_vector(device_span<const T>(dc.span()), s);
+        for (std::int64_t i = 0; i < m; ++i) {
+          for (std::int64_t j = 0; j < ldc; ++j) {
+            const auto idx = static_cast<std::size_t>(i * ldc + j);
+            const float expected = j >= n ? c0[idx] : (beta == 0.0f ? 0.0f : beta * c0[idx]);
+            ASSERT_EQ(to_float(got[idx]), expected) << "C[" << i << ", " << j << "]";
+          }
+        }
+      }
+    }
+  });
+}
+
+TEST_P(blas_test, an_empty_c_is_left_alone) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle h(s);
+    const std::vector<float> sentinel(12, padding_sentinel);
+    auto a = to_device(from_floats<T>(sentinel), s);
+    auto c = to_device(from_floats<T>(sentinel), s);
+    gemm<T>(h, transpose::no, transpose::no, 0, 3, 4, 1.0f, a.data(), 4, a.data(), 3, 0.0f, c.data(), 3);  // m = 0
+    gemm<T>(h, transpose::no, transpose::no, 3, 0, 4, 1.0f, a.data(), 4, a.data(), 1, 0.0f, c.data(), 1);  // n = 0
+    gemm<T>(h, transpose::yes, transpose::yes, 0, 0, 0, 1.0f, nullptr, 1, nullptr, 1, 0.0f, nullptr, 1);
+    const auto got = to_vector(device_span<const T>(c.span()), s);
+    for (const T& x : got) ASSERT_EQ(to_float(x), padding_sentinel);
+  });
+}
+
+TEST_P(blas_test, invalid_arguments_are_rejected_with_the_argument_its_value_and_the_valid_range) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle h(s);
+    auto buf = to_device(from_floats<T>(std::vector<float>(64, 1.0f)), s);
+    T* p = buf.data();
+    const transpose no = transpose::no, yes = transpose::yes;
+
+    auto msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, -1, 2, 2, 1.0f, p, 2, p, 2, 0.0f, p, 2); });
+    EXPECT_CONTAINS(msg, "gemm: invalid m = -1");
+    EXPECT_CONTAINS(msg, "must be >= 0");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, 2, 2, -3, 1.0f, p, 2, p, 2, 0.0f, p, 2); });
+    EXPECT_CONTAINS(msg, "gemm: invalid k = -3");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, 7, 2, 9, 1.0f, p, 5, p, 2, 0.0f, p, 2); });
+    EXPECT_CONTAINS(msg, "gemm: invalid lda = 5");
+    EXPECT_CONTAINS(msg, "A is stored row-major as m x k = 7 x 9, so lda must be >= max(1, k) = 9");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, yes, no, 7, 2, 3, 1.0f, p, 6, p, 2, 0.0f, p, 2); });
+    EXPECT_CONTAINS(msg, "with ta = yes, A is stored row-major as k x m = 3 x 7, so lda must be >= max(1, m) = 7");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, yes, 2, 4, 3, 1.0f, p, 3, p, 2, 0.0f, p, 4); });
+    EXPECT_CONTAINS(msg, "gemm: invalid ldb = 2");
+    EXPECT_CONTAINS(msg, "ldb must be >= max(1, k) = 3");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, 2, 4, 3, 1.0f, p, 3, p, 4, 0.0f, p, 3); });
+    EXPECT_CONTAINS(msg, "gemm: invalid ldc = 3");
+    EXPECT_CONTAINS(msg, "ldc must be >= max(1, n) = 4");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, 0, 4, 3, 1.0f, p, 0, p, 4, 0.0f, p, 4); });
+    EXPECT_CONTAINS(msg, "lda must be >= max(1, k) = 3");  // checked even when there is nothing to compute
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, 2, 2, 2, 1.0f, nullptr, 2, p, 2, 0.0f, p, 2); });
+    EXPECT_CONTAINS(msg, "gemm: a is null but op(A) is m x k = 2 x 2");
+    msg = message_of<precondition_error>([&] { gemm<T>(h, no, no, 2, 2, 2, 1.0f, p, 2, p, 2, 0.0f, nullptr, 2); });
+    EXPECT_CONTAINS(msg, "gemm: c is null");
+    s.synchronize();  // nothing was queued, and nothing failed
+  });
+}
+
+TEST_P(blas_test, the_steady_state_allocates_nothing) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle h(s);
+    const std::int64_t m = 300, n = 513, k = 600;
+    auto a = to_device(from_floats<T>(std::vector<float>(static_cast<std::size_t>(m * k), 1.0f)), s);
+    auto b = to_device(from_floats<T>(std::vector<float>(static_cast<std::size_t>(k * n), 0.5f)), s);
+    auto c = to_device(from_floats<T>(std::vector<float>(static_cast<std::size_t>(m * n), 0.0f)), s);
+    gemm<T>(h, transpose::no, transpose::no, m, n, k, 1.0f, a.data(), k, b.data(), n, 0.0f, c.data(), n);
+    s.synchronize();
+    const std::size_t scratch = h.scratch_size();
+    if (kind() == device_kind::host && !std::is_same_v<T, float>) {
+      EXPECT_GT(scratch, 0u);  // the scratch memory is in use
+    }
+    const memory_stats before = get_memory_stats(dev());
+    for (int i = 0; i < 3; ++i) {
+      gemm<T>(h, transpose::no, transpose::no, m, n, k, 1.0f, a.data(), k, b.data(), n, 1.0f, c.data(), n);
+      // A smaller product reuses the scratch memory too.
+      gemm<T>(h, transpose::yes, transpose::no, 100, n, 64, 1.0f, a.data(), 100, b.data(), n, 0.0f, c.data(), n);
+    }
+    s.synchronize();
+    const memory_stats after = get_memory_stats(dev());
+    EXPECT_EQ(after.allocations, before.allocations);
+    EXPECT_EQ(after.system_allocations, before.system_allocations);
+    EXPECT_EQ(h.scratch_size(), scratch);
+  });
+}
+
+TEST_P(blas_test, a_handle_belongs_to_its_stream_and_moves) {
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    blas_handle first(s);
+    EXPECT_TRUE(first.stream() == s.ref());
+    EXPECT_EQ(first.get_device(), dev());
+    blas_handle h(std::move(first));  // the moved-to handle keeps the stream (and the cuBLAS handle)
+    EXPECT_TRUE(h.stream() == s.ref());
+    check_gemm<T>(h, gemm_case{transpose::no, transpose::yes, 9, 10, 11, 1.0f, 0.0f}, 3);
+    blas_handle other(s);
+    other = std::move(h);
+    check_gemm<T>(other, gemm_case{transpose::yes, transpose::no, 12, 5, 300, -0.5f, 1.0f}, 4);
+  });
+}
+
+TEST(blas_host, host_handles_make_openblas_single_threaded) {
+  stream s(device{device_kind::host, 0});
+  blas_handle h(s);
+  EXPECT_EQ(openblas_get_num_threads(), 1);
+}
+
+TEST(blas_host, two_host_devices_multiply_at_the_same_time) {
+  if (device_count(device_kind::host) < 2) GTEST_SKIP() << "needs two host devices";
+  // Each device's worker calls OpenBLAS concurrently, with its own scratch memory.
+  stream s0(device{device_kind::host, 0}), s1(device{device_kind::host, 1});
+  blas_handle h0(s0), h1(s1);
+  std::thread other([&] {
+    for (std::uint32_t seed = 0; seed < 4; ++seed)
+      check_gemm<lockstep::half>(h1, gemm_case{transpose::no, transpose::no, 200, 150, 300, 1.0f, 0.25f}, 40 + seed);
+  });
+  for (std::uint32_t seed = 0; seed < 4; ++seed)
+    check_gemm<bfloat16>(h0, gemm_case{transpose::yes, transpose::yes, 150, 200, 300, -0.5f, 0.0f}, 50 + seed);
+  other.join();
+}
+
+TEST(blas_host, vectorized_conversions_give_the_bits_of_core_half) {
+  // The host GEMM converts with its own branch-free (or AVX2/F16C) code: it must round exactly like
+  // convert<T>. Every 16-bit pattern is widened; floats are narrowed over a sweep of all exponents plus
+  // windows around every boundary (the largest half, 65520, the subnormal and zero thresholds, infinities).
+  std::vector<lockstep::half> halves(1 << 16);
+  std::vector<bfloat16> bfloats(1 << 16);
+  for (std::uint32_t i = 0; i < (1u << 16); ++i) {
+    halves[i] = lockstep::half::from_bits(static_cast<std::uint16_t>(i));
+    bfloats[i] = bfloat16::from_bits(static_cast<std::uint16_t>(i));
+  }
+  std::vector<float> wide(1 << 16), wide_portable(1 << 16);
+  detail::widen_run(halves.data(), wide.data(), 1 << 16);
+  detail::widen_run_portable(halves.data(), wide_portable.data(), 1 << 16);
+  for (std::uint32_t i = 0; i < (1u << 16); ++i) {
+    const float expected = to_float(halves[i]);
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(wide_portable[i]), std::bit_cast<std::uint32_t>(expected)) << "half " << i;
+    if (std::isnan(expected)) {
+      ASSERT_TRUE(std::isnan(wide[i])) << "half " << i;  // the SIMD path may keep a NaN's payload
+    } else {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(wide[i]), std::bit_cast<std::uint32_t>(expected)) << "half " << i;
+    }
+  }
+  detail::widen_run(bfloats.data(), wide.data(), 1 << 16);
+  detail::widen_run_portable(bfloats.data(), wide_portable.data(), 1 << 16);
+  for (std::uint32_t i = 0; i < (1u << 16); ++i) {
+    const std::uint32_t expected = std::bit_cast<std::uint32_t>(to_float(bfloats[i]));
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(wide[i]), expected) << "bfloat16 " << i;
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(wide_portable[i]), expected) << "bfloat16 " << i;
+  }
+
+  std::vector<std::uint32_t> patterns;
+  for (std::uint64_t x = 0; x <= 0xffffffffu; x += 0x1003) patterns.push_back(static_cast<std::uint32_t>(x));
+  for (std::uint32_t center : {0x477fe000u, 0x477ff000u, 0x47800000u, 0x38800000u, 0x38000000u, 0x33000000u,
+                               0x33800000u, 0x7f800000u, 0x7f7f8000u, 0x00000000u, 0x3f800000u}) {
+    for (std::uint32_t d = 0; d < 0x3000; ++d) {
+      patterns.push_back(center + d);
+      patterns.push_back(center - d);
+      patterns.push_back((center + d) | 0x80000000u);
+      patterns.push_back((center - d) | 0x80000000u);
+    }
+  }
+  std::vector<float> floats(patterns.size());
+  for (std::size_t i = 0; i < patterns.size(); ++i) floats[i] = std::bit_cast<float>(patterns[i]);
+  const auto n = static_cast<std::int64_t>(floats.size());
+  std::vector<lockstep::half> h(floats.size()), h_portable(floats.size());
+  std::vector<bfloat16> b(floats.size()), b_portable(floats.size());
+  detail::store_run(floats.data(), h.data(), n, 1.0f, 0.0f);
+  detail::store_run_portable(floats.data(), h_portable.data(), n, 1.0f, 0.0f);
+  detail::store_run(floats.data(), b.data(), n, 1.0f, 0.0f);
+  detail::store_run_portable(floats.data(), b_portable.data(), n, 1.0f, 0.0f);
+  for (std::size_t i = 0; i < floats.size(); ++i) {
+    const std::uint16_t eh = to_half(floats[i]).bits, eb = to_bfloat16(floats[i]).bits;
+    ASSERT_EQ(h[i].bits, eh) << "float bits 0x" << std::hex << patterns[i];
+    ASSERT_EQ(h_portable[i].bits, eh) << "float bits 0x" << std::hex << patterns[i];
+    ASSERT_EQ(b[i].bits, eb) << "float bits 0x" << std::hex << patterns[i];
+    ASSERT_EQ(b_portable[i].bits, eb) << "float bits 0x" << std::hex << patterns[i];
+  }
+}
+
+#if LOCKSTEP_HAS_CUDA
+TEST(blas_cuda, cublas_errors_are_sentences) {
+  // cublasGetStatusName/String need no GPU, so the message can be checked anywhere nvcc compiles.
+  auto failing_cublas_call = [](int) { return CUBLAS_STATUS_INVALID_VALUE; };
+  const int line = __LINE__ + 2;
+  try {
+    LOCKSTEP_CUBLAS_CHECK(failing_cublas_call(1), "multiplying ", 3, " matrices on ", device{device_kind::cuda, 1});
+    ADD_FAILURE() << "did not throw";
+  } catch (const cublas_error& e) {
+    EXPECT_EQ(e.code(), static_cast<long>(CUBLAS_STATUS_INVALID_VALUE));
+    EXPECT_CONTAINS(e.what(), detail::concat(':', line, " failing_cublas_call: CUBLAS_STATUS_INVALID_VALUE ("));
+    EXPECT_CONTAINS(e.what(), ") while multiplying 3 matrices on cuda:1");
+  }
+}
+#endif

@@ -1,0 +1,518 @@
+// Tests of nn/ and optim/ on the host backend: every layer and loss by finite differences, a user's own layer
+// written against the `layer` concept, sequential chains, cloning, steady-state memory, and the optimizers
+// against hand-computed steps.
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstdint>
+#include <functional>
+#include <random>
+#include <vector>
+
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/dropout.hpp"
+#include "lockstep/nn/init.hpp"
+#include "lockstep/nn/layer.hpp"
+#include "lockstep/nn/linear.hpp"
+#include "lockstep/nn/loss.hpp"
+#include "lockstep/nn/sequential.hpp"
+#include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+using namespace lockstep;
+
+namespace {
+
+constexpr device host0{device_kind::host, 0};
+constexpr device host1{device_kind::host, 1};
+
+std::vector<float> random_values(std::size_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
+  std::mt19937 gen(seed);
+  std::uniform_real_distribution<float> dist(lo, hi);
+  std::vector<float> v(n);
+  for (auto& x : v) x = dist(gen);
+  return v;
+}
+
+// Values away from 0 by at least `gap` (for ReLU's kink).
+std::vector<float> values_off_zero(std::size_t n, std::uint32_t seed, float gap) {
+  auto v = random_values(n, seed);
+  for (auto& x : v) x = x < 0 ? x - gap : x + gap;
+  return v;
+}
+
+std::vector<float> read(const tensor_view& t, stream_ref s) { return to_vector(t.span<const float>(), s); }
+
+void write(const tensor_view& t, const std::vector<float>& v, stream_ref s) {
+  auto staged = to_device(v, s);
+  copy(t.span<float>(), device_span<const float>(staged.span()), s);
+  s.synchronize();
+}
+
+// A device tensor holding host values.
+tensor make_tensor(const std::vector<float>& v, shape dims, stream_ref s) {
+  tensor t(dims, dtype::f32, s);
+  write(t.view(), v, s);
+  return t;
+}
+
+tensor make_labels(const std::vector<std::int32_t>& v, stream_ref s) {
+  tensor t(shape{static_cast<std::int64_t>(v.size())}, dtype::i32, s);
+  auto staged = to_device(v, s);
+  copy(t.span<std::int32_t>(), device_span<const std::int32_t>(staged.span()), s);
+  s.synchronize();
+  return t;
+}
+
+double dot(const std::vector<float>& a, const std::vector<float>& b) {
+  double s = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
+  return s;
+}
+
+// Checks a layer's backward against central differences of L(x, params) = sum(G * layer(x)).
+template <layer L>
+void check_layer_gradients(L& l, context& ctx, const std::vector<float>& x_values, shape x_shape, double eps = 1e-2,
+                           double tolerance = 2e-3) {
+  const stream_ref s = ctx.stream();
+  tensor x = make_tensor(x_values, x_shape, s);
+  tensor_view y = l.forward(x, ctx);
+  const auto g_values = random_values(static_cast<std::size_t>(y.numel()), 99);
+  tensor g = make_tensor(g_values, y.dims(), s);
+
+  auto objective = [&]() {
+    const tensor_view out = l.forward(x, ctx);
+    return dot(read(out, s), g_values);
+  };
+
+  for (const auto& p : parameters_of(l)) p.param->zero_grad();
+  (void)l.forward(x, ctx);
+  const tensor_view gx = l.backward(g, ctx, input_grad::required);
+  const auto analytic_x = read(gx, s);
+  std::vector<std::vector<float>> analytic_params;
+  for (const auto& p : parameters_of(l)) {
+    p.param->materialize_grad(s);
+    analytic_params.push_back(read(p.param->grad(), s));
+  }
+
+  auto check = [&](const char* what, std::size_t i, double numeric, double analytic) {
+    EXPECT_NEAR(analytic, numeric, tolerance * (1.0 + std::abs(numeric))) << what << "[" << i << "]";
+  };
+  // input
+  auto xv = x_values;
+  for (std::size_t i = 0; i < xv.size(); ++i) {
+    const float orig = xv[i];
+    xv[i] = static_cast<float>(orig + eps);
+    write(x, xv, s);
+    const double plus = objective();
+    xv[i] = static_cast<float>(orig - eps);
+    write(x, xv, s);
+    const double minus = objective();
+    xv[i] = orig;
+    write(x, xv, s);
+    check("dL/dx", i, (plus - minus) / (2 * eps), analytic_x[i]);
+  }
+  // parameters
+  std::size_t k = 0;
+  for (const auto& p : parameters_of(l)) {
+    auto pv = read(p.param->value(), s);
+    for (std::size_t i = 0; i < pv.size(); ++i) {
+      const float orig = pv[i];
+      pv[i] = static_cast<float>(orig + eps);
+      write(p.param->value(), pv, s);
+      const double plus = objective();
+      pv[i] = static_cast<float>(orig - eps);
+      write(p.param->value(), pv, s);
+      const double minus = objective();
+      pv[i] = orig;
+      write(p.param->value(), pv, s);
+      check(p.name.c_str(), i, (plus - minus) / (2 * eps), analytic_params[k][i]);
+    }
+    ++k;
+  }
+}
+
+// A user's own layer, written against the concept: y = x + alpha * fc(x), with fc square.
+class scaled_residual {
+ public:
+  scaled_residual(std::int64_t width, float alpha, context& ctx, initializer& init)
+      : fc_(width, width, ctx, init), alpha_(alpha) {}
+
+  tensor_view forward(const tensor_view& x, context& ctx) {
+    const tensor_view h = fc_.forward(x, ctx);
+    y_.ensure(x.dims(), x.type(), ctx.stream());
+    copy(y_.span<float>(), x.span<const float>(), ctx.stream());
+    axpy<float>(alpha_, h.span<const float>(), y_.span<float>(), ctx.stream());
+    return y_.view();
+  }
+  tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) {
+    scaled_.ensure(gy.dims(), gy.type(), ctx.stream());
+    copy(scaled_.span<float>(), gy.span<const float>(), ctx.stream());
+    scale<float>(scaled_.span<float>(), alpha_, ctx.stream());
+    const tensor_view g_fc = fc_.backward(scaled_, ctx, need);
+    if (need == input_grad::not_required) return {};
+    gx_.ensure(gy.dims(), gy.type(), ctx.stream());
+    copy(gx_.span<float>(), gy.span<const float>(), ctx.stream());
+    axpy<float>(1.0f, g_fc.span<const float>(), gx_.span<float>(), ctx.stream());
+    return gx_.view();
+  }
+  void parameters(parameter_list& out) {
+    auto scope = out.scope("fc");
+    fc_.parameters(out);
+  }
+  [[nodiscard]] scaled_residual clone(context& ctx) const { return scaled_residual(fc_.clone(ctx), alpha_); }
+  [[nodiscard]] shape output_shape(const shape& s) const { return fc_.output_shape(s); }
+
+ private:
+  scaled_residual(linear fc, float alpha) : fc_(std::move(fc)), alpha_(alpha) {}
+  linear fc_;
+  float alpha_;
+  tensor y_, scaled_, gx_;
+};
+static_assert(layer<scaled_residual>);
+
+}  // namespace
+
+// ---- layers by finite differences ------------------------------------------------------------------------------
+
+TEST(finite_differences, linear) {
+  context ctx(default_stream(host0));
+  initializer init(1);
+  linear l(5, 4, ctx, init);
+  check_layer_gradients(l, ctx, random_values(15, 2), shape{3, 5});
+}
+
+TEST(finite_differences, linear_without_bias) {
+  context ctx(default_stream(host0));
+  initializer init(1);
+  linear l(4, 3, ctx, init, bias::no);
+  EXPECT_EQ(parameters_of(l).size(), 1u);
+  check_layer_gradients(l, ctx, random_values(8, 3), shape{2, 4});
+}
+
+TEST(finite_differences, relu_gelu_tanh) {
+  context ctx(default_stream(host0));
+  relu r;
+  check_layer_gradients(r, ctx, values_off_zero(12, 4, 0.05f), shape{3, 4});
+  gelu g;
+  check_layer_gradients(g, ctx, random_values(12, 5, -3.0f, 3.0f), shape{3, 4});
+  tanh_layer t;
+  check_layer_gradients(t, ctx, random_values(12, 6, -2.0f, 2.0f), shape{3, 4});
+}
+
+TEST(finite_differences, dropout_in_training) {
+  context ctx(default_stream(host0));
+  ctx.set_seed(7);
+  initializer init(0);
+  dropout d(0.3f, init);
+  check_layer_gradients(d, ctx, random_values(40, 8), shape{4, 10});
+}
+
+TEST(finite_differences, a_users_own_layer) {
+  context ctx(default_stream(host0));
+  initializer init(3);
+  scaled_residual r(4, 0.5f, ctx, init);
+  check_layer_gradients(r, ctx, random_values(12, 9), shape{3, 4});
+  const auto names = parameters_of(r);
+  ASSERT_EQ(names.size(), 2u);
+  EXPECT_EQ(names[0].name, "fc.weight");
+}
+
+TEST(finite_differences, sequential_chain_with_a_users_layer) {
+  context ctx(default_stream(host0));
+  initializer init(4);
+  sequential net(linear(6, 5, ctx, init), tanh_layer(), scaled_residual(5, 0.25f, ctx, init), linear(5, 3, ctx, init));
+  check_layer_gradients(net, ctx, random_values(12, 10), shape{2, 6});
+  const auto ps = parameters_of(net);
+  ASSERT_EQ(ps.size(), 6u);
+  EXPECT_EQ(ps[0].name, "0.weight");
+  EXPECT_EQ(ps[2].name, "2.fc.weight");
+  EXPECT_EQ(ps[5].name, "3.bias");
+  EXPECT_EQ(net.output_shape(shape{6}), shape{3});
+  EXPECT_THROW((void)net.output_shape(shape{7}), precondition_error);
+}
+
+namespace {
+// Central differences of a loss w.r.t. its input, against the loss's backward.
+template <class Loss>
+void check_loss_gradients(Loss& loss, context& ctx, const std::vector<float>& y_values, shape y_shape,
+                          const tensor_view& target, std::int64_t mean_over, double tolerance = 2e-3) {
+  const stream_ref s = ctx.stream();
+  tensor y = make_tensor(y_values, y_shape, s);
+  loss.forward(y, target, ctx, mean_over);
+  const auto analytic = read(loss.backward(ctx), s);
+  auto yv = y_values;
+  const double eps = 1e-2;
+  for (std::size_t i = 0; i < yv.size(); ++i) {
+    const float orig = yv[i];
+    yv[i] = static_cast<float>(orig + eps);
+    write(y, yv, s);
+    loss.forward(y, target, ctx, mean_over);
+    const double p = read(loss.loss(), s)[0];
+    yv[i] = static_cast<float>(orig - eps);
+    write(y, yv, s);
+    loss.forward(y, target, ctx, mean_over);
+    const double m = read(loss.loss(), s)[0];
+    yv[i] = orig;
+    write(y, yv, s);
+    EXPECT_NEAR(analytic[i], (p - m) / (2 * eps), tolerance * (1 + std::abs(analytic[i]))) << "element " << i;
+  }
+}
+}  // namespace
+
+TEST(finite_differences, softmax_cross_entropy_sum_and_mean) {
+  context ctx(default_stream(host0));
+  const stream_ref s = ctx.stream();
+  const tensor labels = make_labels({2, 0, 3}, s);
+  softmax_cross_entropy sum_loss(reduction::sum), mean_loss(reduction::mean);
+  const auto logits = random_values(12, 11, -3.0f, 3.0f);
+  check_loss_gradients(sum_loss, ctx, logits, shape{3, 4}, labels, 0);
+  check_loss_gradients(mean_loss, ctx, logits, shape{3, 4}, labels, 0);
+  check_loss_gradients(mean_loss, ctx, logits, shape{3, 4}, labels, 12);  // mean over a global batch of 12
+}
+
+TEST(losses, softmax_cross_entropy_values_and_stability) {
+  context ctx(default_stream(host0));
+  const stream_ref s = ctx.stream();
+  softmax_cross_entropy loss(reduction::mean);
+  // uniform logits over 4 classes: loss log(4); huge logits must not overflow
+  tensor logits = make_tensor({0, 0, 0, 0, 1000, 0, 0, -1000}, shape{2, 4}, s);
+  const tensor labels = make_labels({1, 0}, s);
+  loss.forward(logits, labels, ctx);
+  EXPECT_NEAR(loss.read_loss(s), (std::log(4.0) + 0.0) / 2, 1e-6);
+  const auto g = read(loss.backward(ctx), s);
+  EXPECT_NEAR(g[1], (0.25 - 1.0) / 2, 1e-6);
+  EXPECT_NEAR(g[4], 0.0, 1e-6);
+  // a label outside [0, classes) shows as a NaN loss
+  const tensor bad = make_labels({1, 7}, s);
+  loss.forward(logits, bad, ctx);
+  EXPECT_TRUE(std::isnan(loss.read_loss(s)));
+  EXPECT_THROW(loss.forward(logits, make_labels({1}, s), ctx), precondition_error);
+}
+
+TEST(finite_differences, mse) {
+  context ctx(default_stream(host0));
+  const stream_ref s = ctx.stream();
+  const tensor target = make_tensor(random_values(6, 12), shape{2, 3}, s);
+  mse loss(reduction::mean);
+  check_loss_gradients(loss, ctx, random_values(6, 13), shape{2, 3}, target, 0);
+  mse total(reduction::sum);
+  check_loss_gradients(total, ctx, random_values(6, 14), shape{2, 3}, target, 0);
+}
+
+TEST(losses, accuracy_counts_argmax_hits_across_batches) {
+  context ctx(default_stream(host0));
+  const stream_ref s = ctx.stream();
+  accuracy_counter acc;
+  tensor logits = make_tensor({0.1f, 0.9f, 0.0f, 2.0f, 1.0f, 0.0f, 0.0f, 0.0f, 3.0f}, shape{3, 3}, s);
+  acc.add(logits, make_labels({1, 1, 2}, s), ctx);
+  acc.add(logits, make_labels({1, 0, 2}, s), ctx);
+  EXPECT_EQ(acc.rows(), 6);
+  EXPECT_EQ(acc.correct(s), 5);
+  acc.reset(s);
+  EXPECT_EQ(acc.correct(s), 0);
+}
+
+// ---- dropout -----------------------------------------------------------------------------------------------------
+
+TEST(dropout, masks_depend_on_seed_step_and_global_row_only) {
+  context ctx(default_stream(host0));
+  initializer init(0);
+  dropout d(0.5f, init);
+  const stream_ref s = ctx.stream();
+  tensor x = make_tensor(std::vector<float>(400, 1.0f), shape{40, 10}, s);
+  ctx.set_seed(1);
+  ctx.set_step(5);
+  const auto whole = read(d.forward(x, ctx), s);
+  std::size_t kept = 0;
+  for (float v : whole) {
+    EXPECT_TRUE(v == 0.0f || v == 2.0f);
+    kept += v != 0.0f;
+  }
+  EXPECT_GT(kept, 150u);
+  EXPECT_LT(kept, 250u);
+  // the second half of the batch on another replica (row offset 20) draws the same mask
+  dropout replica = d.clone(ctx);
+  tensor half_batch = make_tensor(std::vector<float>(200, 1.0f), shape{20, 10}, s);
+  ctx.set_row_offset(20);
+  const auto second = read(replica.forward(half_batch, ctx), s);
+  EXPECT_EQ(second, std::vector<float>(whole.begin() + 200, whole.end()));
+  ctx.set_row_offset(0);
+  ctx.set_step(6);
+  EXPECT_NE(read(d.forward(x, ctx), s), whole);
+  ctx.set_mode(run_mode::eval);
+  EXPECT_EQ(d.forward(x, ctx).data(), x.data());  // identity, no copy
+}
+
+// ---- cloning and memory -----------------------------------------------------------------------------------------
+
+TEST(clone, a_replica_on_another_device_computes_the_same_and_owns_its_parameters) {
+  context c0(default_stream(host0)), c1(default_stream(host1));
+  initializer init(5);
+  sequential net(linear(4, 8, c0, init), relu(), linear(8, 2, c0, init));
+  c0.stream().synchronize();  // clone's precondition: the source values are ready (replicate() uses an event)
+  auto replica = net.clone(c1);
+  const auto xv = random_values(12, 15);
+  tensor x0 = make_tensor(xv, shape{3, 4}, c0.stream()), x1 = make_tensor(xv, shape{3, 4}, c1.stream());
+  EXPECT_EQ(read(net.forward(x0, c0), c0.stream()), read(replica.forward(x1, c1), c1.stream()));
+  const auto rp = parameters_of(replica);
+  EXPECT_EQ(rp[0].param->get_device(), host1);
+  write(rp[0].param->value(), std::vector<float>(32, 0.0f), c1.stream());
+  EXPECT_NE(read(parameters_of(net)[0].param->value(), c0.stream()), std::vector<float>(32, 0.0f));
+}
+
+TEST(memory, the_steady_state_training_step_allocates_nothing) {
+  stream s(host1);
+  context ctx(s);
+  initializer init(6);
+  sequential net(linear(20, 32, ctx, init), relu(), linear(32, 10, ctx, init));
+  auto params = parameters_of(net).pointers();
+  sgd opt(params, sgd_options{.lr = 0.1f, .momentum = 0.9f});
+  softmax_cross_entropy loss;
+  tensor x = make_tensor(random_values(16 * 20, 16), shape{16, 20}, s);
+  tensor y = make_labels({0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 0, 1, 2, 3, 4, 5}, s);
+  auto train_step = [&](const tensor_view& xb, const tensor_view& yb) {
+    opt.zero_grad();
+    loss.forward(net.forward(xb, ctx), yb, ctx);
+    net.backward(loss.backward(ctx), ctx, input_grad::not_required);
+    opt.step(s);
+  };
+  train_step(x, y);
+  s.synchronize();
+  const auto before = get_memory_stats(host1);
+  for (int i = 0; i < 10; ++i) train_step(x, y);
+  train_step(x.view().slice_rows(0, 7), y.view().slice_rows(0, 7));  // a smaller last batch
+  s.synchronize();
+  const auto after = get_memory_stats(host1);
+  EXPECT_EQ(after.allocations, before.allocations);
+  EXPECT_EQ(after.system_allocations, before.system_allocations);
+}
+
+// ---- optimizers against hand-computed steps ------------------------------------------------------------------------
+
+namespace {
+struct optim_fixture {
+  stream s{host0};
+  parameter p{"w", shape{3}, s};
+  optim_fixture(const std::vector<float>& values) { write(p.value(), values, s); }
+  void set_grad(const std::vector<float>& g) {
+    write(p.grad(), g, s);
+    (void)p.begin_accumulate();
+  }
+  std::vector<float> values() { return read(p.value(), s); }
+};
+}  // namespace
+
+TEST(sgd, momentum_weight_decay_and_nesterov_match_pytorch_formulas) {
+  for (nesterov n : {nesterov::no, nesterov::yes}) {
+    optim_fixture f({1.0f, 2.0f, -3.0f});
+    parameter* ps[] = {&f.p};
+    const sgd_options o{.lr = 0.1f, .momentum = 0.9f, .dampening = 0.0f, .weight_decay = 0.01f, .nesterov = n};
+    sgd opt(ps, o);
+    const std::vector<std::vector<float>> grads = {{0.5f, -1.0f, 2.0f}, {0.25f, 0.5f, -1.0f}, {1.0f, 1.0f, 1.0f}};
+    std::vector<double> p = {1.0, 2.0, -3.0}, buf(3, 0.0);
+    for (std::size_t step = 0; step < grads.size(); ++step) {
+      f.set_grad(grads[step]);
+      opt.step(f.s);
+      for (std::size_t i = 0; i < 3; ++i) {
+        double d = grads[step][i] + 0.01 * p[i];
+        buf[i] = step == 0 ? d : 0.9 * buf[i] + d;
+        d = n == nesterov::yes ? d + 0.9 * buf[i] : buf[i];
+        p[i] -= 0.1 * d;
+      }
+      const auto got = f.values();
+      for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(got[i], p[i], 1e-6) << "step " << step << " i " << i;
+    }
+    EXPECT_EQ(opt.steps_taken(f.s), 3);
+  }
+}
+
+TEST(sgd, dampening_and_plain_sgd) {
+  optim_fixture f({1.0f, 1.0f, 1.0f});
+  parameter* ps[] = {&f.p};
+  sgd plain(ps, sgd_options{.lr = 0.5f});
+  f.set_grad({1.0f, -2.0f, 0.0f});
+  plain.step(f.s);
+  EXPECT_EQ(f.values(), (std::vector<float>{0.5f, 2.0f, 1.0f}));
+  EXPECT_TRUE(plain.momentum_buffer(0, 0).empty());  // no momentum, no state
+  EXPECT_THROW(sgd(ps, sgd_options{.lr = 0.1f, .momentum = 0.9f, .dampening = 0.1f, .nesterov = nesterov::yes}),
+               precondition_error);
+  EXPECT_THROW(sgd(ps, sgd_options{.lr = -1.0f}), precondition_error);
+}
+
+TEST(adamw, matches_pytorch_formulas) {
+  optim_fixture f({1.0f, -0.5f, 0.25f});
+  parameter* ps[] = {&f.p};
+  const adamw_options o{.lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
+  adamw opt(ps, o);
+  const std::vector<std::vector<float>> grads = {{0.5f, -1.0f, 2.0f}, {0.1f, 0.2f, -0.3f}, {-1.0f, 0.0f, 1.0f}};
+  std::vector<double> p = {1.0, -0.5, 0.25}, m(3, 0), v(3, 0);
+  for (std::size_t step = 0; step < grads.size(); ++step) {
+    f.set_grad(grads[step]);
+    opt.step(f.s);
+    const double t = static_cast<double>(step + 1);
+    for (std::size_t i = 0; i < 3; ++i) {
+      const double g = grads[step][i];
+      p[i] *= 1 - 0.01 * 0.1;
+      m[i] = 0.9 * m[i] + 0.1 * g;
+      v[i] = 0.99 * v[i] + 0.01 * g * g;
+      const double bc1 = 1 - std::pow(0.9, t), bc2 = 1 - std::pow(0.99, t);
+      p[i] -= (0.01 / bc1) * m[i] / (std::sqrt(v[i]) / std::sqrt(bc2) + 1e-8);
+    }
+    const auto got = f.values();
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(got[i], p[i], 2e-6) << "step " << step << " i " << i;
+  }
+}
+
+TEST(optimizer, a_skipped_step_changes_nothing_and_the_multiplier_scales_gradients) {
+  optim_fixture f({1.0f, 2.0f, 3.0f});
+  parameter* ps[] = {&f.p};
+  sgd opt(ps, sgd_options{.lr = 1.0f, .momentum = 0.5f});
+  auto skip = to_device(std::vector<std::uint64_t>{1}, f.s);
+  auto half_scale = to_device(std::vector<float>{0.5f}, f.s);
+  f.set_grad({2.0f, 2.0f, 2.0f});
+  opt.step(f.s, step_inputs{half_scale.data(), skip.data()});
+  EXPECT_EQ(f.values(), (std::vector<float>{1.0f, 2.0f, 3.0f}));
+  EXPECT_EQ(opt.steps_taken(f.s), 0);
+  fill_zero(skip.span(), f.s);
+  opt.step(f.s, step_inputs{half_scale.data(), skip.data()});  // gradient 2 * 0.5
+  EXPECT_EQ(f.values(), (std::vector<float>{0.0f, 1.0f, 2.0f}));
+  EXPECT_EQ(opt.steps_taken(f.s), 1);
+}
+
+TEST(optimizer, one_launch_updates_many_tensors_of_odd_sizes) {
+  stream s(host0);
+  std::vector<parameter> params;
+  params.reserve(30);
+  for (int i = 0; i < 30; ++i) {
+    params.emplace_back("p" + std::to_string(i), shape{i * 37 + 1}, s);
+    write(params.back().value(), std::vector<float>(static_cast<std::size_t>(i * 37 + 1), 1.0f), s);
+    write(params.back().grad(), std::vector<float>(static_cast<std::size_t>(i * 37 + 1), static_cast<float>(i)), s);
+    (void)params.back().begin_accumulate();
+  }
+  std::vector<parameter*> ptrs;
+  for (auto& p : params) ptrs.push_back(&p);
+  sgd opt(ptrs, sgd_options{.lr = 0.5f});
+  opt.step(s);
+  for (int i = 0; i < 30; ++i) {
+    const auto v = read(params[static_cast<std::size_t>(i)].value(), s);
+    for (float x : v) ASSERT_EQ(x, 1.0f - 0.5f * static_cast<float>(i)) << "tensor " << i;
+  }
+}
+
+TEST(optimizer, unused_parameters_see_a_zero_gradient_and_groups_are_checked) {
+  optim_fixture f({1.0f, 2.0f, 3.0f});
+  write(f.p.grad(), {9.0f, 9.0f, 9.0f}, f.s);  // stale memory, but the gradient is logically zero
+  f.p.zero_grad();
+  parameter* ps[] = {&f.p};
+  sgd opt(ps, sgd_options{.lr = 1.0f});
+  opt.step(f.s);
+  EXPECT_EQ(f.values(), (std::vector<float>{1.0f, 2.0f, 3.0f}));
+  EXPECT_THROW(opt.add_param_group(ps, sgd_options{}), precondition_error);  // already in a group
+  stream other(host1);
+  parameter q("q", shape{2}, other);
+  parameter* qs[] = {&q};
+  EXPECT_THROW(opt.add_param_group(qs, sgd_options{}), precondition_error);  // another device
+}
