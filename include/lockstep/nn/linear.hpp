@@ -52,9 +52,9 @@ class linear {
       // y = x W^T: row-major [rows, in] x [in, out]
       gemm<T>(ctx.blas(), transpose::no, transpose::yes, rows, out_, in_, 1.0f, x.as<T>(), in_, w, in_, 0.0f, y, out_);
       if (has_bias_) {
-        launch_elementwise(static_cast<std::size_t>(rows * out_),
-                           kernels::add_bias_op<T>{y, bias_.compute_value().as<T>(), y, static_cast<std::size_t>(out_)},
-                           ctx.stream(), "linear bias");
+        launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(out_),
+                  kernels::add_bias_op<T>{y, bias_.compute_value().as<T>(), y, static_cast<std::size_t>(out_)},
+                  ctx.stream(), "linear bias");
       }
     });
     return y_.view();

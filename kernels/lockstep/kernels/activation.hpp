@@ -15,14 +15,17 @@
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
 
-/// y[r, c] = x[r, c] + b[c] over a [rows, cols] row-major matrix (x and y may be the same memory).
+/// y[r, c] = x[r, c] + b[c] over a [rows, cols] row-major matrix (x and y may be the same memory); a
+/// launch_2d functor.
 template <class T>
 struct add_bias_op {
   const T* x;
   const T* b;
   T* y;
   std::size_t cols;
-  LOCKSTEP_HD void operator()(std::size_t i) const { y[i] = convert<T>(to_float(x[i]) + to_float(b[i % cols])); }
+  LOCKSTEP_HD void operator()(std::size_t r, std::size_t c) const {
+    y[r * cols + c] = convert<T>(to_float(x[r * cols + c]) + to_float(b[c]));
+  }
 };
 
 /// db[c] = beta * db[c] + sum over r of g[r, c]: one index per column; the loop over rows makes reads of

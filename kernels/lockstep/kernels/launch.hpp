@@ -5,13 +5,20 @@
 // i in [0, n):
 //   - on a GPU stream, as a grid-stride kernel (launch_cuda.cuh);
 //   - on a host stream, as a loop on the stream's worker thread.
-// So the arithmetic tested on the CPU is the arithmetic the GPU runs.
+// So the arithmetic tested on the CPU is the arithmetic the GPU runs. `launch_2d` does the same for
+// functors of (row, col) over a row-major matrix.
+//
+// A functor whose scalars live in device memory (a loss scale, a skip flag, a step count) may provide
+// `LOCKSTEP_HD auto bind() const` returning the functor with those values loaded: launchers call it once per
+// GPU thread or once per host loop, so the per-element body works on plain values the compiler can keep in
+// registers and vectorize around (a load through a pointer may alias the data being written).
 #pragma once
 
 #include <cstddef>
 #include <type_traits>
 
 #include "lockstep/config.hpp"
+#include "lockstep/kernels/bind.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
 
@@ -40,13 +47,37 @@ void launch_elementwise(std::size_t n, F f, stream_ref s, const char* what) {
     detail::enqueue_host(
         s,
         [n, f] {
-          for (std::size_t i = 0; i < n; ++i) f(i);
+          const auto k = detail::bind_functor(f);
+          for (std::size_t i = 0; i < n; ++i) k(i);
         },
         what);
     return;
   }
 #if LOCKSTEP_HAS_CUDA
   detail::launch_elementwise_cuda(n, f, s, what);
+#endif
+}
+
+/// Runs `f(r, c)` for every element of a [rows, cols] matrix in stream order on `s`: on a host stream, a loop
+/// over rows around a loop over columns (no division per element); on a GPU, the grid-stride kernel with the
+/// row and column computed from the flat index.
+template <class F>
+void launch_2d(std::size_t rows, std::size_t cols, F f, stream_ref s, const char* what) {
+  static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
+  if (rows == 0 || cols == 0) return;
+  if (s.get_device().is_host()) {
+    detail::enqueue_host(
+        s,
+        [rows, cols, f] {
+          const auto k = detail::bind_functor(f);
+          for (std::size_t r = 0; r < rows; ++r)
+            for (std::size_t c = 0; c < cols; ++c) k(r, c);
+        },
+        what);
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  launch_elementwise(rows * cols, detail::flat_2d<F>{f, cols}, s, what);
 #endif
 }
 

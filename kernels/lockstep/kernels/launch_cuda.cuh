@@ -12,6 +12,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/cuda_check.hpp"
+#include "lockstep/kernels/bind.hpp"
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/stream.hpp"
 #include "lockstep/runtime/tensor.hpp"
@@ -25,12 +26,25 @@ LOCKSTEP_DETAIL_BEGIN
 #pragma nv_diag_suppress 1407
 template <class F>
 __global__ LOCKSTEP_HIDDEN void elementwise_kernel(std::size_t n, F f) {
+  const auto k = bind_functor(f);
   const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
-  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) f(i);
+  for (std::size_t i = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; i < n; i += stride) k(i);
 }
 #pragma nv_diagnostic pop
 
 inline constexpr unsigned elementwise_block = 256;
+
+/// A (row, col) functor seen as a flat one: launch_2d on a GPU.
+template <class F>
+struct flat_2d {
+  F f;
+  std::size_t cols;
+  __device__ auto bind() const { return flat_2d<decltype(bind_functor(f))>{bind_functor(f), cols}; }
+  __device__ void operator()(std::size_t i) const {
+    const std::size_t r = i / cols;
+    f(r, i - r * cols);
+  }
+};
 
 /// Enough blocks to fill the device a few times over; the grid-stride loop covers the rest.
 inline unsigned elementwise_grid(std::size_t n, device d) {

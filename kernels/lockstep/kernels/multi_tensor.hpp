@@ -7,7 +7,9 @@
 //   - on a GPU, the groups and a block-to-chunk table travel in the kernel's parameter block (kept under the
 //     4 KiB every architecture accepts); a list that does not fit is split into several launches;
 //   - on a host device, one queued task loops over every group.
-// The functor is called as f(group, i) for element i of the group.
+// The functor is called as f(group, i) for element i of the group, after `bind()` (see launch.hpp). On a
+// host stream, a bound functor may offer `for_group(group)`: a loop over the group calling the same
+// per-element code with the group's pointers loaded once (and restrict-qualified), which vectorizes.
 #pragma once
 
 #include <cstddef>
@@ -16,6 +18,7 @@
 #include <vector>
 
 #include "lockstep/config.hpp"
+#include "lockstep/kernels/bind.hpp"
 #include "lockstep/kernels/launch.hpp"
 
 LOCKSTEP_ABI_BEGIN
@@ -50,7 +53,8 @@ __global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table,
   const tensor_group<K>& g = table.groups[table.block_group[blockIdx.x]];
   const std::size_t begin = static_cast<std::size_t>(table.block_chunk[blockIdx.x]) * multi_tensor_chunk;
   const std::size_t end = begin + multi_tensor_chunk < g.size ? begin + multi_tensor_chunk : g.size;
-  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) f(g, i);
+  const auto k = bind_functor(f);
+  for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) k(g, i);
 }
 
 template <int K, class F>
@@ -102,8 +106,14 @@ void launch_multi_tensor(std::span<const tensor_group<K>> groups, F f, stream_re
     detail::enqueue_host(
         s,
         [list = std::vector<tensor_group<K>>(groups.begin(), groups.end()), f] {
-          for (const auto& g : list)
-            for (std::size_t i = 0; i < g.size; ++i) f(g, i);
+          const auto k = detail::bind_functor(f);
+          for (const auto& g : list) {
+            if constexpr (requires { k.for_group(g); }) {
+              k.for_group(g);  // the same per-element code, in a loop the compiler can vectorize
+            } else {
+              for (std::size_t i = 0; i < g.size; ++i) k(g, i);
+            }
+          }
         },
         what);
     return;

@@ -58,24 +58,61 @@ struct sgd_update_op {
   bool nesterov;
   step_inputs in;
   const optimizer_counters* counters;
-  LOCKSTEP_HD void operator()(const tensor_group<4>& g, std::size_t i) const {
-    if (in.skipped()) return;
-    float* p = static_cast<float*>(g.ptr[0]);
-    const T* grad = static_cast<const T*>(g.ptr[1]);
-    float* buf = static_cast<float*>(g.ptr[2]);
-    T* working = static_cast<T*>(g.ptr[3]);
-    const float value = p[i];
-    float d = to_float(grad[i]) * in.multiplier();
-    if (weight_decay != 0.0f) d += weight_decay * value;
-    if (momentum != 0.0f) {
-      const float b = counters->step == 1 ? d : momentum * buf[i] + (1.0f - dampening) * d;
-      buf[i] = b;
-      d = nesterov ? d + momentum * b : b;
+
+  /// The update with the device-resident inputs loaded (see launch.hpp).
+  struct bound {
+    float lr, momentum, dampening, weight_decay, multiplier;
+    bool nesterov, skip, first_step;
+    /// Element i, with the group's pointers loaded: the arithmetic both backends run. Momentum and the working
+    /// copy are compile-time choices (they decide which memory is touched); the rest are selects, so the host
+    /// loop has no control flow and vectorizes.
+    template <bool Momentum, bool Working>
+    LOCKSTEP_HD void element(float* __restrict__ p, const T* __restrict__ grad, float* __restrict__ buf,
+                             T* __restrict__ working, std::size_t i) const {
+      const float value = p[i];
+      float d = to_float(grad[i]) * multiplier;
+      d = weight_decay != 0.0f ? d + weight_decay * value : d;
+      if constexpr (Momentum) {
+        const float b = first_step ? d : momentum * buf[i] + (1.0f - dampening) * d;
+        buf[i] = b;
+        d = nesterov ? d + momentum * b : b;
+      }
+      const float updated = value - lr * d;
+      p[i] = updated;
+      if constexpr (Working) working[i] = convert<T>(updated);
     }
-    const float updated = value - lr * d;
-    p[i] = updated;
-    if (working) working[i] = convert<T>(updated);
+    /// Calls f.template operator()<Momentum, Working>() for this group's configuration.
+    template <class F>
+    LOCKSTEP_HD void dispatch(const tensor_group<4>& g, F&& f) const {
+      const bool has_momentum = momentum != 0.0f, has_working = g.ptr[3] != nullptr;
+      if (has_momentum && has_working) return f.template operator()<true, true>();
+      if (has_momentum) return f.template operator()<true, false>();
+      if (has_working) return f.template operator()<false, true>();
+      return f.template operator()<false, false>();
+    }
+    LOCKSTEP_HD void operator()(const tensor_group<4>& g, std::size_t i) const {
+      if (skip) return;
+      dispatch(g, [&]<bool M, bool W>() {
+        element<M, W>(static_cast<float*>(g.ptr[0]), static_cast<const T*>(g.ptr[1]), static_cast<float*>(g.ptr[2]),
+                      static_cast<T*>(g.ptr[3]), i);
+      });
+    }
+    /// A whole group (the host launcher's loop): one configuration, pointers loaded once.
+    void for_group(const tensor_group<4>& g) const {
+      if (skip) return;
+      dispatch(g, [&]<bool M, bool W>() {
+        float* __restrict__ p = static_cast<float*>(g.ptr[0]);
+        const T* __restrict__ grad = static_cast<const T*>(g.ptr[1]);
+        float* __restrict__ buf = static_cast<float*>(g.ptr[2]);
+        T* __restrict__ working = static_cast<T*>(g.ptr[3]);
+        for (std::size_t i = 0; i < g.size; ++i) element<M, W>(p, grad, buf, working, i);
+      });
+    }
+  };
+  LOCKSTEP_HD bound bind() const {
+    return bound{lr, momentum, dampening, weight_decay, in.multiplier(), nesterov, in.skipped(), counters->step == 1};
   }
+  LOCKSTEP_HD void operator()(const tensor_group<4>& g, std::size_t i) const { bind()(g, i); }
 };
 
 /// PyTorch's AdamW: p *= 1 - lr * wd; m = b1 m + (1 - b1) g; v = b2 v + (1 - b2) g^2;
@@ -89,24 +126,65 @@ struct adamw_update_op {
   float weight_decay;
   step_inputs in;
   const optimizer_counters* counters;
-  LOCKSTEP_HD void operator()(const tensor_group<5>& g, std::size_t i) const {
-    if (in.skipped()) return;
-    float* p = static_cast<float*>(g.ptr[0]);
-    const T* grad = static_cast<const T*>(g.ptr[1]);
-    float* m = static_cast<float*>(g.ptr[2]);
-    float* v = static_cast<float*>(g.ptr[3]);
-    T* working = static_cast<T*>(g.ptr[4]);
-    const float d = to_float(grad[i]) * in.multiplier();
-    float value = p[i] * (1.0f - lr * weight_decay);
-    const float mi = beta1 * m[i] + (1.0f - beta1) * d;
-    const float vi = beta2 * v[i] + (1.0f - beta2) * d * d;
-    m[i] = mi;
-    v[i] = vi;
-    const float denom = ::sqrtf(vi) / ::sqrtf(counters->bias_correction2) + eps;
-    value -= (lr / counters->bias_correction1) * mi / denom;
-    p[i] = value;
-    if (working) working[i] = convert<T>(value);
+
+  /// The update with the device-resident inputs loaded (see launch.hpp).
+  struct bound {
+    float beta1, beta2, eps, decay, step_size, inv_sqrt_bc2, multiplier;
+    bool skip;
+    /// Element i, with the group's pointers loaded: the arithmetic both backends run. The working copy is a
+    /// compile-time choice, so the host loop has no control flow and vectorizes.
+    template <bool Working>
+    LOCKSTEP_HD void element(float* __restrict__ p, const T* __restrict__ grad, float* __restrict__ m,
+                             float* __restrict__ v, T* __restrict__ working, std::size_t i) const {
+      const float d = to_float(grad[i]) * multiplier;
+      float value = p[i] * decay;
+      const float mi = beta1 * m[i] + (1.0f - beta1) * d;
+      const float vi = beta2 * v[i] + (1.0f - beta2) * d * d;
+      m[i] = mi;
+      v[i] = vi;
+      value -= step_size * mi / (::sqrtf(vi) * inv_sqrt_bc2 + eps);
+      p[i] = value;
+      if constexpr (Working) working[i] = convert<T>(value);
+    }
+    LOCKSTEP_HD void operator()(const tensor_group<5>& g, std::size_t i) const {
+      if (skip) return;
+      auto* p = static_cast<float*>(g.ptr[0]);
+      auto* grad = static_cast<const T*>(g.ptr[1]);
+      auto* m = static_cast<float*>(g.ptr[2]);
+      auto* v = static_cast<float*>(g.ptr[3]);
+      auto* working = static_cast<T*>(g.ptr[4]);
+      if (working) {
+        element<true>(p, grad, m, v, working, i);
+      } else {
+        element<false>(p, grad, m, v, working, i);
+      }
+    }
+    /// A whole group (the host launcher's loop): pointers loaded once.
+    void for_group(const tensor_group<5>& g) const {
+      if (skip) return;
+      float* __restrict__ p = static_cast<float*>(g.ptr[0]);
+      const T* __restrict__ grad = static_cast<const T*>(g.ptr[1]);
+      float* __restrict__ m = static_cast<float*>(g.ptr[2]);
+      float* __restrict__ v = static_cast<float*>(g.ptr[3]);
+      T* __restrict__ working = static_cast<T*>(g.ptr[4]);
+      if (working) {
+        for (std::size_t i = 0; i < g.size; ++i) element<true>(p, grad, m, v, working, i);
+      } else {
+        for (std::size_t i = 0; i < g.size; ++i) element<false>(p, grad, m, v, working, i);
+      }
+    }
+  };
+  LOCKSTEP_HD bound bind() const {
+    return bound{beta1,
+                 beta2,
+                 eps,
+                 1.0f - lr * weight_decay,
+                 lr / counters->bias_correction1,
+                 1.0f / ::sqrtf(counters->bias_correction2),
+                 in.multiplier(),
+                 in.skipped()};
   }
+  LOCKSTEP_HD void operator()(const tensor_group<5>& g, std::size_t i) const { bind()(g, i); }
 };
 
 }  // namespace kernels

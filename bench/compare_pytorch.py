@@ -1,0 +1,216 @@
+#!/usr/bin/env python3
+"""Side-by-side training throughput: lockstep's sample (examples/mlp_train) against PyTorch on the CPU.
+
+Both train the same MLP (784-H-H-10, ReLU) on Fashion-MNIST with the same batch and optimizer (SGD lr 0.05
+momentum 0.9 unless told otherwise), for the same number of steps, on the same machine, in one run: the two
+sides alternate (lockstep, PyTorch, lockstep, PyTorch, ...) so that a noisy neighbour slows both, and the
+reported figure is the median of each side's runs and the ratio of the medians.
+
+    single   lockstep on one host device (one core computes, as one GPU is one device; data loader workers
+             on other threads) against PyTorch pinned to one core (taskset -c 0, torch.set_num_threads(1),
+             DataLoader in the training thread).
+    ddp      lockstep --mode ddp on 2 host devices against PyTorch DistributedDataParallel with the gloo backend
+             on 2 processes (one thread each), both with the same global batch.
+
+Usage: bench/compare_pytorch.py [--mlp-train PATH] [--hidden 256,256 1024,1024] [--steps N] [--repeats R]
+                                [--modes single ddp] [--json]
+PyTorch is Debian's python3-torch (scripts/setup.sh --torch); without it the comparison is skipped with a
+message (exit code 0).
+"""
+import argparse
+import gzip
+import json
+import os
+import shutil
+import statistics
+import struct
+import subprocess
+import sys
+import time
+
+DATA = "/usr/share/datasets/fashion-mnist"
+# Debian's python3-torch is installed for the system interpreter, which may not be the first python3 on PATH.
+TORCH_PYTHON = "/usr/bin/python3" if os.path.exists("/usr/bin/python3") else sys.executable
+HERE = os.path.dirname(os.path.abspath(__file__))
+ROOT = os.path.dirname(HERE)
+
+
+def read_idx(path):
+    import numpy as np
+    with gzip.open(path, "rb") as f:
+        data = f.read()
+    zero, dtype, rank = struct.unpack(">HBB", data[:4])
+    dims = struct.unpack(">" + "I" * rank, data[4:4 + 4 * rank])
+    return np.frombuffer(data, dtype=np.uint8, offset=4 + 4 * rank).reshape(dims)
+
+
+# ---- the PyTorch side (runs in a child process) -----------------------------------------------------------------
+
+def torch_model(hidden):
+    import torch
+    layers, width = [], 784
+    for h in hidden:
+        layers += [torch.nn.Linear(width, h), torch.nn.ReLU()]
+        width = h
+    layers.append(torch.nn.Linear(width, 10))
+    return torch.nn.Sequential(*layers)
+
+
+def torch_loader(batch, seed, rank=0, world=1):
+    import torch
+    images = torch.from_numpy(read_idx(os.path.join(DATA, "train-images-idx3-ubyte.gz")).reshape(-1, 784).copy())
+    labels = torch.from_numpy(read_idx(os.path.join(DATA, "train-labels-idx1-ubyte.gz")).astype("int64"))
+    dataset = torch.utils.data.TensorDataset(images, labels)
+    if world > 1:
+        sampler = torch.utils.data.distributed.DistributedSampler(dataset, num_replicas=world, rank=rank, seed=seed)
+        return torch.utils.data.DataLoader(dataset, batch_size=batch // world, sampler=sampler, num_workers=0)
+    generator = torch.Generator().manual_seed(seed)
+    return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, generator=generator, num_workers=0)
+
+
+def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1):
+    """Trains `steps` steps; returns samples per second (global) measured after a warm-up of 10 steps."""
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    model = torch_model(hidden)
+    if world > 1:
+        model = torch.nn.parallel.DistributedDataParallel(model)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    loss_fn = torch.nn.CrossEntropyLoss()
+    loader = torch_loader(batch, 0, rank, world)
+    done, samples, start = 0, 0, None
+    while done < steps + 10:
+        for x, y in loader:
+            if done == 10:
+                start, samples = time.perf_counter(), 0
+            x = x.float().div_(255.0)
+            opt.zero_grad()
+            loss_fn(model(x), y).backward()
+            opt.step()
+            done += 1
+            samples += x.shape[0] * world
+            if done >= steps + 10:
+                break
+    return samples / (time.perf_counter() - start)
+
+
+def torch_ddp_worker(rank, world, port, args, queue):
+    import torch.distributed as dist
+    os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
+    dist.init_process_group("gloo", rank=rank, world_size=world)
+    rate = torch_train(args["hidden"], args["batch"], args["steps"], args["lr"], args["momentum"], rank, world)
+    dist.barrier()
+    if rank == 0:
+        queue.put(rate)
+    dist.destroy_process_group()
+
+
+def torch_child(spec):
+    """Entry point of the PyTorch child process: prints one JSON line."""
+    if spec["mode"] == "single":
+        rate = torch_train(spec["hidden"], spec["batch"], spec["steps"], spec["lr"], spec["momentum"])
+    else:
+        import torch.multiprocessing as mp
+        ctx = mp.get_context("spawn")
+        queue = ctx.Queue()
+        port = 29500 + os.getpid() % 1000
+        procs = [ctx.Process(target=torch_ddp_worker, args=(r, 2, port, spec, queue)) for r in range(2)]
+        for p in procs:
+            p.start()
+        rate = queue.get(timeout=600)
+        for p in procs:
+            p.join()
+    print(json.dumps({"samples_per_second": rate}))
+
+
+# ---- the driver ----------------------------------------------------------------------------------------------------
+
+def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum):
+    args = [binary, "--json", "--hidden", ",".join(map(str, hidden)), "--batch", str(batch), "--lr", str(lr),
+            "--momentum", str(momentum), "--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000",
+            "--eval-batch", "10000"]
+    if mode == "single":
+        args += ["--devices", "host:0"]
+    else:
+        args += ["--mode", "ddp", "--devices", "host:0,host:1"]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)["samples_per_second"]
+
+
+def run_torch(mode, hidden, batch, steps, lr, momentum):
+    spec = json.dumps({"mode": mode, "hidden": hidden, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum})
+    cmd = [TORCH_PYTHON, os.path.abspath(__file__), "--torch-child", spec]
+    if mode == "single" and shutil.which("taskset"):
+        cmd = ["taskset", "-c", "0"] + cmd
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
+    return json.loads(out)["samples_per_second"]
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mlp-train", default=os.path.join(ROOT, "build", "sample", "examples", "mlp_train", "mlp_train"))
+    p.add_argument("--hidden", nargs="+", default=["256,256", "1024,1024"])
+    p.add_argument("--modes", nargs="+", default=["single", "ddp"], choices=["single", "ddp"])
+    p.add_argument("--batch", type=int, default=128)
+    p.add_argument("--steps", type=int, default=300)
+    p.add_argument("--repeats", type=int, default=3)
+    p.add_argument("--lr", type=float, default=0.05)
+    p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--json", action="store_true")
+    p.add_argument("--torch-child", help=argparse.SUPPRESS)
+    a = p.parse_args()
+    if a.torch_child:
+        torch_child(json.loads(a.torch_child))
+        return 0
+
+    probe = subprocess.run([TORCH_PYTHON, "-c", "import torch, numpy"], capture_output=True)
+    if probe.returncode != 0:
+        print("compare_pytorch: PyTorch is not installed (Debian python3-torch; scripts/setup.sh --torch installs it): "
+              "comparison skipped")
+        return 0
+    if not os.path.exists(a.mlp_train):
+        print(f"compare_pytorch: {a.mlp_train} does not exist; build it first (scripts/run-sample.sh --help builds it)")
+        return 1
+
+    cores = os.cpu_count()
+    results = []
+    for mode in a.modes:
+        for hidden_spec in a.hidden:
+            hidden = [int(h) for h in hidden_spec.split(",")]
+            ours, theirs = [], []
+            for _ in range(a.repeats):
+                ours.append(run_lockstep(a.mlp_train, mode, hidden, a.batch, a.steps, a.lr, a.momentum))
+                theirs.append(run_torch(mode, hidden, a.batch, a.steps, a.lr, a.momentum))
+            r = {
+                "mode": mode,
+                "hidden": hidden_spec,
+                "batch": a.batch,
+                "steps": a.steps,
+                "lockstep_samples_per_second": statistics.median(ours),
+                "pytorch_samples_per_second": statistics.median(theirs),
+                "lockstep_runs": ours,
+                "pytorch_runs": theirs,
+                "lockstep_setup": ("1 host device computing on 1 core; data loader workers on other threads"
+                                   if mode == "single" else "2 host devices (1 compute core each) in one process"),
+                "pytorch_setup": ("taskset -c 0, torch.set_num_threads(1), DataLoader num_workers=0"
+                                  if mode == "single" else "DistributedDataParallel, gloo, 2 processes x 1 thread"),
+                "machine_cores": cores,
+            }
+            r["ratio"] = r["lockstep_samples_per_second"] / r["pytorch_samples_per_second"]
+            results.append(r)
+            if not a.json:
+                print(f"{mode:6s} hidden {hidden_spec:10s} batch {a.batch}: lockstep {r['lockstep_samples_per_second']:9.0f}"
+                      f" samples/s, PyTorch {r['pytorch_samples_per_second']:9.0f} samples/s, ratio {r['ratio']:.2f}"
+                      f"  (medians of {a.repeats}, alternated)")
+    if not a.json:
+        print(f"machine: {cores} cores. lockstep single: {results[0]['lockstep_setup'] if results else ''}; "
+              f"PyTorch single: taskset -c 0, 1 thread.")
+    else:
+        print(json.dumps(results))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
