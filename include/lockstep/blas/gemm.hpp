@@ -75,76 +75,19 @@ struct gemm_problem {
 
 // ---- conversions the compiler can vectorize ----------------------------------------------------------------
 //
-// core/half.hpp converts one value with branches, which is right for kernels and scalars but keeps a loop
-// scalar. These are the same functions written without branches (every case is computed and one selected),
-// so that the fixed-length inner loops below become SIMD code even at -O2. They give the same bits as
-// to_float() and convert<T>() for every input (test_blas.cpp compares all 2^16 patterns and a sweep of
-// floats); in particular NaNs come out as the canonical NaNs of core/half.hpp.
+// core/half.hpp's host conversions are written without branches (every case computed, one selected), so the
+// fixed-length inner loops below become SIMD code even at -O2.
 
-/// `if_true` where `condition` holds, else `if_false`: a select written as bit operations, which compilers
-/// keep branch-free (a `?:` on values that are costly to compute may become a branch, which stops
-/// vectorization).
-inline std::uint32_t select_bits(bool condition, std::uint32_t if_true, std::uint32_t if_false) noexcept {
-  const std::uint32_t mask = 0u - static_cast<std::uint32_t>(condition);
-  return (if_true & mask) | (if_false & ~mask);
-}
-
-/// binary16 bits -> float bits, like half_bits_to_float.
-inline std::uint32_t widen_half_bits(std::uint32_t h) noexcept {
-  const std::uint32_t em = h & 0x7fffu;  // exponent and mantissa
-  const std::uint32_t sign = (h & 0x8000u) << 16;
-  const std::uint32_t normal = (em << 13) + 0x38000000u;  // rebias the exponent from 15 to 127
-  // A subnormal (or zero) is em * 2^-24: an exact int -> float conversion and a scaling by a power of two.
-  const std::uint32_t subnormal = float_as_bits(static_cast<float>(static_cast<std::int32_t>(em)) * 0x1p-24f);
-  std::uint32_t r = select_bits(em < 0x400u, subnormal, normal);
-  r = select_bits(em >= 0x7c00u, 0x7f800000u, r);  // infinity (NaN is replaced below)
-  return select_bits(em > 0x7c00u, 0x7fffffffu, r | sign);
-}
-
-/// float bits -> binary16 bits, round to nearest even, like float_to_half_bits.
-inline std::uint32_t narrow_half_bits(std::uint32_t x) noexcept {
-  const std::uint32_t sign = (x >> 16) & 0x8000u;
-  const std::uint32_t mag = x & 0x7fffffffu;
-  // Normal half: rebias, then drop 13 mantissa bits rounding to nearest even. From 65520 on, the carry
-  // gives exactly 0x7c00 (infinity).
-  const std::uint32_t v = mag - 0x38000000u;
-  const std::uint32_t normal = (v + 0x0fffu + ((v >> 13) & 1u)) >> 13;
-  // Subnormal half or zero (|x| < 2^-14): in 0.5 + |x| the last mantissa bit is worth 2^-24, the unit of a
-  // subnormal half, so the float addition itself rounds |x| to nearest even in those units (up to 0x400,
-  // the smallest normal, which is right).
-  const std::uint32_t subnormal = float_as_bits(bits_as_float(mag) + 0.5f) - 0x3f000000u;
-  std::uint32_t r = select_bits(mag < 0x38800000u, subnormal, normal);
-  r = select_bits(mag >= 0x47800000u, 0x7c00u, r);  // |x| >= 65536 and infinity
-  return select_bits(mag > 0x7f800000u, 0x7fffu, r | sign);  // NaN: the canonical NaN, sign dropped
-}
-
-/// float bits -> bfloat16 bits, round to nearest even, like float_to_bfloat16_bits.
-inline std::uint32_t narrow_bfloat16_bits(std::uint32_t x) noexcept {
-  const std::uint32_t mag = x & 0x7fffffffu;
-  const std::uint32_t r = ((x >> 16) & 0x8000u) | ((mag + 0x7fffu + ((mag >> 16) & 1u)) >> 16);
-  return select_bits(mag > 0x7f800000u, 0x7fffu, r);
-}
-
-/// The value of a half or bfloat16 as a float (the same bits as to_float).
+/// The value of a half or bfloat16 as a float (core/half.hpp's branch-free conversion).
 template <class T>
 inline float widen_value(T x) noexcept {
-  if constexpr (std::is_same_v<T, half>) {
-    return bits_as_float(widen_half_bits(x.bits));
-  } else {
-    static_assert(std::is_same_v<T, bfloat16>);
-    return bits_as_float(std::uint32_t{x.bits} << 16);
-  }
+  return to_float(x);
 }
 
-/// A float rounded to T (the same bits as convert<T>).
+/// A float rounded to T (core/half.hpp's branch-free conversion).
 template <class T>
 inline T narrow_value(float f) noexcept {
-  if constexpr (std::is_same_v<T, half>) {
-    return half::from_bits(static_cast<std::uint16_t>(narrow_half_bits(float_as_bits(f))));
-  } else {
-    static_assert(std::is_same_v<T, bfloat16>);
-    return bfloat16::from_bits(static_cast<std::uint16_t>(narrow_bfloat16_bits(float_as_bits(f))));
-  }
+  return convert<T>(f);
 }
 
 // Loops run in chunks of a fixed length: a loop whose trip count is a known multiple of the vector width is
@@ -213,7 +156,7 @@ __attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, half* dst) no
   h = _mm_or_si128(_mm_andnot_si128(nan, h), _mm_and_si128(nan, _mm_set1_epi16(0x7fff)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
 }
-/// Rounds 8 floats to bfloat16 (nearest even; NaN -> 0x7fff) and stores them: narrow_bfloat16_bits.
+/// Rounds 8 floats to bfloat16 (nearest even; NaN -> 0x7fff) and stores them, like float_to_bfloat16_bits.
 __attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, bfloat16* dst) noexcept {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));

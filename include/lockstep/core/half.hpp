@@ -60,7 +60,20 @@ LOCKSTEP_HD constexpr std::uint32_t shift_right_rne(std::uint32_t v, unsigned sh
   return kept + ((dropped > halfway || (dropped == halfway && (kept & 1u) != 0u)) ? 1u : 0u);
 }
 
+/// `c ? a : b` computed with masks: compilers keep it free of branches, so loops around it vectorize.
+LOCKSTEP_HD constexpr std::uint32_t select_bits(bool c, std::uint32_t a, std::uint32_t b) noexcept {
+  const std::uint32_t mask = 0u - static_cast<std::uint32_t>(c);
+  return (a & mask) | (b & ~mask);
+}
+
 /// float -> binary16 bits, round to nearest even; see the file comment for the special cases.
+///
+/// The host code is written without branches (every case computed, then selected) so that loops converting
+/// arrays vectorize. Normal results: rebias the exponent and round the 13 dropped mantissa bits by adding
+/// 0xfff plus the lowest kept bit, which carries exactly when round-to-nearest-even rounds up. Subnormal
+/// results: adding 0.5f (2^-1) to |f| < 2^-14 in float arithmetic rounds |f| to a multiple of 2^-24 (the
+/// float's ulp at 0.5 is 2^-24) to nearest even — the half subnormal grid — and the low bits of the sum are
+/// then the half's bits.
 LOCKSTEP_HD inline std::uint16_t float_to_half_bits(float f) noexcept {
 #if defined(__CUDA_ARCH__)
   return __half_as_ushort(__float2half_rn(f));
@@ -68,42 +81,35 @@ LOCKSTEP_HD inline std::uint16_t float_to_half_bits(float f) noexcept {
   const std::uint32_t x = float_as_bits(f);
   const std::uint32_t sign = (x >> 16) & 0x8000u;
   const std::uint32_t mag = x & 0x7fffffffu;
-  if (mag > 0x7f800000u) return 0x7fffu;  // NaN: CUDA's canonical NaN, sign dropped
+  // Normal half (|f| >= 2^-14): exponent rebiased from 127 to 15 (subtract 112 << 23), 13 bits rounded away.
+  const std::uint32_t odd = (mag >> 13) & 1u;
+  const std::uint32_t normal = (mag - 0x38000000u + 0xfffu + odd) >> 13;
+  // Subnormal half or zero (|f| < 2^-14).
+  const std::uint32_t subnormal = float_as_bits(bits_as_float(mag) + 0.5f) - 0x3f000000u;
   // 0x477ff000 is 65520, halfway between the largest half (65504) and 65536, which has an even significand
-  // and is out of range: from there on (infinity included) the result is infinity.
-  if (mag >= 0x477ff000u) return static_cast<std::uint16_t>(sign | 0x7c00u);
-  if (mag >= 0x38800000u) {
-    // Normal half (|f| >= 2^-14). Rebiasing the exponent from 127 to 15 is a subtraction of 112 << 23; the
-    // mantissa then drops 13 bits. A carry out of the mantissa correctly bumps the exponent, and the largest
-    // input here rounds to at most 0x7bff.
-    return static_cast<std::uint16_t>(sign | shift_right_rne(mag - 0x38000000u, 13));
-  }
-  // |f| <= 2^-25 is at most half the smallest subnormal (2^-24): it rounds to zero (a tie goes to even 0).
-  // Float subnormals are far below that and land here too.
-  if (mag <= 0x33000000u) return static_cast<std::uint16_t>(sign);
-  // Subnormal half: |f| = significand * 2^(e - 150), which is significand * 2^(e - 126) units of 2^-24. With
-  // e in [102, 112] the shift is 14..24; rounding up from 0x3ff gives 0x400, the smallest normal, as it
-  // should.
-  const std::uint32_t e = mag >> 23;
-  const std::uint32_t significand = (mag & 0x7fffffu) | 0x800000u;
-  return static_cast<std::uint16_t>(sign | shift_right_rne(significand, 126u - e));
+  // and is out of range: from there on (infinity included) the result is infinity. NaN becomes CUDA's
+  // canonical 0x7fff, sign dropped.
+  const std::uint32_t finite =
+      select_bits(mag >= 0x477ff000u, 0x7c00u, select_bits(mag >= 0x38800000u, normal, subnormal));
+  return static_cast<std::uint16_t>(select_bits(mag > 0x7f800000u, 0x7fffu, sign | finite));
 #endif
 }
 
-/// binary16 bits -> float (exact; every NaN becomes 0x7fffffff).
+/// binary16 bits -> float (exact; every NaN becomes 0x7fffffff). Branch-free on the host (see above): the
+/// exponent is rebiased in place; a subnormal half is rebuilt by float arithmetic, which is exact here.
 LOCKSTEP_HD inline float half_bits_to_float(std::uint16_t h) noexcept {
 #if defined(__CUDA_ARCH__)
   return __half2float(__ushort_as_half(h));
 #else
   const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
-  const std::uint32_t exponent = (std::uint32_t{h} >> 10) & 0x1fu;
-  const std::uint32_t mantissa = std::uint32_t{h} & 0x3ffu;
-  if (exponent == 0x1fu) return bits_as_float(mantissa != 0u ? 0x7fffffffu : (sign | 0x7f800000u));
-  if (exponent != 0u) return bits_as_float(sign | ((exponent + 112u) << 23) | (mantissa << 13));
-  if (mantissa == 0u) return bits_as_float(sign);
-  // Subnormal half, mantissa * 2^-24: a normal float whose leading 1 (bit `lead`) becomes the implicit bit.
-  const auto lead = static_cast<std::uint32_t>(std::bit_width(mantissa)) - 1u;  // 0..9
-  return bits_as_float(sign | ((lead + 103u) << 23) | ((mantissa << (23u - lead)) & 0x7fffffu));
+  const std::uint32_t em = std::uint32_t{h} & 0x7fffu;  // exponent and mantissa
+  const std::uint32_t exponent = em >> 10;
+  // Normal: the fields shifted into place and the exponent rebiased from 15 to 127.
+  const std::uint32_t normal = (em << 13) + 0x38000000u;
+  // Subnormal or zero: mantissa * 2^-24 = float(2^-14 with this mantissa) - 2^-14, exactly.
+  const std::uint32_t subnormal = float_as_bits(bits_as_float((em << 13) + 0x38800000u) - 6.103515625e-05f);
+  const std::uint32_t special = select_bits((em & 0x3ffu) != 0u, 0x7fffffffu, sign | 0x7f800000u);  // NaN, inf
+  return bits_as_float(select_bits(exponent == 0x1fu, special, sign | select_bits(exponent == 0u, subnormal, normal)));
 #endif
 }
 
@@ -114,10 +120,11 @@ LOCKSTEP_HD inline std::uint16_t float_to_bfloat16_bits(float f) noexcept {
 #else
   const std::uint32_t x = float_as_bits(f);
   const std::uint32_t mag = x & 0x7fffffffu;
-  if (mag > 0x7f800000u) return 0x7fffu;  // NaN: CUDA's canonical NaN, sign dropped
-  // Same exponent range as float, so only the mantissa is rounded. Rounding up from the largest finite value
-  // carries into the exponent and gives exactly infinity (0x7f80); subnormals need no special case.
-  return static_cast<std::uint16_t>(((x >> 16) & 0x8000u) | shift_right_rne(mag, 16));
+  // Same exponent range as float, so only the mantissa is rounded (add 0x7fff plus the lowest kept bit: a
+  // carry exactly when round-to-nearest-even rounds up). Rounding up from the largest finite value carries
+  // into the exponent and gives exactly infinity (0x7f80); subnormals need no special case.
+  const std::uint32_t rounded = (mag + 0x7fffu + ((mag >> 16) & 1u)) >> 16;
+  return static_cast<std::uint16_t>(select_bits(mag > 0x7f800000u, 0x7fffu, ((x >> 16) & 0x8000u) | rounded));
 #endif
 }
 

@@ -45,7 +45,8 @@ struct column_sum_op {
 };
 
 struct relu_fn {
-  LOCKSTEP_HD static float forward(float x) { return x > 0.0f ? x : 0.0f; }
+  /// max(x, 0), with NaN passed through (as PyTorch does) so that a diverging run shows it.
+  LOCKSTEP_HD static float forward(float x) { return x <= 0.0f ? 0.0f : x; }
   /// dL/dx from dL/dy and the saved output y (ReLU's derivative is y > 0).
   LOCKSTEP_HD static float backward(float gy, float /*x*/, float y) { return y > 0.0f ? gy : 0.0f; }
 };
