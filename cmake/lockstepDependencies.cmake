@@ -92,10 +92,12 @@ endif()
 
 # MPI (OpenMPI) for multi-process runs: optional; lockstep::mpi links it.
 if(NOT TARGET lockstep::mpi_c)
-  find_package(MPI QUIET COMPONENTS C)
-  if(MPI_C_FOUND)
+  # The CXX component, because projects (lockstep's included) may not enable C; lockstep uses MPI's C API
+  # only and keeps the deprecated C++ bindings out (OMPI_SKIP_MPICXX).
+  find_package(MPI QUIET COMPONENTS CXX)
+  if(MPI_CXX_FOUND)
     add_library(lockstep::mpi_c INTERFACE IMPORTED)
-    set_target_properties(lockstep::mpi_c PROPERTIES INTERFACE_LINK_LIBRARIES MPI::MPI_C)
+    set_target_properties(lockstep::mpi_c PROPERTIES INTERFACE_LINK_LIBRARIES MPI::MPI_CXX)
   endif()
 endif()
 

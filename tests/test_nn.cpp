@@ -351,14 +351,16 @@ TEST(dropout, masks_depend_on_seed_step_and_global_row_only) {
 TEST(clone, a_replica_on_another_device_computes_the_same_and_owns_its_parameters) {
   context c0(default_stream(host0)), c1(default_stream(host1));
   initializer init(5);
-  sequential net(linear(4, 8, c0, init), relu(), linear(8, 2, c0, init));
+  // with a user's own layer: sequential::clone clones it through its clone(ctx)
+  sequential net(linear(4, 8, c0, init), relu(), scaled_residual(8, 0.5f, c0, init), linear(8, 2, c0, init));
   c0.stream().synchronize();  // clone's precondition: the source values are ready (replicate() uses an event)
   auto replica = net.clone(c1);
   const auto xv = random_values(12, 15);
   tensor x0 = make_tensor(xv, shape{3, 4}, c0.stream()), x1 = make_tensor(xv, shape{3, 4}, c1.stream());
   EXPECT_EQ(read(net.forward(x0, c0), c0.stream()), read(replica.forward(x1, c1), c1.stream()));
   const auto rp = parameters_of(replica);
-  EXPECT_EQ(rp[0].param->get_device(), host1);
+  ASSERT_EQ(rp.size(), 6u);
+  for (const auto& p : rp) EXPECT_EQ(p.param->get_device(), host1) << p.name;
   write(rp[0].param->value(), std::vector<float>(32, 0.0f), c1.stream());
   EXPECT_NE(read(parameters_of(net)[0].param->value(), c0.stream()), std::vector<float>(32, 0.0f));
 }
@@ -470,7 +472,7 @@ TEST(optimizer, a_skipped_step_changes_nothing_and_the_multiplier_scales_gradien
   optim_fixture f({1.0f, 2.0f, 3.0f});
   parameter* ps[] = {&f.p};
   sgd opt(ps, sgd_options{.lr = 1.0f, .momentum = 0.5f});
-  auto skip = to_device(std::vector<std::uint64_t>{1}, f.s);
+  auto skip = to_device(std::vector<float>{1.0f}, f.s);
   auto half_scale = to_device(std::vector<float>{0.5f}, f.s);
   f.set_grad({2.0f, 2.0f, 2.0f});
   opt.step(f.s, step_inputs{half_scale.data(), skip.data()});
@@ -487,7 +489,9 @@ TEST(optimizer, one_launch_updates_many_tensors_of_odd_sizes) {
   std::vector<parameter> params;
   params.reserve(30);
   for (int i = 0; i < 30; ++i) {
-    params.emplace_back("p" + std::to_string(i), shape{i * 37 + 1}, s);
+    std::string name = "p";  // not "p" + to_string(i): GCC 12 -O3 reports a false -Wrestrict on that
+    name += std::to_string(i);
+    params.emplace_back(name, shape{i * 37 + 1}, s);
     write(params.back().value(), std::vector<float>(static_cast<std::size_t>(i * 37 + 1), 1.0f), s);
     write(params.back().grad(), std::vector<float>(static_cast<std::size_t>(i * 37 + 1), static_cast<float>(i)), s);
     (void)params.back().begin_accumulate();

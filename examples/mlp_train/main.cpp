@@ -1,12 +1,24 @@
 // mlp_train — the sample users start from: an MLP trained on Fashion-MNIST with lockstep.
 //
-//   mlp_train [--data DIR] [--devices SPEC] [--epochs N] [--batch N] [--lr X] [--momentum X]
-//             [--hidden 256,256] [--optimizer sgd|adamw] [--seed N] [--workers N] [--json] ...
+//   mlp_train [--data DIR] [--devices SPEC] [--mode single|dp|ddp] [--epochs N] [--batch N] [--lr X]
+//             [--momentum X] [--hidden 256,256] [--optimizer sgd|adamw] [--seed N] [--workers N] [--json] ...
 //
-// It runs on the first device of --devices (default: the first GPU, or host:0 when there is none), prints a
-// live progress line while training, and a summary at the end: test accuracy, training seconds, samples per
-// second and peak memory per device. With --json the last line is one JSON object with those figures.
+//   single  one device: the first of --devices (default: the first GPU, or host:0 when there is none)
+//   dp      data_parallel over --devices (PyTorch's nn.DataParallel): one process, the model on the first
+//   ddp     distributed_data_parallel: one thread per device of --devices, or, under `mpirun -np N`, one
+//           process per rank, each on its local device
+//
+// While training it prints a live progress line; at the end a summary: test accuracy, training seconds,
+// samples per second, and per device the peak memory and the time spent computing, communicating and idle.
+// With --json the last line is one JSON object with those figures.
 #include <lockstep/lockstep.hpp>
+#include <lockstep/amp/loss_scaler.hpp>
+#include <lockstep/comm/run_on_devices.hpp>
+#include <lockstep/parallel/data_parallel.hpp>
+#include <lockstep/parallel/distributed_data_parallel.hpp>
+#if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
+#include <lockstep/comm/mpi.hpp>
+#endif
 
 #include <nlohmann/json.hpp>
 
@@ -15,7 +27,7 @@
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
-#include <iostream>
+#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -29,7 +41,8 @@ using clock_type = std::chrono::steady_clock;
 
 // The model: input -> [linear -> relu] x hidden -> linear(10), as a graph (the depth is a run-time option).
 graph build_mlp(std::int64_t inputs, const std::vector<std::int64_t>& hidden, std::int64_t classes, context& ctx,
-                initializer& init) {
+                std::uint64_t seed) {
+  initializer init(seed);
   graph g(shape{inputs});
   std::string previous = "input";
   std::int64_t width = inputs;
@@ -44,25 +57,87 @@ graph build_mlp(std::int64_t inputs, const std::vector<std::int64_t>& hidden, st
   return g;
 }
 
-// One optimizer of either kind behind one interface for the training loop.
+// The optimizer of either kind, and under f16/bf16 the loss scaler, behind one interface: the end of a step.
 class any_optimizer {
  public:
-  any_optimizer(const mlp_options& o, std::span<parameter* const> params) {
+  /// `ctx` is where the loss is computed: it gets the scaler's scale.
+  any_optimizer(const mlp_options& o, std::span<parameter* const> params, stream_ref s, context& loss_ctx)
+      : params_(params.begin(), params.end()) {
     if (o.optimizer == "adamw") {
       adamw_.emplace(params, adamw_options{.lr = o.lr, .weight_decay = o.weight_decay});
     } else {
       sgd_.emplace(params, sgd_options{.lr = o.lr, .momentum = o.momentum, .weight_decay = o.weight_decay});
     }
+    if (o.precision != dtype::f32) {
+      scaler_.emplace(s, loss_scaler_options::for_precision(o.precision));
+      scaler_->attach(loss_ctx);
+    }
   }
-  void step(stream_ref s, step_inputs in = {}) { sgd_ ? sgd_->step(s, in) : adamw_->step(s, in); }
+  /// Check (with every rank of `ranks`), step (skipped on overflow), update the scale: all on `s`.
+  void step(stream_ref s, std::optional<communicator_ref> ranks = std::nullopt) {
+    step_inputs in{};
+    if (scaler_) {
+      scaler_->unscale_and_check(params_, s, ranks);
+      in = scaler_->optimizer_inputs();
+    }
+    sgd_ ? sgd_->step(s, in) : adamw_->step(s, in);
+    if (scaler_) scaler_->update(s);
+  }
   void zero_grad() { sgd_ ? sgd_->zero_grad() : adamw_->zero_grad(); }
+  [[nodiscard]] std::optional<loss_scaler_telemetry> scaler_state(stream_ref s) const {
+    if (!scaler_) return std::nullopt;
+    return scaler_->read(s);
+  }
 
  private:
+  std::vector<parameter*> params_;
   std::optional<sgd> sgd_;
   std::optional<adamw> adamw_;
+  std::optional<loss_scaler> scaler_;
 };
 
-std::string memory_summary(const std::vector<device>& devices) {
+struct datasets {
+  mnist_dataset train;
+  mnist_dataset test;
+  std::int64_t inputs;
+};
+
+struct run_result {
+  double accuracy = 0;
+  double train_seconds = 0;
+  std::int64_t samples = 0;
+  std::int64_t steps = 0;
+  float final_loss = 0;
+  std::optional<loss_scaler_telemetry> scaler;
+  std::vector<device_report> devices;
+};
+
+// Prints the live progress line (or one line per report when stdout is not a terminal).
+class progress {
+ public:
+  progress(const mlp_options& o, std::size_t steps_per_epoch, bool enabled)
+      : o_(o), steps_per_epoch_(steps_per_epoch), enabled_(enabled && !o.json), live_(::isatty(STDOUT_FILENO) != 0) {}
+  [[nodiscard]] bool due(std::size_t epoch_step) const {
+    return epoch_step % static_cast<std::size_t>(o_.print_every) == 0 || epoch_step == steps_per_epoch_;
+  }
+  void line(int epoch, std::size_t epoch_step, float loss, double samples_per_second, const std::string& memory) const {
+    if (!enabled_) return;
+    std::printf("%sepoch %d/%d  step %zu/%zu  loss %.4f  %.0f samples/s  memory %s%s", live_ ? "\r" : "", epoch + 1,
+                o_.epochs, epoch_step, steps_per_epoch_, loss, samples_per_second, memory.c_str(), live_ ? "   " : "\n");
+    std::fflush(stdout);
+  }
+  void end_epoch() const {
+    if (enabled_ && live_) std::printf("\n");
+  }
+
+ private:
+  const mlp_options& o_;
+  std::size_t steps_per_epoch_;
+  bool enabled_;
+  bool live_;
+};
+
+std::string memory_in_use(const std::vector<device>& devices) {
   std::string s;
   for (const device d : devices) {
     if (!s.empty()) s += ", ";
@@ -71,110 +146,328 @@ std::string memory_summary(const std::vector<device>& devices) {
   return s;
 }
 
-// Fraction of `dataset` classified correctly by `model`, in evaluation mode.
-template <class Dataset>
-double evaluate(graph& model, const Dataset& dataset, context& ctx, const mlp_options& o) {
-  data_loader loader(dataset, sequential_sampler(dataset.size()), ctx.stream(),
+// Fraction of the test set classified correctly, evaluated on ctx's device.
+double evaluate(graph& model, const mnist_dataset& test, context& ctx, const mlp_options& o) {
+  data_loader loader(test, sequential_sampler(test.size()), ctx.stream(),
                      data_loader_options{.batch_size = static_cast<std::size_t>(o.eval_batch),
                                          .workers = o.workers,
                                          .input_type = ctx.compute_type()});
+  const run_mode before = ctx.mode();
   ctx.set_mode(run_mode::eval);
   accuracy_counter acc;
   loader.start_epoch(0);
   while (auto b = loader.next()) acc.add(model.forward(b->input, ctx), b->target, ctx);
-  ctx.set_mode(run_mode::train);
+  ctx.set_mode(before);
   return static_cast<double>(acc.correct(ctx.stream())) / static_cast<double>(acc.rows());
 }
 
-int run(const mlp_options& o) {
-  const device_selection selection =
-      o.devices.empty() ? default_devices() : device_selection{device_set(o.devices), "--devices " + o.devices};
-  const device dev = selection.devices.front();
-  if (!o.json) std::printf("devices: %s (%s); training on %s\n", selection.devices.str().c_str(), selection.reason.c_str(), dev.str().c_str());
+bool step_limit_reached(const mlp_options& o, std::int64_t step) { return o.max_steps > 0 && step >= o.max_steps; }
 
-  const auto train = load_fashion_mnist(o.data, mnist_split::train);
-  const auto test = load_fashion_mnist(o.data, mnist_split::test);
-  const std::int64_t inputs = static_cast<std::int64_t>(train.layout().input_elements());
+// ---- one device ------------------------------------------------------------------------------------------------
 
+run_result train_single(const mlp_options& o, const datasets& data, device dev) {
   stream compute(dev);
   context ctx(compute, o.precision);
   ctx.set_seed(o.seed);
-  initializer init(o.seed);
-  graph model = build_mlp(inputs, o.hidden, 10, ctx, init);
-  const auto params = parameters_of(model).pointers();
-  any_optimizer optimizer(o, params);
+  graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
+  any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   softmax_cross_entropy loss(reduction::mean);
-
-  data_loader loader(train, random_sampler(train.size(), o.seed), compute,
-                     data_loader_options{.batch_size = static_cast<std::size_t>(o.batch),
-                                         .workers = o.workers,
+  data_loader loader(data.train, random_sampler(data.train.size(), o.seed), compute,
+                     data_loader_options{.batch_size = static_cast<std::size_t>(o.batch), .workers = o.workers,
                                          .input_type = o.precision});
-  const bool live = ::isatty(STDOUT_FILENO) && !o.json;
-  const std::size_t steps_per_epoch = loader.batches_per_epoch();
-  std::int64_t samples = 0, step = 0;
-  double train_seconds = 0;
-  float last_loss = 0;
+  progress show(o, loader.batches_per_epoch(), true);
+  timeline time(dev);
+  run_result r;
   reset_memory_stats(dev);
-
-  for (int epoch = 0; epoch < o.epochs; ++epoch) {
+  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
     const auto t0 = clock_type::now();
     loader.start_epoch(static_cast<std::uint64_t>(epoch));
     std::int64_t epoch_samples = 0;
     std::size_t epoch_step = 0;
     while (auto b = loader.next()) {
-      if (o.max_steps > 0 && step >= o.max_steps) break;
-      ctx.set_step(static_cast<std::uint64_t>(step));
+      if (step_limit_reached(o, r.steps)) break;
+      ctx.set_step(static_cast<std::uint64_t>(r.steps));
+      time.begin(phase::compute, compute);
       optimizer.zero_grad();
-      const tensor_view logits = model.forward(b->input, ctx);
-      loss.forward(logits, b->target, ctx);
+      loss.forward(model.forward(b->input, ctx), b->target, ctx);
       model.backward(loss.backward(ctx), ctx, input_grad::not_required);
       optimizer.step(compute);
-      samples += b->rows;
+      time.end(compute);
+      r.samples += b->rows;
       epoch_samples += b->rows;
-      ++step;
-      ++epoch_step;
-      if (epoch_step % static_cast<std::size_t>(o.print_every) == 0 || epoch_step == steps_per_epoch) {
-        last_loss = loss.read_loss(compute);  // the one host synchronization: the user asked for a value
-        const double seconds = std::chrono::duration<double>(clock_type::now() - t0).count();
-        if (!o.json) {
-          std::printf("%sepoch %d/%d  step %zu/%zu  loss %.4f  %.0f samples/s  memory %s%s", live ? "\r" : "",
-                      epoch + 1, o.epochs, epoch_step, steps_per_epoch, last_loss,
-                      static_cast<double>(epoch_samples) / seconds, memory_summary({dev}).c_str(), live ? "   " : "\n");
-          std::fflush(stdout);
-        }
+      ++r.steps;
+      if (show.due(++epoch_step)) {
+        r.final_loss = loss.read_loss(compute);  // the one host synchronization: the user asked for a value
+        show.line(epoch, epoch_step, r.final_loss,
+                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
+                  memory_in_use({dev}));
       }
     }
     compute.synchronize();
-    train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
-    if (live) std::printf("\n");
-    if (o.max_steps > 0 && step >= o.max_steps) break;
+    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
+    show.end_epoch();
   }
+  r.final_loss = loss.read_loss(compute);
+  r.scaler = optimizer.scaler_state(compute);
+  r.devices.push_back(time.report());
+  r.accuracy = evaluate(model, data.test, ctx, o);
+  return r;
+}
 
-  const double accuracy = evaluate(model, test, ctx, o);
-  const auto stats = get_memory_stats(dev);
-  const double throughput = static_cast<double>(samples) / train_seconds;
-  if (!o.json) {
-    std::printf("\ntest accuracy      %.4f\n", accuracy);
-    std::printf("training seconds   %.2f\n", train_seconds);
-    std::printf("samples per second %.0f\n", throughput);
-    std::printf("peak memory        %s %s\n", dev.str().c_str(), format_bytes(stats.peak_bytes_in_use).c_str());
-  } else {
-    nlohmann::json j;
-    j["test_accuracy"] = accuracy;
-    j["train_seconds"] = train_seconds;
-    j["samples_per_second"] = throughput;
-    j["epochs"] = o.epochs;
-    j["steps"] = step;
-    j["batch"] = o.batch;
-    j["hidden"] = o.hidden;
-    j["optimizer"] = o.optimizer;
-    j["precision"] = std::string(name_of(o.precision));
-    j["mode"] = "single";
-    j["devices"] = nlohmann::json::array({dev.str()});
-    j["peak_memory_bytes"] = nlohmann::json::object({{dev.str(), stats.peak_bytes_in_use}});
-    j["final_loss"] = last_loss;
-    std::printf("%s\n", j.dump().c_str());
+// ---- DataParallel ----------------------------------------------------------------------------------------------
+
+run_result train_dp(const mlp_options& o, const datasets& data, const device_set& devices) {
+  stream setup(devices.front());
+  context build(setup, o.precision);
+  graph model = build_mlp(data.inputs, o.hidden, 10, build, o.seed);
+  data_parallel dp(model, data_parallel_options{.device_ids = devices, .compute_type = o.precision});
+  dp.set_seed(o.seed);
+  context& out = dp.output_context();
+  const stream_ref s0 = dp.replica_context(0).stream();
+  any_optimizer optimizer(o, parameters_of(model).pointers(), s0, out);
+  softmax_cross_entropy loss(reduction::mean);
+  data_loader loader(data.train, random_sampler(data.train.size(), o.seed), s0,
+                     data_loader_options{.batch_size = static_cast<std::size_t>(o.batch), .workers = o.workers,
+                                         .device_count_hint = static_cast<int>(devices.size()),
+                                         .input_type = o.precision});
+  progress show(o, loader.batches_per_epoch(), true);
+  run_result r;
+  dp.reset_report();
+  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
+    const auto t0 = clock_type::now();
+    loader.start_epoch(static_cast<std::uint64_t>(epoch));
+    std::int64_t epoch_samples = 0;
+    std::size_t epoch_step = 0;
+    while (auto b = loader.next()) {
+      if (step_limit_reached(o, r.steps)) break;
+      dp.set_step(static_cast<std::uint64_t>(r.steps));
+      optimizer.zero_grad();
+      // the labels are on device_ids[0], which is also the output device: the loss is computed there
+      loss.forward(dp.forward(b->input), b->target, out);
+      dp.backward(loss.backward(out));
+      optimizer.step(s0);
+      r.samples += b->rows;
+      epoch_samples += b->rows;
+      ++r.steps;
+      if (show.due(++epoch_step)) {
+        r.final_loss = loss.read_loss(out.stream());
+        show.line(epoch, epoch_step, r.final_loss,
+                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
+                  memory_in_use(devices.devices()));
+      }
+    }
+    for (const device d : devices) synchronize(d);
+    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
+    show.end_epoch();
   }
+  r.final_loss = loss.read_loss(out.stream());
+  r.scaler = optimizer.scaler_state(s0);
+  r.devices = dp.report();
+  r.accuracy = evaluate(model, data.test, dp.replica_context(0), o);
+  return r;
+}
+
+// ---- DistributedDataParallel: one rank's training loop, for threads and for processes ---------------------------
+
+// Trains on this rank's shard (distributed sampler) with the global batch split evenly; returns this rank's
+// figures. Only rank 0 prints progress and evaluates.
+run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& ctx, communicator_ref comm,
+                          stream_ref comm_stream) {
+  const int rank = comm.rank(), world = comm.size();
+  const stream_ref compute = ctx.stream();
+  graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
+  distributed_data_parallel ddp(model, ctx, comm, comm_stream);
+  any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
+  softmax_cross_entropy loss(reduction::mean);
+  const auto local_batch = static_cast<std::size_t>(std::max<std::int64_t>(1, o.batch / world));
+  data_loader loader(data.train,
+                     distributed_sampler(data.train.size(), rank, world, sample_order::shuffled, o.seed, tail_policy::pad),
+                     compute, data_loader_options{.batch_size = local_batch, .workers = o.workers, .input_type = o.precision});
+  progress show(o, loader.batches_per_epoch(), rank == 0);
+  run_result r;
+  ddp.reset_report();
+  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
+    const auto t0 = clock_type::now();
+    loader.start_epoch(static_cast<std::uint64_t>(epoch));
+    std::int64_t epoch_samples = 0;
+    std::size_t epoch_step = 0;
+    while (auto b = loader.next()) {
+      if (step_limit_reached(o, r.steps)) break;
+      ctx.set_step(static_cast<std::uint64_t>(r.steps));
+      optimizer.zero_grad();
+      // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a
+      // mean over the global batch and the gradients are summed over ranks
+      loss.forward(ddp.forward(b->input), b->target, ctx, b->rows * world);
+      ddp.backward(loss.backward(ctx));
+      optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
+      r.samples += b->rows * world;
+      epoch_samples += b->rows * world;
+      ++r.steps;
+      if (show.due(++epoch_step)) {
+        r.final_loss = loss.read_loss(compute);
+        show.line(epoch, epoch_step, r.final_loss,
+                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
+                  memory_in_use({ctx.get_device()}));
+      }
+    }
+    comm.synchronize(compute);
+    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
+    show.end_epoch();
+  }
+  r.final_loss = loss.read_loss(compute);
+  r.scaler = optimizer.scaler_state(compute);
+  r.devices.push_back(ddp.report());
+  if (rank == 0) r.accuracy = evaluate(model, data.test, ctx, o);
+  return r;
+}
+
+run_result train_ddp_threads(const mlp_options& o, const datasets& data, const device_set& devices) {
+  std::vector<run_result> ranks(devices.size());
+  run_on_devices(devices, [&](rank_context& rc) {
+    context ctx(rc.compute_stream(), o.precision);
+    ctx.set_seed(o.seed);
+    ranks[static_cast<std::size_t>(rc.rank())] = train_ddp_rank(o, data, ctx, rc.comm(), rc.comm_stream());
+  });
+  run_result r = ranks[0];
+  r.devices.clear();
+  for (auto& rank : ranks) r.devices.push_back(rank.devices.front());
+  r.train_seconds = 0;
+  for (auto& rank : ranks) r.train_seconds = std::max(r.train_seconds, rank.train_seconds);
+  return r;
+}
+
+#if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
+// One process per rank (mpirun): each takes its local device (GPU local_rank when there are GPUs, else its
+// own host:0), and rank 0 gathers every rank's figures.
+run_result train_ddp_mpi(const mlp_options& o, const datasets& data, int& world_rank) {
+  const auto selection = default_devices();
+  const device dev = selection.devices.kind() == device_kind::cuda
+                         ? selection.devices[static_cast<std::size_t>(local_rank()) % selection.devices.size()]
+                         : device{device_kind::host, 0};
+  stream compute(dev), comm_stream(dev);
+  communicator comm = make_mpi_communicator(dev);
+  world_rank = comm.rank();
+  context ctx(compute, o.precision);
+  ctx.set_seed(o.seed);
+  run_result r = train_ddp_rank(o, data, ctx, comm, comm_stream);
+  // every rank's peak memory and times, to rank 0
+  const device_report mine = r.devices.front();
+  auto local = to_device(std::vector<double>{static_cast<double>(mine.peak_bytes), mine.compute_ms,
+                                             mine.communication_ms, mine.wall_ms, mine.idle_ms, r.train_seconds},
+                         compute);
+  device_buffer<double> all(6 * static_cast<std::size_t>(comm.size()), compute);
+  comm.all_gather(local.data(), all.data(), 6, dtype::i64, compute);  // 8-byte elements, gathered as bytes
+  comm.synchronize(compute);
+  const auto v = to_vector(device_span<const double>(all.span()), compute);
+  r.devices.clear();
+  for (int k = 0; k < comm.size(); ++k) {
+    const double* f = v.data() + 6 * k;
+    device_report d;
+    d.device = device{dev.kind, dev.kind == device_kind::host ? 0 : k};
+    d.peak_bytes = static_cast<std::uint64_t>(f[0]);
+    d.compute_ms = f[1];
+    d.communication_ms = f[2];
+    d.wall_ms = f[3];
+    d.idle_ms = f[4];
+    r.train_seconds = std::max(r.train_seconds, f[5]);
+    r.devices.push_back(d);
+  }
+  return r;
+}
+#endif
+
+bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
+
+std::string device_label(const device_report& d, std::size_t rank, bool processes) {
+  return processes ? "rank " + std::to_string(rank) + " " + d.device.str() : d.device.str();
+}
+
+int run(const mlp_options& o) {
+  const bool processes = o.mode == "ddp" && under_mpirun();
+#if !(defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI)
+  if (processes) {
+    std::fprintf(stderr, "mlp_train: started by mpirun, but this build has no MPI (link lockstep::mpi)\n");
+    return 1;
+  }
+#else
+  std::optional<mpi_session> session;
+  if (processes) session.emplace();
+#endif
+  const device_selection selection =
+      o.devices.empty() ? default_devices() : device_selection{device_set(o.devices), "--devices " + o.devices};
+  datasets data{load_fashion_mnist(o.data, mnist_split::train), load_fashion_mnist(o.data, mnist_split::test), 0};
+  data.inputs = static_cast<std::int64_t>(data.train.layout().input_elements());
+
+  int world_rank = 0;
+  run_result r;
+  std::vector<std::string> device_names;
+  if (o.mode == "single") {
+    const device dev = selection.devices.front();
+    if (!o.json) std::printf("devices: %s (%s); mode single on %s\n", selection.devices.str().c_str(), selection.reason.c_str(), dev.str().c_str());
+    r = train_single(o, data, dev);
+  } else if (o.mode == "dp") {
+    if (!o.json) std::printf("devices: %s (%s); mode dp\n", selection.devices.str().c_str(), selection.reason.c_str());
+    r = train_dp(o, data, selection.devices);
+  } else if (!processes) {
+    if (!o.json) std::printf("devices: %s (%s); mode ddp, one thread per device\n", selection.devices.str().c_str(), selection.reason.c_str());
+    r = train_ddp_threads(o, data, selection.devices);
+  } else {
+#if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
+    r = train_ddp_mpi(o, data, world_rank);
+    if (world_rank == 0 && !o.json) std::printf("mode ddp, %zu processes (mpirun)\n", r.devices.size());
+#endif
+  }
+  if (world_rank != 0) return 0;
+  for (std::size_t i = 0; i < r.devices.size(); ++i) device_names.push_back(device_label(r.devices[i], i, processes));
+
+  const double throughput = static_cast<double>(r.samples) / r.train_seconds;
+  if (!o.json) {
+    std::printf("\ntest accuracy      %.4f\n", r.accuracy);
+    std::printf("training seconds   %.2f\n", r.train_seconds);
+    std::printf("samples per second %.0f\n", throughput);
+    std::printf("final loss         %.4f\n", r.final_loss);
+    if (r.scaler) {
+      std::printf("precision          %s, loss scale %g, %lld of %lld steps skipped (last overflow at step %lld)\n",
+                  std::string(name_of(o.precision)).c_str(), static_cast<double>(r.scaler->scale),
+                  static_cast<long long>(r.scaler->skipped_steps), static_cast<long long>(r.scaler->steps),
+                  static_cast<long long>(r.scaler->last_overflow_step));
+    }
+    std::printf("%-22s %12s %12s %14s %10s\n", "device", "peak memory", "compute ms", "communicate ms", "idle ms");
+    for (std::size_t i = 0; i < r.devices.size(); ++i) {
+      const auto& d = r.devices[i];
+      std::printf("%-22s %12s %12.0f %14.0f %10.0f\n", device_names[i].c_str(), format_bytes(d.peak_bytes).c_str(),
+                  d.compute_ms, d.communication_ms, d.idle_ms);
+    }
+    return 0;
+  }
+  nlohmann::json j;
+  j["test_accuracy"] = r.accuracy;
+  j["train_seconds"] = r.train_seconds;
+  j["samples_per_second"] = throughput;
+  j["epochs"] = o.epochs;
+  j["steps"] = r.steps;
+  j["batch"] = o.batch;
+  j["hidden"] = o.hidden;
+  j["optimizer"] = o.optimizer;
+  j["precision"] = std::string(name_of(o.precision));
+  j["mode"] = processes ? "ddp-mpi" : o.mode;
+  j["final_loss"] = r.final_loss;
+  if (r.scaler) {
+    j["loss_scale"] = r.scaler->scale;
+    j["skipped_steps"] = r.scaler->skipped_steps;
+    j["last_overflow_step"] = r.scaler->last_overflow_step;
+  }
+  j["devices"] = device_names;
+  nlohmann::json peak = nlohmann::json::object(), per_device = nlohmann::json::array();
+  for (std::size_t i = 0; i < r.devices.size(); ++i) {
+    const auto& d = r.devices[i];
+    peak[device_names[i]] = d.peak_bytes;
+    per_device.push_back({{"device", device_names[i]}, {"peak_memory_bytes", d.peak_bytes}, {"compute_ms", d.compute_ms},
+                          {"communication_ms", d.communication_ms}, {"idle_ms", d.idle_ms}, {"wall_ms", d.wall_ms}});
+  }
+  j["peak_memory_bytes"] = peak;
+  j["per_device"] = per_device;
+  std::printf("%s\n", j.dump().c_str());
   return 0;
 }
 

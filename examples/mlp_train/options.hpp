@@ -40,7 +40,8 @@ inline constexpr const char* usage_text =
     "usage: mlp_train [options]\n"
     "  --data DIR            IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --devices SPEC        devices: \"0,1\", \"cuda:0,cuda:1\", \"host:0\", \"all\" (default: all GPUs, else host)\n"
-    "  --mode M              single (default)\n"
+    "  --mode M              single (default), dp (DataParallel) or ddp (DistributedDataParallel: one thread\n"
+    "                        per device, or one process per rank under mpirun -np N)\n"
     "  --epochs N            epochs (default 5)\n"
     "  --batch N             global batch size (default 128)\n"
     "  --lr X                learning rate (default 0.05)\n"
@@ -102,7 +103,9 @@ inline mlp_options parse_options(int argc, char** argv) {
       o.devices = value();
     } else if (flag == "--mode") {
       o.mode = value();
-      if (o.mode != "single") throw usage_error("--mode must be single, got '" + o.mode + "'");
+      if (o.mode != "single" && o.mode != "dp" && o.mode != "ddp") {
+        throw usage_error("--mode must be single, dp or ddp, got '" + o.mode + "'");
+      }
     } else if (flag == "--epochs") {
       o.epochs = parse_number<int>(flag, value());
       if (o.epochs < 1) throw usage_error("--epochs must be at least 1");

@@ -1,7 +1,8 @@
 // lockstep/lockstep.hpp — the public surface of lockstep in one include.
 //
 // Compiled by nvcc, it carries both backends (GPUs and host devices); compiled by a plain C++ compiler, the
-// host backend alone. Multi-process support (comm/mpi.hpp) needs lockstep::mpi and is included separately.
+// host backend alone. Multi-process support (comm/mpi.hpp) comes with it when the program links lockstep::mpi
+// (LOCKSTEP_WITH_MPI=1).
 #pragma once
 
 #include "lockstep/config.hpp"
@@ -53,3 +54,12 @@
 #include "lockstep/data/dataset.hpp"
 #include "lockstep/data/idx.hpp"
 #include "lockstep/data/sampler.hpp"
+
+#include "lockstep/comm/coalesced.hpp"
+#include "lockstep/comm/comm.hpp"
+
+#include "lockstep/amp/loss_scaler.hpp"
+#include "lockstep/amp/precision.hpp"
+
+#include "lockstep/parallel/data_parallel.hpp"
+#include "lockstep/parallel/distributed_data_parallel.hpp"

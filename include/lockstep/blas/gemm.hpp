@@ -174,26 +174,28 @@ __attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, bfloat16* dst
 template <class T>
 __attribute__((target("avx2,f16c"))) void widen_run_avx2(const T* __restrict src, float* __restrict dst,
                                                          std::int64_t n) noexcept {
-  std::int64_t i = 0;
-  for (; i + 8 <= n; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
-  for (; i < n; ++i) dst[i] = widen_value(src[i]);
+  // Bounds computed once (not `i + 8 <= n`): GCC cannot prove the tail loop finite otherwise and rejects it
+  // under -Werror=aggressive-loop-optimizations.
+  const std::int64_t n8 = n - n % 8;
+  for (std::int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(dst + i, widen8(src + i));
+  for (std::int64_t i = n8; i < n; ++i) dst[i] = widen_value(src[i]);
 }
 
 template <class T>
 __attribute__((target("avx2,f16c"))) void store_run_avx2(const float* __restrict acc, T* __restrict c, std::int64_t n,
                                                          float alpha, float beta) noexcept {
   const __m256 a = _mm256_set1_ps(alpha), b = _mm256_set1_ps(beta);
-  std::int64_t i = 0;
+  const std::int64_t n8 = n - n % 8;
   if (beta == 0.0f) {
-    for (; i + 8 <= n; i += 8) narrow8(_mm256_mul_ps(a, _mm256_loadu_ps(acc + i)), c + i);
-    for (; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i]);
+    for (std::int64_t i = 0; i < n8; i += 8) narrow8(_mm256_mul_ps(a, _mm256_loadu_ps(acc + i)), c + i);
+    for (std::int64_t i = n8; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i]);
     return;
   }
   // alpha * acc + beta * c as two products and a sum, as the portable code computes it (no FMA).
-  for (; i + 8 <= n; i += 8) {
+  for (std::int64_t i = 0; i < n8; i += 8) {
     narrow8(_mm256_add_ps(_mm256_mul_ps(a, _mm256_loadu_ps(acc + i)), _mm256_mul_ps(b, widen8(c + i))), c + i);
   }
-  for (; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
+  for (std::int64_t i = n8; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
 }
 #endif
 

@@ -135,6 +135,7 @@ class parameter_list {
 
   [[nodiscard]] const std::vector<named_parameter>& items() const noexcept { return items_; }
   [[nodiscard]] std::size_t size() const noexcept { return items_.size(); }
+  [[nodiscard]] bool empty() const noexcept { return items_.empty(); }
   [[nodiscard]] auto begin() const noexcept { return items_.begin(); }
   [[nodiscard]] auto end() const noexcept { return items_.end(); }
   [[nodiscard]] const named_parameter& operator[](std::size_t i) const { return items_.at(i); }

@@ -2,8 +2,10 @@
 // `device_span<T>`.
 //
 // A device_buffer is allocated and freed in stream order on the stream given at construction (RMM's
-// `device_uvector` contract): the stream must outlive the buffer, or be replaced with `set_stream` first.
-// Its contents are uninitialized; fill them with a copy or a kernel.
+// `device_uvector` contract, without its trap): the buffer may outlive the `stream` object it was allocated
+// on. A host stream's state is reference-counted and stays, shut down, until its last buffer is freed; a GPU
+// stream's handle goes back to a per-device pool when its `stream` is destroyed, so it is still a valid
+// stream to free on. Its contents are uninitialized; fill them with a copy or a kernel.
 #pragma once
 
 #include <cstddef>
@@ -51,6 +53,14 @@ class device_span {
 LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
+/// The handle an allocation keeps of its stream; a host stream's state gets a reference (see the file comment).
+inline native_handle retain_stream(stream_ref s) noexcept {
+  if (s.get_device().is_host()) s.host_state().add_ref();
+  return {s.get_device(), s.native_handle()};
+}
+inline void release_stream(native_handle h) noexcept {
+  if (h.dev.is_host() && h.ptr != nullptr) static_cast<host_backend::stream_state*>(h.ptr)->drop_ref();
+}
 struct allocation {
   void* ptr;
   std::size_t bytes;
@@ -80,10 +90,11 @@ class device_buffer {
   /// `n` uninitialized elements on the device of `s`, allocated in stream order on `s` (usable by work
   /// queued on `s`; other streams must wait for an event recorded on `s` after this call). Throws
   /// out_of_memory_error when the device is full.
-  device_buffer(std::size_t n, stream_ref s)
-      : h_(detail::allocation{detail::allocate(n * sizeof(T), s), n * sizeof(T), native_of(s)}),
-        size_(n),
-        dev_(s.get_device()) {}
+  device_buffer(std::size_t n, stream_ref s) : size_(n), dev_(s.get_device()) {
+    if (n == 0) return;
+    void* p = detail::allocate(n * sizeof(T), s);
+    h_ = unique_handle<detail::allocation_traits>(detail::allocation{p, n * sizeof(T), detail::retain_stream(s)});
+  }
 
   device_buffer(device_buffer&& other) noexcept
       : h_(std::move(other.h_)), size_(std::exchange(other.size_, 0)), dev_(other.dev_) {}
@@ -111,7 +122,9 @@ class device_buffer {
     LOCKSTEP_EXPECTS(s.get_device() == dev_ || empty(), "set_stream: a buffer of ", dev_.str(),
                      " cannot be freed on a stream of ", s.get_device().str());
     auto a = h_.release();
-    a.stream = native_of(s);
+    const detail::native_handle previous = a.stream;
+    a.stream = detail::retain_stream(s);
+    detail::release_stream(previous);
     h_ = unique_handle<detail::allocation_traits>(a);
   }
 
@@ -123,7 +136,6 @@ class device_buffer {
   operator device_span<const T>() const noexcept { return span(); }
 
  private:
-  static detail::native_handle native_of(stream_ref s) noexcept { return {s.get_device(), s.native_handle()}; }
   static stream_ref stream_of(detail::native_handle h);
 
   unique_handle<detail::allocation_traits> h_;
@@ -151,6 +163,7 @@ inline void allocation_traits::release(handle_type h) noexcept {
   } catch (...) {
     // Unreachable for a handle built by device_buffer; a destructor must not throw either way.
   }
+  release_stream(h.stream);
 }
 LOCKSTEP_DETAIL_END
 

@@ -82,7 +82,10 @@ inline void* allocate(std::size_t bytes, stream_ref s) {
                                      " (cudaErrorMemoryAllocation)"),
                               e);
   }
-  LOCKSTEP_CUDA_CHECK(e, "allocating ", bytes, " B on ", d.str());
+  if (e != cudaSuccess) {
+    ::lockstep::detail::throw_cuda_error(e, "cudaMallocFromPoolAsync", LOCKSTEP_SITE, "allocating ", bytes, " B on ",
+                                         d.str());
+  }
   acc.in_use += bytes;
   acc.peak_in_use = std::max(acc.peak_in_use, acc.in_use);
   ++acc.allocations;

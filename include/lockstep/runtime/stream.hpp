@@ -13,7 +13,9 @@
 
 #include <chrono>
 #include <cstddef>
+#include <mutex>
 #include <utility>
+#include <vector>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/cuda_check.hpp"
@@ -64,7 +66,9 @@ class stream_ref {
       (void)cudaGetLastError();
       return false;
     }
-    LOCKSTEP_CUDA_CHECK(e, "querying a stream of ", h_.dev.str());
+    if (e != cudaSuccess) {
+      ::lockstep::detail::throw_cuda_error(e, "cudaStreamQuery", LOCKSTEP_SITE, "querying a stream of ", h_.dev.str());
+    }
     return true;
 #else
     return true;
@@ -119,6 +123,36 @@ class stream_ref {
 LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
+#if LOCKSTEP_HAS_CUDA
+/// GPU streams are never destroyed while the program runs: a destroyed `stream` gives its cudaStream_t back
+/// here and the next `stream` of the device takes it. Memory freed in stream order on a stream whose owner is
+/// gone is thus still freed on a valid stream (and creating streams in a loop costs nothing).
+struct cuda_stream_pool {
+  std::mutex mutex;
+  std::vector<cudaStream_t> free[64];
+  static cuda_stream_pool& instance() {
+    static cuda_stream_pool pool;
+    return pool;
+  }
+  cudaStream_t take(int device) {
+    std::lock_guard lock(mutex);
+    auto& list = free[device & 63];
+    if (list.empty()) return nullptr;
+    cudaStream_t s = list.back();
+    list.pop_back();
+    return s;
+  }
+  void give_back(int device, cudaStream_t s) noexcept {
+    try {
+      std::lock_guard lock(mutex);
+      free[device & 63].push_back(s);
+    } catch (...) {
+      LOCKSTEP_CUDA_IGNORE(cudaStreamDestroy(s));  // out of memory for the list: destroy it after all
+    }
+  }
+};
+#endif
+
 struct stream_traits {
   using handle_type = native_handle;
   static constexpr handle_type null() noexcept { return {device{}, nullptr}; }
@@ -131,11 +165,7 @@ struct stream_traits {
       return;
     }
 #if LOCKSTEP_HAS_CUDA
-    int previous = 0;
-    if (cudaGetDevice(&previous) != cudaSuccess) previous = h.dev.index;
-    LOCKSTEP_CUDA_IGNORE(cudaSetDevice(h.dev.index));
-    LOCKSTEP_CUDA_IGNORE(cudaStreamDestroy(static_cast<cudaStream_t>(h.ptr)));
-    LOCKSTEP_CUDA_IGNORE(cudaSetDevice(previous));
+    cuda_stream_pool::instance().give_back(h.dev.index, static_cast<cudaStream_t>(h.ptr));
 #endif
   }
 };
@@ -143,7 +173,9 @@ LOCKSTEP_DETAIL_END
 
 LOCKSTEP_ABI_BEGIN
 
-/// An owned stream of one device. Move-only; destroying it completes the work queued on it first.
+/// An owned stream of one device. Move-only. Destroying a host stream completes the work queued on it first;
+/// a GPU stream's handle is returned to a per-device pool (see detail::cuda_stream_pool) with its work still
+/// running, as cudaStreamDestroy would let it run.
 class stream {
  public:
   /// Creates a stream on `d`; throws device_error when `d` does not exist. A GPU stream is non-blocking
@@ -155,9 +187,12 @@ class stream {
       return;
     }
 #if LOCKSTEP_HAS_CUDA
-    device_guard guard(d);
-    cudaStream_t s = nullptr;
-    LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream on ", d.str());
+    check_device_exists(d);
+    cudaStream_t s = detail::cuda_stream_pool::instance().take(d.index);
+    if (s == nullptr) {
+      device_guard guard(d);
+      LOCKSTEP_CUDA_CHECK(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking), "creating a stream on ", d.str());
+    }
     h_ = unique_handle<detail::stream_traits>(detail::native_handle{d, static_cast<void*>(s)});
 #else
     check_device_exists(d);
@@ -244,7 +279,9 @@ class event_ref {
       (void)cudaGetLastError();
       return false;
     }
-    LOCKSTEP_CUDA_CHECK(e, "querying an event of ", h_.dev.str());
+    if (e != cudaSuccess) {
+      ::lockstep::detail::throw_cuda_error(e, "cudaEventQuery", LOCKSTEP_SITE, "querying an event of ", h_.dev.str());
+    }
     return true;
 #else
     return true;

@@ -52,6 +52,11 @@ class tensor_view {
     return device_span<T>(as<T>(), static_cast<std::size_t>(numel()), dev_);
   }
 
+  /// The memory as bytes, whatever the dtype (for copies).
+  [[nodiscard]] device_span<std::uint8_t> bytes() const noexcept {
+    return device_span<std::uint8_t>(static_cast<std::uint8_t*>(data_), size_bytes(), dev_);
+  }
+
   /// Rows [begin, begin + count) along the outermost dimension (a batch slice); no copy.
   [[nodiscard]] tensor_view slice_rows(std::int64_t begin, std::int64_t count) const {
     LOCKSTEP_EXPECTS(shape_.rank() >= 1, "slice_rows of a scalar");
@@ -117,6 +122,7 @@ class tensor {
   [[nodiscard]] device_span<T> span() const {
     return view().span<T>();
   }
+  [[nodiscard]] device_span<std::uint8_t> bytes() const noexcept { return view().bytes(); }
 
  private:
   device_buffer<std::byte> storage_;

@@ -19,6 +19,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/bind.hpp"
+#include "lockstep/kernels/host_loop.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
 
@@ -46,10 +47,7 @@ void launch_elementwise(std::size_t n, F f, stream_ref s, const char* what) {
   if (s.get_device().is_host()) {
     detail::enqueue_host(
         s,
-        [n, f] {
-          const auto k = detail::bind_functor(f);
-          for (std::size_t i = 0; i < n; ++i) k(i);
-        },
+        [n, f] { detail::run_host_loop(n, f); },
         what);
     return;
   }
@@ -68,16 +66,13 @@ void launch_2d(std::size_t rows, std::size_t cols, F f, stream_ref s, const char
   if (s.get_device().is_host()) {
     detail::enqueue_host(
         s,
-        [rows, cols, f] {
-          const auto k = detail::bind_functor(f);
-          for (std::size_t r = 0; r < rows; ++r)
-            for (std::size_t c = 0; c < cols; ++c) k(r, c);
-        },
+        [rows, cols, f] { detail::run_host_loop_2d(rows, cols, f); },
         what);
     return;
   }
 #if LOCKSTEP_HAS_CUDA
-  launch_elementwise(rows * cols, detail::flat_2d<F>{f, cols}, s, what);
+  // straight to the CUDA launcher: flat_2d is a device-only wrapper, never run by a host loop
+  detail::launch_elementwise_cuda(rows * cols, detail::flat_2d<F>{f, cols}, s, what);
 #endif
 }
 

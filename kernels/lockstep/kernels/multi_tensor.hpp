@@ -19,6 +19,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/bind.hpp"
+#include "lockstep/kernels/host_loop.hpp"
 #include "lockstep/kernels/launch.hpp"
 
 LOCKSTEP_ABI_BEGIN
@@ -106,14 +107,7 @@ void launch_multi_tensor(std::span<const tensor_group<K>> groups, F f, stream_re
     detail::enqueue_host(
         s,
         [list = std::vector<tensor_group<K>>(groups.begin(), groups.end()), f] {
-          const auto k = detail::bind_functor(f);
-          for (const auto& g : list) {
-            if constexpr (requires { k.for_group(g); }) {
-              k.for_group(g);  // the same per-element code, in a loop the compiler can vectorize
-            } else {
-              for (std::size_t i = 0; i < g.size; ++i) k(g, i);
-            }
-          }
+          detail::run_host_groups<tensor_group<K>>(std::span<const tensor_group<K>>(list), f);
         },
         what);
     return;

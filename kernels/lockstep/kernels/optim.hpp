@@ -28,8 +28,8 @@ struct optimizer_counters {
 /// Where a step reads its mixed-precision inputs; both null outside mixed precision.
 struct step_inputs {
   const float* grad_multiplier;  // inverse loss scale, or null for 1
-  const std::uint64_t* skip;     // non-zero: skip this step (non-finite gradients somewhere), or null
-  LOCKSTEP_HD bool skipped() const { return skip != nullptr && *skip != 0; }
+  const float* skip;             // non-zero: skip this step (non-finite gradients somewhere), or null
+  LOCKSTEP_HD bool skipped() const { return skip != nullptr && *skip != 0.0f; }
   LOCKSTEP_HD float multiplier() const { return grad_multiplier ? *grad_multiplier : 1.0f; }
 };
 
@@ -62,20 +62,23 @@ struct sgd_update_op {
   /// The update with the device-resident inputs loaded (see launch.hpp).
   struct bound {
     float lr, momentum, dampening, weight_decay, multiplier;
-    bool nesterov, skip, first_step;
+    float nesterov_weight;  // 1 for Nesterov momentum, else 0
+    float first;            // 1 on the first step, else 0
+    bool skip;
     /// Element i, with the group's pointers loaded: the arithmetic both backends run. Momentum and the working
-    /// copy are compile-time choices (they decide which memory is touched); the rest are selects, so the host
-    /// loop has no control flow and vectorizes.
+    /// copy are compile-time choices (they decide which memory is touched); the uniform choices (first step,
+    /// Nesterov) are blends with weights 0 and 1, exact for finite values, so the host loop has no control
+    /// flow and vectorizes. A zero weight decay adds weight_decay * value = 0.
     template <bool Momentum, bool Working>
     LOCKSTEP_HD void element(float* __restrict__ p, const T* __restrict__ grad, float* __restrict__ buf,
                              T* __restrict__ working, std::size_t i) const {
       const float value = p[i];
-      float d = to_float(grad[i]) * multiplier;
-      d = weight_decay != 0.0f ? d + weight_decay * value : d;
+      float d = to_float(grad[i]) * multiplier + weight_decay * value;
       if constexpr (Momentum) {
-        const float b = first_step ? d : momentum * buf[i] + (1.0f - dampening) * d;
+        // first step: b = d (PyTorch's buffer initialization); later: b = momentum * b + (1 - dampening) * d
+        const float b = first * d + (1.0f - first) * (momentum * buf[i] + (1.0f - dampening) * d);
         buf[i] = b;
-        d = nesterov ? d + momentum * b : b;
+        d = nesterov_weight * (d + momentum * b) + (1.0f - nesterov_weight) * b;
       }
       const float updated = value - lr * d;
       p[i] = updated;
@@ -110,7 +113,14 @@ struct sgd_update_op {
     }
   };
   LOCKSTEP_HD bound bind() const {
-    return bound{lr, momentum, dampening, weight_decay, in.multiplier(), nesterov, in.skipped(), counters->step == 1};
+    return bound{lr,
+                 momentum,
+                 dampening,
+                 weight_decay,
+                 in.multiplier(),
+                 nesterov ? 1.0f : 0.0f,
+                 counters->step == 1 ? 1.0f : 0.0f,
+                 in.skipped()};
   }
   LOCKSTEP_HD void operator()(const tensor_group<4>& g, std::size_t i) const { bind()(g, i); }
 };

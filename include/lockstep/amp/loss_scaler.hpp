@@ -1,0 +1,190 @@
+// lockstep/amp/loss_scaler.hpp — dynamic loss scaling (PyTorch's GradScaler), on the device.
+//
+// f16 has a narrow range: small gradients underflow to zero. Multiplying the loss (its gradient, in practice)
+// by a large scale before backward keeps them representable; gradients are multiplied back by 1/scale when the
+// optimizer reads them, in f32 (never in their own precision, which would lose them again). Each step:
+//
+//   scaler.attach(ctx);                             once: losses multiply the gradient they start with
+//   ... forward, loss, backward (DDP all-reduce) ...
+//   scaler.unscale_and_check(params, s [, comm]);   one fused kernel: non-finite values counted (all ranks)
+//   optimizer.step(s, scaler.optimizer_inputs());    skipped, weights and state untouched, on overflow
+//   scaler.update(s);                               back off on overflow, grow after `growth_interval` steps
+//
+// The scale, the overflow flag and the counters stay on the device: a step never waits for the host. Read the
+// telemetry (`read`) when you want to print it. bf16 has f32's range and needs no scaling: its default options
+// (for_precision(bf16)) keep the scale at 1 and only skip steps with non-finite gradients.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <span>
+#include <vector>
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/amp.hpp"
+#include "lockstep/kernels/launch.hpp"
+#include "lockstep/kernels/multi_tensor.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/tensor.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+struct loss_scaler_options {
+  /// Dynamic scaling (grow and back off). Off: the scale stays `initial_scale`.
+  bool dynamic = true;
+  float initial_scale = 65536.0f;
+  float growth_factor = 2.0f;
+  float backoff_factor = 0.5f;
+  std::int32_t growth_interval = 2000;
+  /// The scale never exceeds `max_scale` nor drops below `min_scale`.
+  float max_scale = 16777216.0f;  // 2^24
+  float min_scale = 1.0f;
+
+  /// The defaults for a compute precision: dynamic scaling from 65536 for f16; none (scale 1) for bf16 and f32,
+  /// whose range is f32's. Steps with non-finite gradients are skipped either way.
+  static loss_scaler_options for_precision(dtype t) {
+    loss_scaler_options o;
+    if (t != dtype::f16) {
+      o.dynamic = false;
+      o.initial_scale = 1.0f;
+    }
+    return o;
+  }
+};
+
+/// What the scaler has done so far (a copy read from the device).
+struct loss_scaler_telemetry {
+  float scale = 0;
+  std::int64_t steps = 0;
+  std::int64_t skipped_steps = 0;
+  std::int64_t last_overflow_step = -1;  // -1: never
+  std::int32_t growth_tracker = 0;       // clean steps since the scale last changed
+  std::uint64_t non_finite_values = 0;   // found by the last check on this rank
+};
+
+class loss_scaler {
+ public:
+  /// A scaler whose state lives on the device of `s`, initialized in stream order on `s`.
+  explicit loss_scaler(stream_ref s, loss_scaler_options options = {}) : options_(options) {
+    LOCKSTEP_EXPECTS(options.initial_scale > 0 && options.growth_factor >= 1 && options.backoff_factor > 0 &&
+                         options.backoff_factor <= 1 && options.growth_interval >= 1 && options.min_scale > 0 &&
+                         options.min_scale <= options.initial_scale && options.initial_scale <= options.max_scale,
+                     "loss_scaler: expected initial_scale > 0, growth_factor >= 1, 0 < backoff_factor <= 1, "
+                     "growth_interval >= 1 and 0 < min_scale <= initial_scale <= max_scale; got initial ",
+                     options.initial_scale, ", growth ", options.growth_factor, ", backoff ", options.backoff_factor,
+                     ", interval ", options.growth_interval, ", range [", options.min_scale, ", ", options.max_scale, "]");
+    kernels::scaler_state init{};
+    init.scale = options.initial_scale;
+    init.inv_scale = 1.0f / options.initial_scale;
+    init.last_overflow_step = -1;
+    std::vector<std::uint8_t> bytes(sizeof init);
+    std::memcpy(bytes.data(), &init, sizeof init);
+    state_ = to_device(bytes, s);
+  }
+
+  [[nodiscard]] const loss_scaler_options& options() const noexcept { return options_; }
+  [[nodiscard]] device get_device() const noexcept { return state_.get_device(); }
+
+  /// Device pointer to the current scale: give it to the context (ctx.set_loss_scale) so that losses scale
+  /// the gradient they start backward with.
+  [[nodiscard]] const float* scale() const noexcept { return &state()->scale; }
+
+  /// Gives the context where the loss is computed the scale (ctx.set_loss_scale(scale())), after checking that
+  /// it runs on the scaler's device: a loss on another device would read this device's memory. Under
+  /// data_parallel with an output_device other than device_ids[0], create the scaler on the output device.
+  void attach(context& ctx) const {
+    LOCKSTEP_EXPECTS(ctx.stream().get_device() == get_device(), "loss_scaler::attach: the scaler's state is on ",
+                     get_device().str(), " but the context computes on ", ctx.stream().get_device().str(),
+                     "; create the scaler with a stream of the device where the loss is computed");
+    ctx.set_loss_scale(scale());
+  }
+
+  /// The fused check, in stream order on `s` (a stream of the scaler's device): one multi-tensor launch counts
+  /// the gradient values of `params` that are not finite once unscaled, and sets the overflow flag. With a
+  /// communicator, the flag is then reduced (max) over its ranks, so that every rank skips the same steps.
+  void unscale_and_check(std::span<parameter* const> params, stream_ref s,
+                         std::optional<communicator_ref> ranks = std::nullopt) {
+    LOCKSTEP_EXPECTS(s.get_device() == get_device(), "loss_scaler on ", get_device().str(),
+                     " used on a stream of ", s.get_device().str());
+    launch_elementwise(1, kernels::begin_check_op{state()}, s, "loss scaler check");
+    for_each_gradient_type(params, s, [&]<class T>(std::span<const tensor_group<1>> groups) {
+      launch_multi_tensor<1>(groups, kernels::count_non_finite_op<T>{state()}, s, "non-finite gradient count");
+    });
+    launch_elementwise(1, kernels::end_check_op{state()}, s, "loss scaler check");
+    if (ranks && ranks->size() > 1) {
+      ranks->all_reduce(&state()->found_inf, &state()->found_inf, 1, dtype::f32, reduce_op::max, s);
+    }
+    unscaled_ = false;
+  }
+
+  /// Multiplies f32 gradients by 1/scale in place (before clipping them, say), in stream order on `s`; the next
+  /// optimizer step then reads them as they are. Low-precision gradients cannot be unscaled in their own type
+  /// without losing the small values loss scaling protects: precondition_error (PyTorch refuses it too).
+  void unscale_(std::span<parameter* const> params, stream_ref s) {
+    std::vector<tensor_group<1>> groups;
+    for (parameter* p : params) {
+      LOCKSTEP_EXPECTS(p->compute_type() == dtype::f32, "loss_scaler::unscale_: gradient of ", p->name(), " is ",
+                       name_of(p->compute_type()), "; only f32 gradients can be unscaled in place (the optimizer "
+                       "unscales low-precision gradients as it reads them)");
+      p->materialize_grad(s);
+      groups.push_back(tensor_group<1>{{p->grad().data()}, static_cast<std::size_t>(p->numel())});
+    }
+    launch_multi_tensor<1>(std::span<const tensor_group<1>>(groups), kernels::unscale_op{state()}, s, "unscale");
+    unscaled_ = true;
+  }
+
+  /// What the optimizer step reads: the inverse scale (unless unscale_ already applied it) and the skip flag.
+  [[nodiscard]] lockstep::step_inputs optimizer_inputs() const noexcept {
+    return lockstep::step_inputs{unscaled_ ? nullptr : &state()->inv_scale, &state()->found_inf};
+  }
+
+  /// Updates the scale after the optimizer step, in stream order on `s`.
+  void update(stream_ref s) {
+    launch_elementwise(1,
+                       kernels::update_scale_op{state(), options_.growth_factor, options_.backoff_factor,
+                                                options_.growth_interval, options_.max_scale, options_.min_scale,
+                                                options_.dynamic},
+                       s, "loss scale update");
+    unscaled_ = false;
+  }
+
+  /// The state, copied from the device; synchronizes `s`.
+  [[nodiscard]] loss_scaler_telemetry read(stream_ref s) const {
+    const auto bytes = to_vector(device_span<const std::uint8_t>(state_.span()), s);
+    kernels::scaler_state st{};
+    std::memcpy(&st, bytes.data(), sizeof st);
+    return loss_scaler_telemetry{st.scale, st.steps, st.skipped_steps, st.last_overflow_step, st.growth_tracker,
+                                 st.non_finite};
+  }
+
+ private:
+  [[nodiscard]] kernels::scaler_state* state() const noexcept {
+    return reinterpret_cast<kernels::scaler_state*>(const_cast<std::uint8_t*>(state_.data()));
+  }
+
+  // Calls launch.template operator()<T>(groups) for the gradients of each storage type T.
+  template <class Launch>
+  static void for_each_gradient_type(std::span<parameter* const> params, stream_ref s, Launch&& launch) {
+    for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+      std::vector<tensor_group<1>> groups;
+      for (parameter* p : params) {
+        if (p->compute_type() != t) continue;
+        p->materialize_grad(s);
+        groups.push_back(tensor_group<1>{{p->grad().data()}, static_cast<std::size_t>(p->numel())});
+      }
+      if (groups.empty()) continue;
+      dispatch_floating(t, "loss scaler", [&]<class T>() { launch.template operator()<T>(std::span<const tensor_group<1>>(groups)); });
+    }
+  }
+
+  loss_scaler_options options_;
+  device_buffer<std::uint8_t> state_;
+  bool unscaled_ = false;
+};
+
+LOCKSTEP_ABI_END

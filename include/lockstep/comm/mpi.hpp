@@ -1,0 +1,737 @@
+// lockstep/comm/mpi.hpp — collectives between processes through MPI, one host device per process.
+//
+// Compiled only when the program links `lockstep::mpi` (LOCKSTEP_WITH_MPI=1, OpenMPI). Each process runs
+//
+//   lockstep::mpi_session session(&argc, &argv);        // MPI_Init_thread(MPI_THREAD_MULTIPLE)
+//   auto comm = lockstep::make_mpi_communicator(lockstep::device{lockstep::device_kind::host, 0});
+//   comm.all_reduce(grads.span(), lockstep::reduce_op::mean, s);
+//   comm.synchronize(s);
+//
+// A collective is a task on the stream's worker thread: it waits for its turn (the collectives of one
+// communicator are issued to MPI in the order they were queued, whatever stream they were queued on, because
+// MPI requires the same order on every process), starts the non-blocking MPI collective (MPI_Iallreduce,
+// MPI_Ibcast, MPI_Ireduce, MPI_Iallgather, MPI_Ireduce_scatter_block, MPI_Ibarrier) and polls MPI_Test until it
+// completes, the timeout passes, or the communicator is aborted. That needs MPI_THREAD_MULTIPLE.
+//
+// Costs: f16/bf16 reductions are widened to an f32 staging buffer, reduced in f32 by MPI and rounded back once;
+// they move twice the bytes of the data on the wire and allocate count * 4 bytes (twice that for
+// reduce_scatter) per collective. `mean` is an MPI sum followed by a division pass. Counts are limited to
+// INT_MAX elements (MPI's count type).
+//
+// Failures: every MPI call returns its error (MPI_ERRORS_RETURN on the communicator's own duplicates of the
+// user's MPI_Comm) and is turned into mpi_error with MPI_Error_string. A collective that does not complete
+// within the timeout fails with timeout_error; MPI cannot cancel a started collective, so the communicator is
+// unusable afterwards and tells the other processes, which fail fast too. `abort(reason)` also tells the other
+// processes (through a control message on a second duplicate communicator), so that their pending and later
+// collectives fail fast with the reason. After either, the job is broken: end it (MPI_Abort), because
+// MPI_Finalize may wait for a process that is stuck.
+#pragma once
+
+// lockstep uses MPI's C interface only; keep OpenMPI's and MPICH's deprecated C++ bindings (which need
+// libmpi_cxx and do not compile cleanly with -Wextra) out of the translation unit.
+#ifndef OMPI_SKIP_MPICXX
+#define OMPI_SKIP_MPICXX 1
+#endif
+#ifndef MPICH_SKIP_MPICXX
+#define MPICH_SKIP_MPICXX 1
+#endif
+#include <mpi.h>
+#include <unistd.h>
+
+#include <array>
+#include <atomic>
+#include <chrono>
+#include <climits>
+#include <condition_variable>
+#include <cstring>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/comm/host_clique.hpp"
+#include "lockstep/device/query.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+LOCKSTEP_DETAIL_BEGIN
+
+namespace mpi_comm {
+
+/// "MPI_ERR_TRUNCATE" for the error classes of MPI-3.1 that a collective can report.
+inline const char* error_class_name(int cls) noexcept {
+  switch (cls) {
+    case MPI_SUCCESS:
+      return "MPI_SUCCESS";
+    case MPI_ERR_BUFFER:
+      return "MPI_ERR_BUFFER";
+    case MPI_ERR_COUNT:
+      return "MPI_ERR_COUNT";
+    case MPI_ERR_TYPE:
+      return "MPI_ERR_TYPE";
+    case MPI_ERR_TAG:
+      return "MPI_ERR_TAG";
+    case MPI_ERR_COMM:
+      return "MPI_ERR_COMM";
+    case MPI_ERR_RANK:
+      return "MPI_ERR_RANK";
+    case MPI_ERR_REQUEST:
+      return "MPI_ERR_REQUEST";
+    case MPI_ERR_ROOT:
+      return "MPI_ERR_ROOT";
+    case MPI_ERR_GROUP:
+      return "MPI_ERR_GROUP";
+    case MPI_ERR_OP:
+      return "MPI_ERR_OP";
+    case MPI_ERR_ARG:
+      return "MPI_ERR_ARG";
+    case MPI_ERR_UNKNOWN:
+      return "MPI_ERR_UNKNOWN";
+    case MPI_ERR_TRUNCATE:
+      return "MPI_ERR_TRUNCATE";
+    case MPI_ERR_OTHER:
+      return "MPI_ERR_OTHER";
+    case MPI_ERR_INTERN:
+      return "MPI_ERR_INTERN";
+    case MPI_ERR_IN_STATUS:
+      return "MPI_ERR_IN_STATUS";
+    case MPI_ERR_PENDING:
+      return "MPI_ERR_PENDING";
+    case MPI_ERR_NO_MEM:
+      return "MPI_ERR_NO_MEM";
+    default:
+      return "MPI error";
+  }
+}
+
+/// "MPI_THREAD_SERIALIZED".
+inline const char* thread_level_name(int level) noexcept {
+  switch (level) {
+    case MPI_THREAD_SINGLE:
+      return "MPI_THREAD_SINGLE";
+    case MPI_THREAD_FUNNELED:
+      return "MPI_THREAD_FUNNELED";
+    case MPI_THREAD_SERIALIZED:
+      return "MPI_THREAD_SERIALIZED";
+    case MPI_THREAD_MULTIPLE:
+      return "MPI_THREAD_MULTIPLE";
+    default:
+      return "an unknown thread level";
+  }
+}
+
+/// Builds "file:line call: MPI_ERR_X (text) while <what>" and throws mpi_error with the MPI error code.
+template <class... What>
+[[noreturn]] void throw_mpi_error(int code, const char* call, source_site at, What&&... what) {
+  char text[MPI_MAX_ERROR_STRING] = {};
+  int length = 0;
+  if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) length = 0;
+  int cls = code;
+  if (MPI_Error_class(code, &cls) != MPI_SUCCESS) cls = code;
+  std::string msg =
+      concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", error_class_name(cls), " (",
+             length > 0 ? std::string(text, static_cast<std::size_t>(length)) : concat("code ", code), ')');
+  if constexpr (sizeof...(What) > 0) msg += concat(" while ", std::forward<What>(what)...);
+  throw mpi_error(msg, code);
+}
+
+}  // namespace mpi_comm
+
+LOCKSTEP_DETAIL_END
+
+/// Checks an MPI call: `LOCKSTEP_MPI_CHECK(MPI_Ibcast(...), "broadcasting the NCCL id")`. Needs MPI_ERRORS_RETURN
+/// on the communicator for errors to come back at all (MPI's default handler aborts the job).
+#define LOCKSTEP_MPI_CHECK(call, ...)                                                          \
+  do {                                                                                         \
+    const int lockstep_mpi_status_ = (call);                                                   \
+    if (lockstep_mpi_status_ != MPI_SUCCESS) [[unlikely]] {                                    \
+      ::lockstep::detail::mpi_comm::throw_mpi_error(lockstep_mpi_status_, #call,               \
+                                                    LOCKSTEP_SITE __VA_OPT__(, ) __VA_ARGS__); \
+    }                                                                                          \
+  } while (false)
+
+LOCKSTEP_DETAIL_BEGIN
+
+namespace mpi_comm {
+
+/// Throws unless MPI is initialized, not finalized, and provides MPI_THREAD_MULTIPLE.
+inline void require_thread_multiple(const char* what) {
+  int initialized = 0, finalized = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
+  LOCKSTEP_MPI_CHECK(MPI_Finalized(&finalized), "asking whether MPI is finalized");
+  LOCKSTEP_EXPECTS(initialized && !finalized, what, ": MPI is ", finalized ? "already finalized" : "not initialized",
+                   "; create a lockstep::mpi_session first (it calls MPI_Init_thread with MPI_THREAD_MULTIPLE)");
+  int provided = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Query_thread(&provided), "asking MPI for its thread level");
+  if (provided < MPI_THREAD_MULTIPLE) {
+    throw mpi_error(concat(what, ": MPI was initialized with ", thread_level_name(provided),
+                           ", lockstep needs MPI_THREAD_MULTIPLE (collectives call MPI from stream worker "
+                           "threads); initialize MPI with lockstep::mpi_session or MPI_Init_thread(..., "
+                           "MPI_THREAD_MULTIPLE, ...)"));
+  }
+}
+
+enum class wait_result : std::uint8_t { done, timed_out, stopped };
+
+/// Polls `request` until it completes (done), `deadline` passes (timed_out) or `stop()` returns true
+/// (stopped). MPI progresses only while it is called, so the first milliseconds poll back to back; later polls
+/// back off to 1 ms so that a long wait does not take a core from the other ranks.
+template <class Stop>
+wait_result wait_request(MPI_Request& request, std::chrono::steady_clock::time_point deadline, Stop stop,
+                         const char* what) {
+  using clock = std::chrono::steady_clock;
+  const auto start = clock::now();
+  auto pause = std::chrono::microseconds(20);
+  for (;;) {
+    int flag = 0;
+    LOCKSTEP_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "waiting for ", what);
+    if (flag) return wait_result::done;
+    if (stop()) return wait_result::stopped;
+    const auto now = clock::now();
+    if (now >= deadline) return wait_result::timed_out;
+    if (now - start < std::chrono::milliseconds(2)) {
+      std::this_thread::yield();
+    } else {
+      std::this_thread::sleep_for(pause);
+      pause = std::min<std::chrono::microseconds>(pause * 2, std::chrono::milliseconds(1));
+    }
+  }
+}
+
+/// The MPI datatype that moves elements of `t` (f16/bf16 as 16-bit words).
+inline MPI_Datatype datatype_of(dtype t) {
+  switch (t) {
+    case dtype::f32:
+      return MPI_FLOAT;
+    case dtype::f16:
+      return MPI_UINT16_T;
+    case dtype::bf16:
+      return MPI_UINT16_T;
+    case dtype::i32:
+      return MPI_INT32_T;
+    case dtype::i64:
+      return MPI_INT64_T;
+    case dtype::u8:
+      return MPI_UINT8_T;
+  }
+  return MPI_BYTE;
+}
+
+inline bool overlap(const void* a, std::size_t a_bytes, const void* b, std::size_t b_bytes) noexcept {
+  const auto pa = reinterpret_cast<std::uintptr_t>(a), pb = reinterpret_cast<std::uintptr_t>(b);
+  return a_bytes != 0 && b_bytes != 0 && pa < pb + b_bytes && pb < pa + a_bytes;
+}
+
+/// f16/bf16 <-> f32 staging conversions (the host clique's block loops).
+inline void widen_to(std::vector<float>& dst, const void* src, dtype t, std::size_t n) {
+  dst.resize(n);
+  if (n == 0) return;
+  if (t == dtype::f16) {
+    host_comm::widen(dst.data(), static_cast<const half*>(src), n);
+  } else {
+    host_comm::widen(dst.data(), static_cast<const bfloat16*>(src), n);
+  }
+}
+inline void narrow_from(void* dst, const float* src, dtype t, std::size_t n) {
+  if (n == 0) return;
+  if (t == dtype::f16) {
+    host_comm::narrow(static_cast<half*>(dst), src, n);
+  } else {
+    host_comm::narrow(static_cast<bfloat16*>(dst), src, n);
+  }
+}
+
+inline void divide(float* p, std::size_t n, int k) noexcept {
+  const float d = static_cast<float>(k);
+  for (std::size_t i = 0; i < n; ++i) p[i] /= d;
+}
+
+/// The state shared by a communicator and its queued collectives.
+class state {
+ public:
+  static constexpr int control_tag = 7;
+  static constexpr std::size_t control_capacity = 1024;
+
+  state(MPI_Comm data, MPI_Comm control, device dev, std::chrono::milliseconds timeout)
+      : data_(data), control_(control), dev_(dev), timeout_(timeout) {
+    LOCKSTEP_MPI_CHECK(MPI_Comm_rank(data_, &rank_), "asking for this process's rank");
+    LOCKSTEP_MPI_CHECK(MPI_Comm_size(data_, &size_), "asking for the communicator's size");
+    LOCKSTEP_MPI_CHECK(MPI_Irecv(control_buffer_.data(), static_cast<int>(control_capacity), MPI_CHAR, MPI_ANY_SOURCE,
+                                 control_tag, control_, &control_recv_),
+                       "posting the receive of abort messages");
+  }
+  state(const state&) = delete;
+  state& operator=(const state&) = delete;
+
+  /// Releases MPI resources unless MPI is already finalized (then they died with it). Requests that never
+  /// completed (abandoned after a timeout or an abort) keep their staging buffers: MPI may still write them.
+  ~state() {
+    int finalized = 1;
+    if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) {
+      leak_staging();
+      return;
+    }
+    if (control_recv_ != MPI_REQUEST_NULL) {
+      (void)MPI_Cancel(&control_recv_);
+      (void)MPI_Wait(&control_recv_, MPI_STATUS_IGNORE);
+    }
+    for (auto& s : sends_) {
+      int flag = 0;
+      if (MPI_Test(&s.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || !flag) {
+        (void)MPI_Request_free(&s.request);
+        (void)s.text.release();  // the send may still read it
+      }
+    }
+    for (auto& a : abandoned_) {
+      int flag = 0;
+      if (MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || !flag) (void)a.staging.release();
+    }
+    (void)MPI_Comm_free(&data_);
+    (void)MPI_Comm_free(&control_);
+  }
+
+  [[nodiscard]] int rank() const noexcept { return rank_; }
+  [[nodiscard]] int size() const noexcept { return size_; }
+  [[nodiscard]] device get_device() const noexcept { return dev_; }
+
+  /// This rank's collective number `seq` (on the stream's worker). Throws on failure.
+  void run(std::uint64_t seq, const collective_call& c) {
+    const std::string where = concat(name_of(c.kind), " #", seq, " on ", self_name());
+    wait_for_turn(seq, where);
+    auto staging = std::make_unique<buffers>();
+    MPI_Request request = MPI_REQUEST_NULL;
+    try {
+      // An abort message that already arrived must win over starting a collective the others left.
+      if (poll_control()) throw error(concat(where, " was aborted: ", reason()));
+      start(c, *staging, request);
+    } catch (...) {
+      pass_turn(seq);
+      throw;
+    }
+    pass_turn(seq);
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    const wait_result result = wait_request(
+        request, deadline, [this] { return poll_control(); }, where.c_str());
+    if (result == wait_result::done) {
+      finish(c, *staging);
+      return;
+    }
+    abandon(request, std::move(staging));
+    if (result == wait_result::timed_out) {
+      std::string who;
+      if (size_ == 2) {
+        who = concat("rank ", 1 - rank_, " did not join");
+      } else {
+        who = "one or more of ranks ";
+        bool first = true;
+        for (int r = 0; r < size_; ++r) {
+          if (r == rank_) continue;
+          who += concat(first ? "" : ", ", r);
+          first = false;
+        }
+        who += " did not join (MPI does not tell which)";
+      }
+      const std::string text =
+          concat(where, ": ", who, " within ", format_duration(timeout_),
+                 "; it may have failed, exited or be stuck (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT). "
+                 "MPI cannot cancel the started collective, so this communicator is unusable: end the job "
+                 "(MPI_Abort)");
+      break_communicator(concat(where, " timed out"), notify::peers);
+      throw timeout_error(text);
+    }
+    throw error(concat(where, " was aborted: ", reason()));
+  }
+
+  enum class notify : std::uint8_t { self_only, peers };
+
+  /// Marks the communicator unusable with `why` and, with notify::peers, tells every other process.
+  void break_communicator(const std::string& why, notify who) noexcept {
+    try {
+      {
+        std::lock_guard lock(mutex_);
+        if (broken_.load(std::memory_order_relaxed)) return;
+        reason_ = why;
+        broken_.store(true, std::memory_order_release);
+      }
+      turn_cv_.notify_all();
+      if (who == notify::peers) send_abort_messages(why);
+    } catch (...) {
+      broken_.store(true, std::memory_order_release);  // out of memory: at least stop
+    }
+  }
+
+ private:
+  struct buffers {
+    std::vector<float> in, out;
+    std::vector<std::byte> bytes;
+  };
+  struct abandoned_request {
+    MPI_Request request;
+    std::unique_ptr<buffers> staging;
+  };
+  struct pending_send {
+    MPI_Request request;
+    std::unique_ptr<std::string> text;
+  };
+
+  [[nodiscard]] std::string self_name() const {
+    return concat("rank ", rank_, " (", dev_.str(), " of process ", ::getpid(), ')');
+  }
+
+  [[nodiscard]] std::string reason() const {
+    std::lock_guard lock(mutex_);
+    return reason_;
+  }
+
+  /// MPI requires the collectives of a communicator to start in the same order on every process: collective
+  /// `seq` starts only after `seq - 1` has, even when they were queued on different streams.
+  void wait_for_turn(std::uint64_t seq, const std::string& where) {
+    std::unique_lock lock(mutex_);
+    const bool ok =
+        turn_cv_.wait_for(lock, timeout_, [&] { return next_turn_ == seq || broken_.load(std::memory_order_relaxed); });
+    if (!ok) {
+      lock.unlock();
+      const std::string why =
+          concat(where, " could not start: collective #", seq - 1,
+                 " of this rank, queued on another stream, did not start within ", format_duration(timeout_));
+      break_communicator(why, notify::peers);
+      throw timeout_error(why);
+    }
+  }
+
+  void pass_turn(std::uint64_t seq) {
+    {
+      std::lock_guard lock(mutex_);
+      next_turn_ = std::max(next_turn_, seq + 1);
+    }
+    turn_cv_.notify_all();
+  }
+
+  /// Checks for an abort message from another process; true once the communicator is broken.
+  bool poll_control() {
+    if (broken_.load(std::memory_order_acquire)) return true;
+    std::unique_lock lock(control_mutex_, std::try_to_lock);
+    if (!lock.owns_lock() || control_recv_ == MPI_REQUEST_NULL) return broken_.load(std::memory_order_acquire);
+    int flag = 0;
+    MPI_Status status{};
+    if (MPI_Test(&control_recv_, &flag, &status) != MPI_SUCCESS) return false;
+    if (flag) {
+      int length = 0;
+      (void)MPI_Get_count(&status, MPI_CHAR, &length);
+      const std::string text(control_buffer_.data(), static_cast<std::size_t>(std::max(length, 0)));
+      control_recv_ = MPI_REQUEST_NULL;
+      break_communicator(concat("rank ", status.MPI_SOURCE, " aborted the communicator: ", text), notify::self_only);
+    }
+    return broken_.load(std::memory_order_acquire);
+  }
+
+  void send_abort_messages(const std::string& why) {
+    const std::string text = why.substr(0, control_capacity);
+    std::lock_guard lock(control_mutex_);
+    for (int r = 0; r < size_; ++r) {
+      if (r == rank_) continue;
+      pending_send s{MPI_REQUEST_NULL, std::make_unique<std::string>(text)};
+      if (MPI_Isend(s.text->data(), static_cast<int>(s.text->size()), MPI_CHAR, r, control_tag, control_, &s.request) ==
+          MPI_SUCCESS) {
+        sends_.push_back(std::move(s));
+      }
+    }
+  }
+
+  void abandon(MPI_Request request, std::unique_ptr<buffers> staging) {
+    std::lock_guard lock(control_mutex_);
+    abandoned_.push_back({request, std::move(staging)});
+  }
+
+  void leak_staging() noexcept {
+    for (auto& a : abandoned_) (void)a.staging.release();
+    for (auto& s : sends_) (void)s.text.release();
+  }
+
+  static MPI_Op op_of(reduce_op op) { return op == reduce_op::max ? MPI_MAX : MPI_SUM; }
+
+  /// Starts the non-blocking MPI collective for `c`, staging what needs staging.
+  void start(const collective_call& c, buffers& b, MPI_Request& request) {
+    const int n = static_cast<int>(c.count);
+    const std::size_t es = size_of(c.type);
+    const bool is_f32 = c.type == dtype::f32;
+    const std::string_view what = name_of(c.kind);
+    switch (c.kind) {
+      case collective_kind::all_reduce: {
+        if (is_f32) {
+          const void* send = c.send == c.recv ? MPI_IN_PLACE : c.send;
+          LOCKSTEP_MPI_CHECK(MPI_Iallreduce(send, c.recv, n, MPI_FLOAT, op_of(c.op), data_, &request), what);
+        } else {
+          widen_to(b.in, c.send, c.type, c.count);
+          LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, b.in.data(), n, MPI_FLOAT, op_of(c.op), data_, &request),
+                             what);
+        }
+        return;
+      }
+      case collective_kind::reduce: {
+        const bool root = rank_ == c.root;
+        if (is_f32) {
+          const void* send = root && c.send == c.recv ? MPI_IN_PLACE : c.send;
+          LOCKSTEP_MPI_CHECK(
+              MPI_Ireduce(send, root ? c.recv : nullptr, n, MPI_FLOAT, op_of(c.op), c.root, data_, &request), what);
+        } else {
+          widen_to(b.in, c.send, c.type, c.count);
+          LOCKSTEP_MPI_CHECK(MPI_Ireduce(root ? MPI_IN_PLACE : b.in.data(), root ? b.in.data() : nullptr, n, MPI_FLOAT,
+                                         op_of(c.op), c.root, data_, &request),
+                             what);
+        }
+        return;
+      }
+      case collective_kind::reduce_scatter: {
+        const std::size_t total = c.count * static_cast<std::size_t>(size_);
+        if (is_f32) {
+          const void* send = c.send;
+          if (overlap(c.send, total * es, c.recv, c.count * es)) {  // in place: MPI would read what it writes
+            b.in.assign(static_cast<const float*>(c.send), static_cast<const float*>(c.send) + total);
+            send = b.in.data();
+          }
+          LOCKSTEP_MPI_CHECK(MPI_Ireduce_scatter_block(send, c.recv, n, MPI_FLOAT, op_of(c.op), data_, &request), what);
+        } else {
+          widen_to(b.in, c.send, c.type, total);
+          b.out.resize(c.count);
+          LOCKSTEP_MPI_CHECK(
+              MPI_Ireduce_scatter_block(b.in.data(), b.out.data(), n, MPI_FLOAT, op_of(c.op), data_, &request), what);
+        }
+        return;
+      }
+      case collective_kind::broadcast: {
+        if (rank_ == c.root && c.send != c.recv && c.count != 0) std::memmove(c.recv, c.send, c.count * es);
+        LOCKSTEP_MPI_CHECK(MPI_Ibcast(c.recv, n, datatype_of(c.type), c.root, data_, &request), what);
+        return;
+      }
+      case collective_kind::all_gather: {
+        const std::size_t bytes = c.count * es;
+        const void* send = c.send;
+        if (c.count != 0 && c.send == static_cast<const std::byte*>(c.recv) + static_cast<std::size_t>(rank_) * bytes) {
+          send = MPI_IN_PLACE;
+        } else if (overlap(c.send, bytes, c.recv, bytes * static_cast<std::size_t>(size_))) {
+          b.bytes.assign(static_cast<const std::byte*>(c.send), static_cast<const std::byte*>(c.send) + bytes);
+          send = b.bytes.data();
+        }
+        LOCKSTEP_MPI_CHECK(
+            MPI_Iallgather(send, n, datatype_of(c.type), c.recv, n, datatype_of(c.type), data_, &request), what);
+        return;
+      }
+      case collective_kind::barrier: {
+        LOCKSTEP_MPI_CHECK(MPI_Ibarrier(data_, &request), what);
+        return;
+      }
+    }
+  }
+
+  /// After completion: the division of `mean` and the rounding of f16/bf16 staging.
+  void finish(const collective_call& c, buffers& b) const {
+    const bool mean = c.is_reduction() && c.op == reduce_op::mean;
+    const bool is_f32 = c.type == dtype::f32;
+    switch (c.kind) {
+      case collective_kind::all_reduce:
+        if (is_f32) {
+          if (mean) divide(static_cast<float*>(c.recv), c.count, size_);
+        } else {
+          if (mean) divide(b.in.data(), c.count, size_);
+          narrow_from(c.recv, b.in.data(), c.type, c.count);
+        }
+        return;
+      case collective_kind::reduce:
+        if (rank_ != c.root) return;
+        if (is_f32) {
+          if (mean) divide(static_cast<float*>(c.recv), c.count, size_);
+        } else {
+          if (mean) divide(b.in.data(), c.count, size_);
+          narrow_from(c.recv, b.in.data(), c.type, c.count);
+        }
+        return;
+      case collective_kind::reduce_scatter:
+        if (is_f32) {
+          if (mean) divide(static_cast<float*>(c.recv), c.count, size_);
+        } else {
+          if (mean) divide(b.out.data(), c.count, size_);
+          narrow_from(c.recv, b.out.data(), c.type, c.count);
+        }
+        return;
+      default:
+        return;
+    }
+  }
+
+  MPI_Comm data_;
+  MPI_Comm control_;
+  int rank_ = 0;
+  int size_ = 1;
+  const device dev_;
+  const std::chrono::milliseconds timeout_;
+
+  mutable std::mutex mutex_;  // guards reason_ and next_turn_
+  std::condition_variable turn_cv_;
+  std::uint64_t next_turn_ = 1;
+  std::atomic<bool> broken_{false};
+  std::string reason_;
+
+  std::mutex control_mutex_;  // guards the control receive, the sends and the abandoned requests
+  MPI_Request control_recv_ = MPI_REQUEST_NULL;
+  std::array<char, control_capacity> control_buffer_{};
+  std::vector<pending_send> sends_;
+  std::vector<abandoned_request> abandoned_;
+};
+
+/// One process's endpoint.
+class member final : public communicator_impl {
+ public:
+  explicit member(std::shared_ptr<state> s) : state_(std::move(s)) {}
+
+  [[nodiscard]] int rank() const noexcept override { return state_->rank(); }
+  [[nodiscard]] int size() const noexcept override { return state_->size(); }
+  [[nodiscard]] device get_device() const noexcept override { return state_->get_device(); }
+
+  void enqueue(const collective_call& c, stream_ref s) override {
+    LOCKSTEP_EXPECTS(c.count <= static_cast<std::size_t>(INT_MAX), name_of(c.kind), " on rank ", rank(), ": count ",
+                     c.count, " exceeds MPI's count limit; valid counts: 0..", INT_MAX, " (split the collective)");
+    const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    enqueue_host(
+        s, [st = state_, seq, c] { st->run(seq, c); }, name_of(c.kind).data());
+  }
+
+  void abort(const std::string& reason) noexcept override { state_->break_communicator(reason, state::notify::peers); }
+
+ private:
+  std::shared_ptr<state> state_;
+  std::atomic<std::uint64_t> next_seq_{0};
+};
+
+/// MPI_Comm_idup that fails with timeout_error instead of waiting forever for a process that never calls it.
+inline MPI_Comm duplicate(MPI_Comm comm, std::chrono::milliseconds timeout, const char* what) {
+  MPI_Comm dup = MPI_COMM_NULL;
+  MPI_Request request = MPI_REQUEST_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_idup(comm, &dup, &request), what);
+  const auto result = wait_request(
+      request, std::chrono::steady_clock::now() + timeout, [] { return false; }, what);
+  if (result != wait_result::done) {
+    int rank = -1;
+    (void)MPI_Comm_rank(comm, &rank);
+    throw timeout_error(concat(what, " on rank ", rank, ": the other processes did not join MPI_Comm_idup within ",
+                               format_duration(timeout),
+                               "; every process of the communicator must create its communicator"));
+  }
+  LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), what);
+  return dup;
+}
+
+}  // namespace mpi_comm
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// Initializes MPI with MPI_THREAD_MULTIPLE for the lifetime of the object (RAII), or checks the thread level
+/// of an MPI initialized by someone else. Finalizes MPI at the end only if it initialized it. Throws mpi_error
+/// naming the provided level when it is lower than MPI_THREAD_MULTIPLE. Destroy every communicator, and
+/// synchronize the streams their collectives ran on, before the session ends.
+class mpi_session {
+ public:
+  mpi_session() : mpi_session(nullptr, nullptr) {}
+  mpi_session(int* argc, char*** argv) {
+    int initialized = 0, finalized = 0;
+    LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
+    LOCKSTEP_MPI_CHECK(MPI_Finalized(&finalized), "asking whether MPI is finalized");
+    if (finalized) throw mpi_error("mpi_session: MPI was already finalized in this process; it cannot start again");
+    if (!initialized) {
+      LOCKSTEP_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided_),
+                         "initializing MPI with MPI_THREAD_MULTIPLE");
+      owns_ = true;
+    } else {
+      LOCKSTEP_MPI_CHECK(MPI_Query_thread(&provided_), "asking MPI for its thread level");
+    }
+    if (provided_ < MPI_THREAD_MULTIPLE) {
+      const std::string msg = detail::concat(
+          "mpi_session: MPI provides ", detail::mpi_comm::thread_level_name(provided_),
+          ", lockstep needs MPI_THREAD_MULTIPLE (collectives call MPI from stream worker threads)",
+          owns_
+              ? "; this MPI library was built without full thread support (OpenMPI: configure with "
+                "--enable-mpi-thread-multiple, the default since 3.0)"
+              : "; MPI was initialized before with a lower level: call MPI_Init_thread(..., MPI_THREAD_MULTIPLE, ...)");
+      if (owns_) (void)MPI_Finalize();
+      throw mpi_error(msg);
+    }
+  }
+  mpi_session(const mpi_session&) = delete;
+  mpi_session& operator=(const mpi_session&) = delete;
+  ~mpi_session() {
+    int finalized = 1;
+    if (owns_ && MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) (void)MPI_Finalize();
+  }
+
+  /// The thread level MPI provides (MPI_THREAD_MULTIPLE).
+  [[nodiscard]] int provided() const noexcept { return provided_; }
+  /// True when this session initialized MPI (and will finalize it).
+  [[nodiscard]] bool owns() const noexcept { return owns_; }
+
+ private:
+  int provided_ = 0;
+  bool owns_ = false;
+};
+
+/// This process's rank among the processes of its node, to pick its local device: OMPI_COMM_WORLD_LOCAL_RANK
+/// (OpenMPI), MPI_LOCALRANKID (MPICH), MV2_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID when set; otherwise the rank
+/// in MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED), which is collective over MPI_COMM_WORLD and
+/// needs MPI initialized.
+inline int local_rank() {
+  for (const char* name :
+       {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
+    if (const char* v = std::getenv(name); v != nullptr) {
+      const int r = detail::parse_index(v);
+      if (r >= 0) return r;
+    }
+  }
+  int initialized = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
+  LOCKSTEP_EXPECTS(initialized,
+                   "local_rank(): no launcher variable (OMPI_COMM_WORLD_LOCAL_RANK, ...) is set and MPI "
+                   "is not initialized; create a lockstep::mpi_session first");
+  MPI_Comm local = MPI_COMM_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local),
+                     "splitting MPI_COMM_WORLD by node");
+  int r = 0;
+  const int status = MPI_Comm_rank(local, &r);
+  (void)MPI_Comm_free(&local);
+  LOCKSTEP_MPI_CHECK(status, "asking for the rank within the node");
+  return r;
+}
+
+/// This process's communicator over `comm` (every process of `comm` calls it, in the same order as its other
+/// collective calls on `comm`), running on the host device `local`. Needs an mpi_session (MPI_THREAD_MULTIPLE).
+/// The communicator works on its own duplicates of `comm` (with MPI_ERRORS_RETURN), so `comm` itself is left
+/// as it was. Throws precondition_error for a device that is not a host device, mpi_error, and timeout_error
+/// when the other processes do not join within the timeout.
+inline communicator make_mpi_communicator(device local, MPI_Comm comm = MPI_COMM_WORLD, comm_options options = {}) {
+  LOCKSTEP_EXPECTS(local.is_host(), "make_mpi_communicator: expected a host device, got ", local.str(),
+                   " (GPUs in several processes use make_nccl_communicator)");
+  check_device_exists(local);
+  LOCKSTEP_EXPECTS(options.timeout.count() > 0, "make_mpi_communicator: comm_options::timeout must be positive, got ",
+                   options.timeout.count(), " ms");
+  detail::mpi_comm::require_thread_multiple("make_mpi_communicator");
+  MPI_Comm data = detail::mpi_comm::duplicate(comm, options.timeout, "make_mpi_communicator (data)");
+  MPI_Comm control = MPI_COMM_NULL;
+  try {
+    control = detail::mpi_comm::duplicate(comm, options.timeout, "make_mpi_communicator (control)");
+  } catch (...) {
+    (void)MPI_Comm_free(&data);
+    throw;
+  }
+  std::shared_ptr<detail::mpi_comm::state> state;
+  try {
+    state = std::make_shared<detail::mpi_comm::state>(data, control, local, options.timeout);
+  } catch (...) {
+    (void)MPI_Comm_free(&data);
+    (void)MPI_Comm_free(&control);
+    throw;
+  }
+  return communicator::from_impl(std::make_unique<detail::mpi_comm::member>(std::move(state)));
+}
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,580 @@
+// lockstep/comm/nccl.hpp — collectives between GPUs through NCCL.
+//
+//   make_nccl_clique(gpus)                     one communicator per GPU of this process (one thread per GPU, or
+//                                               one thread for all inside ncclGroupStart/ncclGroupEnd)
+//   make_nccl_communicator(gpu, MPI_Comm)      one rank per process (needs lockstep::mpi, LOCKSTEP_WITH_MPI)
+//
+// Collectives map one to one onto ncclAllReduce, ncclBroadcast, ncclReduce, ncclAllGather and
+// ncclReduceScatter on the stream (mean is ncclAvg; f16 is ncclFloat16, bf16 ncclBfloat16); barrier is a
+// one-element all-reduce on a scratch word. They are queued on the GPU stream and return at once.
+//
+// Never a hang: the communicators are created non-blocking (ncclConfig_t::blocking = 0), so no NCCL call
+// blocks the host; when a call reports ncclInProgress the communicator is polled (ncclCommGetAsyncError) until
+// it is ready, the timeout passes, or the communicator is aborted. A collective whose peer never joins makes
+// the GPU wait, not the host: wait for it with `comm.synchronize(s)` instead of `s.synchronize()`. It polls
+// cudaStreamQuery and ncclCommGetAsyncError and, on an NCCL error or after the timeout, aborts the
+// communicators (ncclCommAbort, which stops the waiting kernels) and throws nccl_error or timeout_error.
+// `abort(reason)` aborts every communicator of a clique at once (NCCL wants all local ranks aborted
+// together); for make_nccl_communicator it aborts this process's communicator only.
+//
+// Destruction: ncclCommFinalize + ncclCommDestroy when the communicator is healthy, ncclCommAbort after an
+// error; a clique's communicators are released together, when the last of them is destroyed.
+//
+// This header is empty unless the translation unit is compiled by nvcc. Link with -lnccl (lockstep::lockstep
+// does when the CUDA backend is on).
+#pragma once
+
+#include "lockstep/config.hpp"
+
+#if LOCKSTEP_HAS_CUDA
+
+#include <cuda_runtime_api.h>
+#include <nccl.h>
+
+#include <atomic>
+#include <chrono>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/cuda_check.hpp"
+#include "lockstep/device/device_guard.hpp"
+#include "lockstep/device/device_set.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+#if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
+#include "lockstep/comm/mpi.hpp"
+#endif
+
+LOCKSTEP_DETAIL_BEGIN
+
+namespace nccl_comm {
+
+/// "ncclInvalidUsage".
+inline const char* result_name(ncclResult_t r) noexcept {
+  switch (r) {
+    case ncclSuccess:
+      return "ncclSuccess";
+    case ncclUnhandledCudaError:
+      return "ncclUnhandledCudaError";
+    case ncclSystemError:
+      return "ncclSystemError";
+    case ncclInternalError:
+      return "ncclInternalError";
+    case ncclInvalidArgument:
+      return "ncclInvalidArgument";
+    case ncclInvalidUsage:
+      return "ncclInvalidUsage";
+    case ncclRemoteError:
+      return "ncclRemoteError";
+    case ncclInProgress:
+      return "ncclInProgress";
+    default:
+      return "ncclResult";
+  }
+}
+
+/// "ncclX (text); last NCCL error: ..." for a failed call or an asynchronous error.
+inline std::string describe(ncclResult_t status) {
+  std::string msg = concat(result_name(status), " (", ncclGetErrorString(status), ')');
+  // NCCL keeps the detailed message of the last error per thread; its argument is unused (NCCL docs).
+  const char* last = ncclGetLastError(nullptr);
+  if (last != nullptr && *last != '\0') msg += concat("; last NCCL error: ", last);
+  return msg;
+}
+
+/// Builds "file:line call: ncclX (text); last NCCL error: ... while <what>" and throws nccl_error.
+template <class... What>
+[[noreturn]] void throw_nccl_error(ncclResult_t status, const char* call, source_site at, What&&... what) {
+  std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", describe(status));
+  if constexpr (sizeof...(What) > 0) msg += concat(" while ", std::forward<What>(what)...);
+  throw nccl_error(msg, status);
+}
+
+}  // namespace nccl_comm
+
+LOCKSTEP_DETAIL_END
+
+/// Checks an NCCL call: `LOCKSTEP_NCCL_CHECK(ncclGroupEnd(), "creating the clique of ", gpus.str())`. The message
+/// has ncclGetErrorString and ncclGetLastError. ncclInProgress is a failure here: calls on a non-blocking
+/// communicator go through the communicator's own check, which waits for it.
+#define LOCKSTEP_NCCL_CHECK(call, ...)                                                           \
+  do {                                                                                           \
+    const ncclResult_t lockstep_nccl_status_ = (call);                                           \
+    if (lockstep_nccl_status_ != ncclSuccess) [[unlikely]] {                                     \
+      ::lockstep::detail::nccl_comm::throw_nccl_error(lockstep_nccl_status_, #call,              \
+                                                      LOCKSTEP_SITE __VA_OPT__(, ) __VA_ARGS__); \
+    }                                                                                            \
+  } while (false)
+
+LOCKSTEP_DETAIL_BEGIN
+
+namespace nccl_comm {
+
+inline ncclDataType_t datatype_of(dtype t) noexcept {
+  switch (t) {
+    case dtype::f32:
+      return ncclFloat32;
+    case dtype::f16:
+      return ncclFloat16;
+    case dtype::bf16:
+      return ncclBfloat16;
+    case dtype::i32:
+      return ncclInt32;
+    case dtype::i64:
+      return ncclInt64;
+    case dtype::u8:
+      return ncclUint8;
+  }
+  return ncclUint8;
+}
+
+inline ncclRedOp_t op_of(reduce_op op) noexcept {
+  switch (op) {
+    case reduce_op::sum:
+      return ncclSum;
+    case reduce_op::mean:
+      return ncclAvg;
+    case reduce_op::max:
+      return ncclMax;
+  }
+  return ncclSum;
+}
+
+/// A non-blocking config: no NCCL call blocks the host, so every wait can time out.
+inline ncclConfig_t nonblocking_config() noexcept {
+  ncclConfig_t config = NCCL_CONFIG_INITIALIZER;
+  config.blocking = 0;
+  return config;
+}
+
+/// Sleeps a little longer each time (from a yield up to 1 ms): polling without taking a core from the GPU's
+/// host threads (NCCL's proxy) for long waits.
+class backoff {
+ public:
+  void pause() {
+    if (rounds_++ < 64) {
+      std::this_thread::yield();
+      return;
+    }
+    std::this_thread::sleep_for(sleep_);
+    sleep_ = std::min<std::chrono::microseconds>(sleep_ * 2, std::chrono::milliseconds(1));
+  }
+
+ private:
+  int rounds_ = 0;
+  std::chrono::microseconds sleep_{10};
+};
+
+/// The communicators of one clique (or the single one of a process), shared by their endpoints. Every use of a
+/// handle holds the endpoint's mutex, so that abort() from another thread never frees a handle in use.
+class shared_comms {
+ public:
+  struct endpoint {
+    std::mutex mutex;
+    ncclComm_t comm = nullptr;  // null once aborted or destroyed
+    device dev;
+    int rank = 0;
+    void* scratch = nullptr;  // the barrier's one word of device memory
+  };
+
+  /// Takes ownership of `comms` (released by the destructor, also when this constructor throws) and allocates
+  /// each endpoint's barrier word.
+  shared_comms(std::vector<ncclComm_t> comms, const std::vector<device>& devices, const std::vector<int>& ranks) {
+    endpoints_.reserve(comms.size());
+    for (std::size_t i = 0; i < comms.size(); ++i) {
+      auto e = std::make_unique<endpoint>();
+      e->comm = comms[i];
+      e->dev = devices[i];
+      e->rank = ranks[i];
+      endpoints_.push_back(std::move(e));
+    }
+    try {
+      for (auto& e : endpoints_) {
+        device_guard guard(e->dev);
+        LOCKSTEP_CUDA_CHECK(cudaMalloc(&e->scratch, sizeof(float)), "allocating the barrier word of ", e->dev.str());
+        LOCKSTEP_CUDA_CHECK(cudaMemset(e->scratch, 0, sizeof(float)), "clearing the barrier word of ", e->dev.str());
+      }
+    } catch (...) {
+      release();
+      throw;
+    }
+  }
+  shared_comms(const shared_comms&) = delete;
+  shared_comms& operator=(const shared_comms&) = delete;
+
+  ~shared_comms() { release(); }
+
+  [[nodiscard]] endpoint& at(std::size_t i) { return *endpoints_.at(i); }
+  [[nodiscard]] std::size_t count() const noexcept { return endpoints_.size(); }
+
+  [[nodiscard]] bool aborted() const noexcept { return aborted_.load(std::memory_order_acquire); }
+  [[nodiscard]] std::string reason() const {
+    std::lock_guard lock(reason_mutex_);
+    return reason_;
+  }
+
+  /// Aborts every communicator (ncclCommAbort), which also stops their kernels waiting on the GPU. Never throws.
+  void abort_all(const std::string& why) noexcept {
+    try {
+      std::lock_guard lock(reason_mutex_);
+      if (!aborted_.load(std::memory_order_relaxed)) reason_ = why;
+    } catch (...) {
+      // keep the first reason, or none: the abort itself matters more
+    }
+    aborted_.store(true, std::memory_order_release);
+    int previous = 0;
+    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+    for (auto& e : endpoints_) {
+      std::lock_guard lock(e->mutex);
+      if (e->comm == nullptr) continue;
+      (void)cudaSetDevice(e->dev.index);
+      (void)ncclCommAbort(std::exchange(e->comm, nullptr));
+    }
+    if (restore) (void)cudaSetDevice(previous);
+    (void)cudaGetLastError();
+  }
+
+ private:
+  /// Releases the communicators together: ncclCommFinalize on all healthy ones (non-blocking: they progress
+  /// in the background, so one thread may finalize a whole clique), wait up to 10 s, ncclCommDestroy; any that
+  /// failed or did not finish is aborted instead. Then frees the barrier words: only now, because cudaFree
+  /// synchronizes the device and would wait for a kernel stuck on a missing peer. Never throws.
+  void release() noexcept {
+    int previous = 0;
+    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+    std::vector<ncclComm_t> finalizing;
+    for (auto& e : endpoints_) {
+      if (e->comm == nullptr) continue;
+      (void)cudaSetDevice(e->dev.index);
+      ncclResult_t async = ncclSuccess;
+      const bool healthy = ncclCommGetAsyncError(e->comm, &async) == ncclSuccess && async == ncclSuccess;
+      const ncclResult_t r = healthy ? ncclCommFinalize(e->comm) : ncclInternalError;
+      if (r == ncclSuccess || r == ncclInProgress) {
+        finalizing.push_back(std::exchange(e->comm, nullptr));
+      } else {
+        (void)ncclCommAbort(std::exchange(e->comm, nullptr));
+      }
+    }
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
+    backoff wait;
+    for (ncclComm_t c : finalizing) {
+      ncclResult_t state = ncclInProgress;
+      while ((ncclCommGetAsyncError(c, &state) == ncclSuccess && state == ncclInProgress) &&
+             std::chrono::steady_clock::now() < deadline) {
+        wait.pause();
+      }
+      if (state == ncclSuccess) {
+        (void)ncclCommDestroy(c);
+      } else {
+        (void)ncclCommAbort(c);
+      }
+    }
+    for (auto& e : endpoints_) {
+      if (e->scratch == nullptr) continue;
+      (void)cudaSetDevice(e->dev.index);
+      (void)cudaFree(std::exchange(e->scratch, nullptr));
+    }
+    if (restore) (void)cudaSetDevice(previous);
+    (void)cudaGetLastError();
+  }
+
+  std::vector<std::unique_ptr<endpoint>> endpoints_;
+  std::atomic<bool> aborted_{false};
+  mutable std::mutex reason_mutex_;
+  std::string reason_;
+};
+
+/// One rank's endpoint.
+class member final : public communicator_impl {
+ public:
+  member(std::shared_ptr<shared_comms> comms, std::size_t index, int size, std::chrono::milliseconds timeout)
+      : comms_(std::move(comms)), index_(index), size_(size), timeout_(timeout) {
+    const auto& e = comms_->at(index_);
+    rank_ = e.rank;
+    dev_ = e.dev;
+  }
+
+  [[nodiscard]] int rank() const noexcept override { return rank_; }
+  [[nodiscard]] int size() const noexcept override { return size_; }
+  [[nodiscard]] device get_device() const noexcept override { return dev_; }
+
+  void enqueue(const collective_call& c, stream_ref s) override {
+    const std::uint64_t seq = ++seq_;
+    const std::string where = concat(name_of(c.kind), " #", seq, " on ", rank_name(rank_, dev_));
+    auto& e = comms_->at(index_);
+    std::unique_lock lock(e.mutex);
+    if (e.comm == nullptr) throw error(concat(where, " was aborted: ", comms_->reason()));
+    device_guard guard(dev_);
+    cudaStream_t st = s.cuda_stream();
+    const ncclDataType_t type = datatype_of(c.type);
+    ncclResult_t r = ncclSuccess;
+    switch (c.kind) {
+      case collective_kind::all_reduce:
+        r = ncclAllReduce(c.send, c.recv, c.count, type, op_of(c.op), e.comm, st);
+        break;
+      case collective_kind::broadcast:
+        r = ncclBroadcast(c.send, c.recv, c.count, type, c.root, e.comm, st);
+        break;
+      case collective_kind::reduce:
+        r = ncclReduce(c.send, c.recv, c.count, type, op_of(c.op), c.root, e.comm, st);
+        break;
+      case collective_kind::all_gather:
+        r = ncclAllGather(c.send, c.recv, c.count, type, e.comm, st);
+        break;
+      case collective_kind::reduce_scatter:
+        r = ncclReduceScatter(c.send, c.recv, c.count, type, op_of(c.op), e.comm, st);
+        break;
+      case collective_kind::barrier:
+        r = ncclAllReduce(e.scratch, e.scratch, 1, ncclFloat32, ncclSum, e.comm, st);
+        break;
+    }
+    last_ = concat(name_of(c.kind), " #", seq);
+    complete_call(lock, e, r, where);
+  }
+
+  void abort(const std::string& reason) noexcept override { comms_->abort_all(reason); }
+
+  /// Polls the stream and the communicator's asynchronous error until the stream is idle; aborts the
+  /// communicators and throws on an NCCL error or after the timeout.
+  void synchronize(stream_ref s) override {
+    LOCKSTEP_EXPECTS(s.get_device() == dev_, "synchronize on ", rank_name(rank_, dev_), ": the stream belongs to ",
+                     s.get_device().str(), ", expected a stream of ", dev_.str());
+    const std::string where = concat("synchronize on ", rank_name(rank_, dev_));
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    device_guard guard(dev_);
+    cudaStream_t st = s.cuda_stream();
+    backoff wait;
+    for (;;) {
+      const cudaError_t q = cudaStreamQuery(st);
+      if (q != cudaErrorNotReady) {
+        if (q != cudaSuccess) {
+          throw_cuda_error(q, "cudaStreamQuery", LOCKSTEP_SITE, "waiting for a stream of ", dev_.str(),
+                           " (last collective: ", last_or_none(), ')');
+        }
+        check_async_error(where);
+        return;
+      }
+      (void)cudaGetLastError();  // cudaErrorNotReady is not an error
+      check_async_error(where);
+      if (std::chrono::steady_clock::now() >= deadline) {
+        const std::string text =
+            concat(where, ": the stream did not finish within ", format_duration(timeout_),
+                   " (last collective: ", last_or_none(),
+                   "); a peer rank may have failed, exited or be stuck (timeout: comm_options::timeout "
+                   "or LOCKSTEP_COMM_TIMEOUT); the NCCL communicators were aborted");
+        comms_->abort_all(text);
+        throw timeout_error(text);
+      }
+      wait.pause();
+    }
+  }
+
+ private:
+  [[nodiscard]] std::string last_or_none() const { return last_.empty() ? std::string("none") : last_; }
+
+  /// Throws when the communicator was aborted or reports an asynchronous error (aborting the others then).
+  void check_async_error(const std::string& where) {
+    auto& e = comms_->at(index_);
+    std::unique_lock lock(e.mutex);
+    if (e.comm == nullptr) throw error(concat(where, " was aborted: ", comms_->reason()));
+    ncclResult_t async = ncclSuccess;
+    LOCKSTEP_NCCL_CHECK(ncclCommGetAsyncError(e.comm, &async), where);
+    if (async == ncclSuccess || async == ncclInProgress) return;
+    lock.unlock();
+    const std::string text = concat(where, ": NCCL reported an asynchronous error: ", describe(async),
+                                    " (last collective: ", last_or_none(), "); the NCCL communicators were aborted");
+    comms_->abort_all(text);
+    throw nccl_error(text, async);
+  }
+
+  /// Finishes a call on a non-blocking communicator: waits while it reports ncclInProgress (releasing the lock
+  /// between polls, so that abort() can get in), and turns an error into nccl_error after aborting the others.
+  void complete_call(std::unique_lock<std::mutex>& lock, shared_comms::endpoint& e, ncclResult_t r,
+                     const std::string& where) {
+    const auto deadline = std::chrono::steady_clock::now() + timeout_;
+    backoff wait;
+    while (r == ncclInProgress) {
+      ncclResult_t state = ncclSuccess;
+      const ncclResult_t q = ncclCommGetAsyncError(e.comm, &state);
+      r = q != ncclSuccess ? q : state;
+      if (r != ncclInProgress) break;
+      lock.unlock();
+      if (std::chrono::steady_clock::now() >= deadline) {
+        const std::string text = concat(where, ": NCCL did not accept the collective within ",
+                                        format_duration(timeout_), "; the NCCL communicators were aborted");
+        comms_->abort_all(text);
+        throw timeout_error(text);
+      }
+      wait.pause();
+      lock.lock();
+      if (e.comm == nullptr) throw error(concat(where, " was aborted: ", comms_->reason()));
+    }
+    if (r == ncclSuccess) return;
+    const std::string text = concat(where, ": ", describe(r), "; the NCCL communicators were aborted");
+    lock.unlock();
+    comms_->abort_all(text);
+    throw nccl_error(text, r);
+  }
+
+  std::shared_ptr<shared_comms> comms_;
+  std::size_t index_;
+  int rank_ = 0;
+  int size_;
+  device dev_{};
+  std::chrono::milliseconds timeout_;
+  std::uint64_t seq_ = 0;
+  std::string last_;  // "all_reduce #17": the last collective queued, for messages
+};
+
+/// Waits until every communicator of `comms` has finished initializing (non-blocking init), or throws after
+/// aborting them all.
+inline void wait_initialized(std::vector<ncclComm_t>& comms, const std::vector<device>& devices,
+                             std::chrono::milliseconds timeout, const std::string& what) {
+  const auto deadline = std::chrono::steady_clock::now() + timeout;
+  backoff wait;
+  auto abort_all = [&] {
+    for (std::size_t i = 0; i < comms.size(); ++i) {
+      if (comms[i] == nullptr) continue;
+      (void)cudaSetDevice(devices[i].index);
+      (void)ncclCommAbort(std::exchange(comms[i], nullptr));
+    }
+  };
+  for (std::size_t i = 0; i < comms.size(); ++i) {
+    for (;;) {
+      ncclResult_t state = ncclInProgress;
+      const ncclResult_t q = ncclCommGetAsyncError(comms[i], &state);
+      const ncclResult_t r = q != ncclSuccess ? q : state;
+      if (r == ncclSuccess) break;
+      if (r != ncclInProgress) {
+        const std::string text =
+            concat(what, ": ", describe(r), " while initializing rank ", i, " on ", devices[i].str());
+        abort_all();
+        throw nccl_error(text, r);
+      }
+      if (std::chrono::steady_clock::now() >= deadline) {
+        abort_all();
+        throw timeout_error(concat(what, ": the communicators did not finish initializing within ",
+                                   format_duration(timeout), "; a peer may not have joined"));
+      }
+      wait.pause();
+    }
+  }
+}
+
+}  // namespace nccl_comm
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// One communicator per GPU of `gpus`, rank i on gpus[i], all in this process: ncclCommInitRankConfig for each
+/// GPU inside ncclGroupStart/ncclGroupEnd (checked), non-blocking, waited for with the timeout. Use each from
+/// its own thread (see run_on_devices), or queue several ranks' collectives from one thread inside
+/// ncclGroupStart()/ncclGroupEnd(). Throws precondition_error for an empty set or host devices, nccl_error,
+/// cuda_error and timeout_error.
+inline std::vector<communicator> make_nccl_clique(const device_set& gpus, comm_options options = {}) {
+  LOCKSTEP_EXPECTS(!gpus.empty(), "make_nccl_clique: the device set is empty");
+  LOCKSTEP_EXPECTS(gpus.kind() == device_kind::cuda, "make_nccl_clique: expected GPUs, got ", gpus.str(),
+                   " (host devices use make_host_clique)");
+  LOCKSTEP_EXPECTS(options.timeout.count() > 0, "make_nccl_clique: comm_options::timeout must be positive, got ",
+                   options.timeout.count(), " ms");
+  const int n = static_cast<int>(gpus.size());
+  const std::string what = detail::concat("make_nccl_clique(", gpus.str(), ')');
+  ncclUniqueId id;
+  LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id), "creating the unique id of the NCCL clique ", gpus.str());
+  std::vector<ncclComm_t> comms(gpus.size(), nullptr);
+  std::vector<ncclConfig_t> configs(gpus.size(), detail::nccl_comm::nonblocking_config());
+  {
+    device_guard restore(gpus[0]);
+    LOCKSTEP_NCCL_CHECK(ncclGroupStart(), "starting the group that creates the NCCL clique ", gpus.str());
+    ncclResult_t first_error = ncclSuccess;
+    for (int i = 0; i < n; ++i) {
+      const auto u = static_cast<std::size_t>(i);
+      if (cudaSetDevice(gpus[u].index) != cudaSuccess) {
+        (void)cudaGetLastError();
+        first_error = ncclUnhandledCudaError;
+        break;
+      }
+      const ncclResult_t r = ncclCommInitRankConfig(&comms[u], n, id, i, &configs[u]);
+      if (r != ncclSuccess && r != ncclInProgress) {
+        first_error = r;
+        break;
+      }
+    }
+    const ncclResult_t end = ncclGroupEnd();  // reports the errors of the calls in the group
+    if (first_error != ncclSuccess || (end != ncclSuccess && end != ncclInProgress)) {
+      for (std::size_t i = 0; i < comms.size(); ++i) {
+        if (comms[i] == nullptr) continue;
+        (void)cudaSetDevice(gpus[i].index);
+        (void)ncclCommAbort(std::exchange(comms[i], nullptr));
+      }
+      const bool in_group_end = first_error == ncclSuccess;
+      detail::nccl_comm::throw_nccl_error(in_group_end ? end : first_error,
+                                          in_group_end ? "ncclGroupEnd" : "ncclCommInitRankConfig", LOCKSTEP_SITE,
+                                          "creating the NCCL clique ", gpus.str());
+    }
+    detail::nccl_comm::wait_initialized(comms, gpus.devices(), options.timeout, what);
+  }
+  std::vector<int> ranks(gpus.size());
+  for (int i = 0; i < n; ++i) ranks[static_cast<std::size_t>(i)] = i;
+  auto shared = std::make_shared<detail::nccl_comm::shared_comms>(comms, gpus.devices(), ranks);
+  std::vector<communicator> out;
+  out.reserve(gpus.size());
+  for (std::size_t i = 0; i < gpus.size(); ++i) {
+    out.push_back(communicator::from_impl(std::make_unique<detail::nccl_comm::member>(shared, i, n, options.timeout)));
+  }
+  return out;
+}
+
+#if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
+/// This process's NCCL communicator over the processes of `comm`, on GPU `local_gpu` (usually
+/// cuda:local_rank()): rank 0 of `comm` creates the NCCL id, MPI_Ibcast sends it (waited for with the
+/// timeout), and ncclCommInitRankConfig joins, non-blocking, waited for with the timeout. Every process of
+/// `comm` calls it. abort() aborts this process's communicator only; the others see NCCL's remote error or
+/// their own timeout in synchronize().
+inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm_options options = {}) {
+  LOCKSTEP_EXPECTS(local_gpu.is_cuda(), "make_nccl_communicator: expected a GPU, got ", local_gpu.str(),
+                   " (host devices use make_mpi_communicator)");
+  check_device_exists(local_gpu);
+  LOCKSTEP_EXPECTS(options.timeout.count() > 0, "make_nccl_communicator: comm_options::timeout must be positive, got ",
+                   options.timeout.count(), " ms");
+  detail::mpi_comm::require_thread_multiple("make_nccl_communicator");
+  int rank = 0, size = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank), "asking for this process's rank");
+  LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size), "asking for the communicator's size");
+  const std::string what = detail::concat("make_nccl_communicator on rank ", rank, " (", local_gpu.str(), ')');
+  ncclUniqueId id{};
+  if (rank == 0) LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id), "creating the unique id of the NCCL communicator");
+  MPI_Request request = MPI_REQUEST_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Ibcast(&id, static_cast<int>(sizeof id), MPI_BYTE, 0, comm, &request),
+                     "broadcasting the NCCL unique id");
+  const auto sent = detail::mpi_comm::wait_request(
+      request, std::chrono::steady_clock::now() + options.timeout, [] { return false; }, "the NCCL unique id");
+  if (sent != detail::mpi_comm::wait_result::done) {
+    throw timeout_error(detail::concat(what, ": the NCCL unique id did not arrive from rank 0 within ",
+                                       detail::format_duration(options.timeout),
+                                       "; every process of the MPI communicator must call make_nccl_communicator"));
+  }
+  std::vector<ncclComm_t> comms(1, nullptr);
+  ncclConfig_t config = detail::nccl_comm::nonblocking_config();
+  {
+    device_guard guard(local_gpu);
+    const ncclResult_t r = ncclCommInitRankConfig(&comms[0], size, id, rank, &config);
+    if (r != ncclSuccess && r != ncclInProgress) {
+      detail::nccl_comm::throw_nccl_error(r, "ncclCommInitRankConfig", LOCKSTEP_SITE, what);
+    }
+    detail::nccl_comm::wait_initialized(comms, {local_gpu}, options.timeout, what);
+  }
+  auto shared =
+      std::make_shared<detail::nccl_comm::shared_comms>(comms, std::vector<device>{local_gpu}, std::vector<int>{rank});
+  return communicator::from_impl(std::make_unique<detail::nccl_comm::member>(shared, 0, size, options.timeout));
+}
+#endif
+
+LOCKSTEP_ABI_END
+
+#endif  // LOCKSTEP_HAS_CUDA

@@ -1,0 +1,388 @@
+// lockstep/parallel/distributed_data_parallel.hpp — `distributed_data_parallel<Model>`: PyTorch's
+// DistributedDataParallel for a rank of a communicator (a thread of run_on_devices, or a process under mpirun).
+//
+// Every rank holds a whole replica and trains on its own shard of the global batch. At construction the
+// parameters of rank 0 are broadcast to every rank, after checking that all ranks have the same parameters
+// (names and shapes; a mismatch names the rank and the parameter). Backward all-reduces the gradients in
+// buckets: parameters are grouped in reverse order of the model (the order backward produces them) into
+// buckets of about 25 MiB, the first one smaller (1 MiB) so that communication starts early; a bucket is
+// all-reduced on the communication stream as soon as the layers it covers have finished their backward, so
+// communication overlaps the rest of backward. Inside `no_sync()` gradients accumulate locally with no
+// communication (gradient accumulation); the first backward after it reduces everything accumulated.
+//
+// Sum or mean is explicit (`gradient_reduction`): `sum` pairs with a loss whose mean divides by the GLOBAL
+// batch size (each rank passes mean_over = global batch), which gives exactly the gradients of one device
+// training on the whole batch, even when shards differ in size; `mean` is PyTorch's convention (each rank
+// averages its own shard, gradients are averaged over ranks), exact only for equal shards.
+//
+// A rank whose shard of a step is empty (a batch smaller than the world) calls backward with an empty
+// gradient: it contributes zeros and takes part in every all-reduce, as the others expect.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+#include <optional>
+#include <string>
+#include <unordered_map>
+#include <vector>
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/layer.hpp"
+#include "lockstep/parallel/timeline.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/tensor.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+/// How gradients are combined across ranks (see the file comment).
+enum class gradient_reduction : std::uint8_t { sum, mean };
+
+/// The precision gradients travel in. `none` all-reduces in fp32 (whatever the gradients' storage type);
+/// `fp16` / `bf16` halve the bytes on the wire: gradients are rounded to that type, all-reduced (sums in fp32,
+/// rounded once) and restored into the gradients' own type.
+enum class comm_hook : std::uint8_t { none, fp16, bf16 };
+
+struct ddp_options {
+  std::size_t bucket_bytes = std::size_t{25} << 20;
+  std::size_t first_bucket_bytes = std::size_t{1} << 20;
+  gradient_reduction reduction = gradient_reduction::sum;
+  comm_hook hook = comm_hook::none;
+};
+
+template <layer Model>
+class distributed_data_parallel {
+ public:
+  /// Wraps `model` (on ctx's device) for rank comm.rank() of comm.size(). Collectives run on `comm_stream`
+  /// (a second stream of the same device). Checks that every rank has the same parameters, then broadcasts
+  /// rank 0's values (this waits for the other ranks: every rank must construct its wrapper). `model`, `ctx`,
+  /// `comm` and the stream must outlive this object.
+  distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,
+                            ddp_options options = {})
+      : model_(&model), ctx_(&ctx), comm_(comm), comm_stream_(comm_stream), options_(options),
+        grads_ready_(ctx.get_device()), compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()) {
+    LOCKSTEP_EXPECTS(comm.get_device() == ctx.get_device() && comm_stream.get_device() == ctx.get_device(),
+                     "distributed_data_parallel: the context is on ", ctx.get_device().str(), ", the communicator on ",
+                     comm.get_device().str(), " and the communication stream on ", comm_stream.get_device().str(),
+                     ": all must be the rank's device");
+    LOCKSTEP_EXPECTS(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
+                     "distributed_data_parallel: bucket sizes must be positive");
+    params_ = parameters_of(model);
+    for (std::size_t i = 0; i < params_.size(); ++i) index_.emplace(params_[i].param, i);
+    check_same_parameters();
+    broadcast_parameters();
+    build_buckets();
+  }
+
+  distributed_data_parallel(const distributed_data_parallel&) = delete;
+  distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
+
+  [[nodiscard]] int rank() const { return comm_.rank(); }
+  [[nodiscard]] int world_size() const { return comm_.size(); }
+  [[nodiscard]] Model& module() noexcept { return *model_; }
+  [[nodiscard]] context& module_context() noexcept { return *ctx_; }
+  /// Number of gradient buckets, and the parameters (indices into parameters_of(model)) of bucket b.
+  [[nodiscard]] std::size_t bucket_count() const noexcept { return buckets_.size(); }
+  [[nodiscard]] const std::vector<std::size_t>& bucket_parameters(std::size_t b) const { return buckets_.at(b).params; }
+
+  /// The model's forward on this rank's shard.
+  tensor_view forward(const tensor_view& x) {
+    compute_timeline_.begin(phase::compute, ctx_->stream());
+    tensor_view y = model_->forward(x, *ctx_);
+    compute_timeline_.end(ctx_->stream());
+    return y;
+  }
+
+  /// Back-propagates dL/doutput of the last forward and leaves in every parameter's gradient the sum (or mean)
+  /// over ranks, in stream order on the context's stream. An empty `grad_output` means this rank had no data
+  /// this step. Inside no_sync(), accumulates locally only.
+  void backward(const tensor_view& grad_output) {
+    const stream_ref s = ctx_->stream();
+    if (!syncing_) {
+      if (!grad_output.empty()) {
+        compute_timeline_.begin(phase::compute, s);
+        model_->backward(grad_output, *ctx_, input_grad::not_required);
+        compute_timeline_.end(s);
+      }
+      return;
+    }
+    for (auto& b : buckets_) {
+      b.ready = 0;
+      b.launched = false;
+    }
+    std::fill(reported_.begin(), reported_.end(), false);
+    if (!grad_output.empty()) {
+      ctx_->set_gradients_ready_hook([this](std::span<parameter* const> ps) { on_gradients_ready(ps); });
+      compute_timeline_.begin(phase::compute, s);
+      try {
+        model_->backward(grad_output, *ctx_, input_grad::not_required);
+      } catch (...) {
+        ctx_->set_gradients_ready_hook(nullptr);
+        throw;
+      }
+      compute_timeline_.end(s);
+      ctx_->set_gradients_ready_hook(nullptr);
+    }
+    // Buckets whose parameters received no gradient (unused parameters, or no data on this rank) go now, with
+    // zeros where nothing was written: every rank must take part in every all-reduce.
+    for (std::size_t b = 0; b < buckets_.size(); ++b)
+      if (!buckets_[b].launched) launch(b);
+    // The gradients: wait for each bucket's all-reduce and unpack it.
+    for (auto& b : buckets_) {
+      s.wait(*b.done);
+      unpack(b);
+    }
+  }
+
+  /// While the returned guard lives, backward accumulates gradients locally without communication.
+  [[nodiscard]] auto no_sync() {
+    struct guard {
+      explicit guard(distributed_data_parallel* d) : ddp(d), previous(std::exchange(d->syncing_, false)) {}
+      guard(const guard&) = delete;
+      guard& operator=(const guard&) = delete;
+      ~guard() { ddp->syncing_ = previous; }
+      distributed_data_parallel* ddp;
+      bool previous;
+    };
+    return guard(this);
+  }
+
+  /// Peak memory and time spent computing (forward, backward) and communicating (all-reduces, overlapped
+  /// with backward) on this rank since construction or reset_report(). Waits for the measured work.
+  [[nodiscard]] device_report report() {
+    device_report r = compute_timeline_.report();
+    const device_report c = comm_timeline_.report();
+    r.communication_ms = c.communication_ms;
+    r.wall_ms = std::max(r.wall_ms, c.wall_ms);
+    r.idle_ms = std::max(0.0, r.wall_ms - r.compute_ms);  // communication overlaps compute: idle is non-compute
+    return r;
+  }
+  void reset_report() {
+    compute_timeline_.reset();
+    comm_timeline_.reset();
+    reset_memory_stats(ctx_->get_device());
+  }
+
+ private:
+  struct bucket {
+    std::vector<std::size_t> params;  // indices into params_
+    std::size_t elements = 0;
+    dtype wire = dtype::f32;
+    tensor flat;
+    std::optional<event> done;
+    std::size_t ready = 0;
+    bool launched = false;
+  };
+
+  [[nodiscard]] dtype wire_type(dtype grad) const {
+    switch (options_.hook) {
+      case comm_hook::fp16: return dtype::f16;
+      case comm_hook::bf16: return dtype::bf16;
+      case comm_hook::none: break;
+    }
+    (void)grad;
+    return dtype::f32;
+  }
+
+  void build_buckets() {
+    reported_.assign(params_.size(), false);
+    std::size_t limit = options_.first_bucket_bytes;
+    bucket current;
+    std::size_t bytes = 0;
+    for (std::size_t k = params_.size(); k-- > 0;) {
+      parameter& p = *params_[k].param;
+      const dtype wire = wire_type(p.compute_type());
+      const std::size_t n = static_cast<std::size_t>(p.numel()) * size_of(wire);
+      if (!current.params.empty() && (bytes + n > limit || wire != current.wire)) {
+        buckets_.push_back(std::move(current));
+        current = bucket{};
+        bytes = 0;
+        limit = options_.bucket_bytes;
+      }
+      current.wire = wire;
+      current.params.push_back(k);
+      current.elements += static_cast<std::size_t>(p.numel());
+      bytes += n;
+    }
+    if (!current.params.empty()) buckets_.push_back(std::move(current));
+    for (std::size_t b = 0; b < buckets_.size(); ++b) {
+      auto& bk = buckets_[b];
+      bk.flat.ensure(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, ctx_->stream());
+      bk.done.emplace(ctx_->get_device());
+      for (std::size_t k : bk.params) bucket_of_.emplace(k, b);
+    }
+  }
+
+  void on_gradients_ready(std::span<parameter* const> ps) {
+    for (parameter* p : ps) {
+      auto it = index_.find(p);
+      if (it == index_.end() || reported_[it->second]) continue;  // nested containers may report twice
+      reported_[it->second] = true;
+      const std::size_t b = bucket_of_.at(it->second);
+      if (++buckets_[b].ready == buckets_[b].params.size()) launch(b);
+    }
+  }
+
+  // Packs a bucket's gradients (in stream order after the backward work that wrote them), then all-reduces it
+  // on the communication stream.
+  void launch(std::size_t index) {
+    bucket& b = buckets_[index];
+    const stream_ref s = ctx_->stream();
+    std::size_t offset = 0;
+    for (std::size_t k : b.params) {
+      parameter& p = *params_[k].param;
+      p.materialize_grad(s);
+      const auto n = static_cast<std::size_t>(p.numel());
+      convert_into(p.grad(), b.flat.view(), offset, n, s, direction::pack);
+      offset += n;
+    }
+    grads_ready_.record(s);
+    comm_stream_.wait(grads_ready_);
+    comm_timeline_.begin(phase::communication, comm_stream_);
+    comm_.all_reduce(b.flat.data(), b.flat.data(), b.elements, b.wire,
+                     options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum, comm_stream_);
+    comm_timeline_.end(comm_stream_);
+    b.done->record(comm_stream_);
+    b.launched = true;
+  }
+
+  enum class direction : std::uint8_t { pack, unpack };
+
+  // Copies (casting) n gradient elements to or from `flat` at `offset`.
+  static void convert_into(const tensor_view& grad, const tensor_view& flat, std::size_t offset, std::size_t n,
+                           stream_ref s, direction dir) {
+    dispatch_floating(grad.type(), "ddp gradient", [&]<class G>() {
+      dispatch_floating(flat.type(), "ddp bucket", [&]<class W>() {
+        const device d = flat.get_device();
+        device_span<G> g = grad.span<G>();
+        device_span<W> w(flat.as<W>() + offset, n, d);
+        if (dir == direction::pack) {
+          if constexpr (std::is_same_v<G, W>) {
+            copy(w, device_span<const G>(g), s);
+          } else {
+            cast<W, G>(device_span<const G>(g), w, s);
+          }
+        } else {
+          if constexpr (std::is_same_v<G, W>) {
+            copy(g, device_span<const W>(w), s);
+          } else {
+            cast<G, W>(device_span<const W>(w), g, s);
+          }
+        }
+      });
+    });
+  }
+
+  void unpack(bucket& b) {
+    std::size_t offset = 0;
+    for (std::size_t k : b.params) {
+      parameter& p = *params_[k].param;
+      const auto n = static_cast<std::size_t>(p.numel());
+      convert_into(p.grad(), b.flat.view(), offset, n, ctx_->stream(), direction::unpack);
+      offset += n;
+    }
+  }
+
+  // Every rank must have the same parameters in the same order: names (first 56 bytes) and shapes are
+  // gathered and compared; a mismatch names the rank and the parameter.
+  void check_same_parameters() {
+    const stream_ref s = comm_stream_;
+    const int world = comm_.size();
+    constexpr std::size_t name_bytes = 56;
+    constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8;
+    // 1. the counts
+    auto count = to_device(std::vector<std::int64_t>{static_cast<std::int64_t>(params_.size())}, s);
+    device_buffer<std::int64_t> counts(static_cast<std::size_t>(world), s);
+    comm_.all_gather(device_span<const std::int64_t>(count.span()), counts.span(), s);
+    comm_.synchronize(s);
+    const auto all_counts = to_vector(device_span<const std::int64_t>(counts.span()), s);
+    for (int r = 0; r < world; ++r) {
+      if (all_counts[static_cast<std::size_t>(r)] != all_counts[0]) {
+        throw precondition_error(detail::concat(
+            "distributed_data_parallel: rank ", r, " has ", all_counts[static_cast<std::size_t>(r)],
+            " parameters but rank 0 has ", all_counts[0], ": every rank must wrap the same model"));
+      }
+    }
+    if (params_.empty()) return;
+    // 2. name and shape of every parameter
+    std::vector<std::uint8_t> mine(params_.size() * record, 0);
+    for (std::size_t i = 0; i < params_.size(); ++i) {
+      std::uint8_t* rec = mine.data() + i * record;
+      const std::string& name = params_[i].name;
+      std::memcpy(rec, name.data(), std::min(name.size(), name_bytes));
+      const shape& dims = params_[i].param->dims();
+      std::int64_t fields[shape::max_rank + 1] = {dims.rank()};
+      for (int d = 0; d < dims.rank(); ++d) fields[d + 1] = dims[d];
+      std::memcpy(rec + name_bytes, fields, sizeof fields);
+    }
+    auto mine_dev = to_device(mine, s);
+    device_buffer<std::uint8_t> all(mine.size() * static_cast<std::size_t>(world), s);
+    comm_.all_gather(device_span<const std::uint8_t>(mine_dev.span()), all.span(), s);
+    comm_.synchronize(s);
+    const auto everyone = to_vector(device_span<const std::uint8_t>(all.span()), s);
+    auto describe = [&](const std::uint8_t* rec) {
+      std::string name(reinterpret_cast<const char*>(rec), name_bytes);
+      name.resize(std::strlen(name.c_str()));
+      std::int64_t fields[shape::max_rank + 1];
+      std::memcpy(fields, rec + name_bytes, sizeof fields);
+      std::string dims = "[";
+      for (std::int64_t d = 0; d < fields[0]; ++d) dims += (d ? ", " : "") + std::to_string(fields[d + 1]);
+      return "'" + name + "' " + dims + "]";
+    };
+    for (int r = 1; r < world; ++r) {
+      for (std::size_t i = 0; i < params_.size(); ++i) {
+        const std::uint8_t* theirs = everyone.data() + (static_cast<std::size_t>(r) * params_.size() + i) * record;
+        const std::uint8_t* first = everyone.data() + i * record;
+        if (std::memcmp(theirs, first, record) != 0) {
+          throw precondition_error(detail::concat("distributed_data_parallel: parameter ", i, " of rank ", r, " is ",
+                                                  describe(theirs), " but rank 0's is ", describe(first),
+                                                  ": every rank must wrap the same model"));
+        }
+      }
+    }
+  }
+
+  // Rank 0's fp32 values to every rank, packed into one buffer; working copies refreshed.
+  void broadcast_parameters() {
+    if (comm_.size() == 1 || params_.empty()) return;
+    const stream_ref s = comm_stream_;
+    synchronize(ctx_->get_device());  // the model's initialization, on whatever stream it ran
+    std::size_t total = 0;
+    for (const auto& p : params_) total += static_cast<std::size_t>(p.param->numel());
+    device_buffer<float> flat(total, s);
+    std::size_t offset = 0;
+    for (const auto& p : params_) {
+      const auto n = static_cast<std::size_t>(p.param->numel());
+      copy(flat.span().subspan(offset, n), p.param->value().span<const float>(), s);
+      offset += n;
+    }
+    comm_.broadcast(flat.span(), 0, s);
+    offset = 0;
+    for (const auto& p : params_) {
+      const auto n = static_cast<std::size_t>(p.param->numel());
+      copy(p.param->value().span<float>(), device_span<const float>(flat.span().subspan(offset, n)), s);
+      p.param->refresh_working_copy(s);
+      offset += n;
+    }
+    comm_.synchronize(s);
+  }
+
+  Model* model_;
+  context* ctx_;
+  communicator_ref comm_;
+  stream_ref comm_stream_;
+  ddp_options options_;
+  parameter_list params_;
+  std::unordered_map<parameter*, std::size_t> index_;
+  std::unordered_map<std::size_t, std::size_t> bucket_of_;
+  std::vector<bucket> buckets_;
+  std::vector<bool> reported_;
+  event grads_ready_;
+  bool syncing_ = true;
+  timeline compute_timeline_;
+  timeline comm_timeline_;
+};
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,111 @@
+// lockstep/kernels/host_loop.hpp — the loops a host stream's worker runs a kernel functor in.
+//
+// On x86-64 each loop exists twice: compiled for the baseline instruction set (SSE2, what a plain build
+// targets) and for AVX2, chosen at run time by what the CPU supports. The functor's code is inlined into both,
+// so the AVX2 loop vectorizes 8 floats wide (and the branch-free f16/bf16 conversions with AVX2 integer
+// instructions) without the program requiring AVX2. FMA is deliberately not enabled: contracting a * b + c
+// would change results between machines.
+#pragma once
+
+#include <cstddef>
+#include <span>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/bind.hpp"
+
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDA_ARCH__)
+#define LOCKSTEP_HOST_AVX2_CLONES 1
+#define LOCKSTEP_TARGET_AVX2 __attribute__((target("avx2")))
+#else
+#define LOCKSTEP_HOST_AVX2_CLONES 0
+#endif
+
+LOCKSTEP_DETAIL_BEGIN
+
+template <class K>
+void host_loop_body(std::size_t n, const K& k) {
+  if constexpr (requires { k.for_all(n); }) {
+    k.for_all(n);  // the functor's own loop over [0, n): the same per-index results, in a host-friendly order
+  } else {
+    for (std::size_t i = 0; i < n; ++i) k(i);
+  }
+}
+template <class K>
+void host_loop_2d_body(std::size_t rows, std::size_t cols, const K& k) {
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) k(r, c);
+}
+template <class Group, class K>
+void host_groups_body(std::span<const Group> groups, const K& k) {
+  for (const auto& g : groups) {
+    if constexpr (requires { k.for_group(g); }) {
+      k.for_group(g);  // the functor's own loop: the same per-element code with the group's pointers loaded once
+    } else {
+      for (std::size_t i = 0; i < g.size; ++i) k(g, i);
+    }
+  }
+}
+
+#if LOCKSTEP_HOST_AVX2_CLONES
+template <class K>
+LOCKSTEP_TARGET_AVX2 void host_loop_avx2(std::size_t n, const K& k) {
+  if constexpr (requires { k.for_all(n); }) {
+    k.for_all(n);
+  } else {
+    for (std::size_t i = 0; i < n; ++i) k(i);
+  }
+}
+template <class K>
+LOCKSTEP_TARGET_AVX2 void host_loop_2d_avx2(std::size_t rows, std::size_t cols, const K& k) {
+  for (std::size_t r = 0; r < rows; ++r)
+    for (std::size_t c = 0; c < cols; ++c) k(r, c);
+}
+template <class Group, class K>
+LOCKSTEP_TARGET_AVX2 void host_groups_avx2(std::span<const Group> groups, const K& k) {
+  for (const auto& g : groups) {
+    if constexpr (requires { k.for_group(g); }) {
+      k.for_group(g);
+    } else {
+      for (std::size_t i = 0; i < g.size; ++i) k(g, i);
+    }
+  }
+}
+
+/// True when the CPU runs AVX2 (asked once).
+inline bool host_has_avx2() noexcept {
+  static const bool yes = __builtin_cpu_supports("avx2") != 0;
+  return yes;
+}
+#endif
+
+/// k(i) for i in [0, n), k bound from f (see launch.hpp), in the best loop the CPU runs.
+template <class F>
+void run_host_loop(std::size_t n, const F& f) {
+  const auto k = bind_functor(f);
+#if LOCKSTEP_HOST_AVX2_CLONES
+  if (host_has_avx2()) return host_loop_avx2(n, k);
+#endif
+  host_loop_body(n, k);
+}
+
+/// k(r, c) over a [rows, cols] matrix.
+template <class F>
+void run_host_loop_2d(std::size_t rows, std::size_t cols, const F& f) {
+  const auto k = bind_functor(f);
+#if LOCKSTEP_HOST_AVX2_CLONES
+  if (host_has_avx2()) return host_loop_2d_avx2(rows, cols, k);
+#endif
+  host_loop_2d_body(rows, cols, k);
+}
+
+/// k over every element of every group (multi-tensor kernels).
+template <class Group, class F>
+void run_host_groups(std::span<const Group> groups, const F& f) {
+  const auto k = bind_functor(f);
+#if LOCKSTEP_HOST_AVX2_CLONES
+  if (host_has_avx2()) return host_groups_avx2<Group>(groups, k);
+#endif
+  host_groups_body<Group>(groups, k);
+}
+
+LOCKSTEP_DETAIL_END

@@ -1,0 +1,123 @@
+// Shared by the data-parallel tests (threads and mpirun): a small MLP like the sample's, a deterministic
+// dataset, and single-device training as the reference the parallel runs must reproduce.
+#pragma once
+
+#include <cmath>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/coalesced.hpp"
+#include "lockstep/core/random.hpp"
+#include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/graph.hpp"
+#include "lockstep/nn/init.hpp"
+#include "lockstep/nn/linear.hpp"
+#include "lockstep/nn/loss.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+namespace parallel_test {
+
+using namespace lockstep;
+
+constexpr std::int64_t features = 20;
+constexpr std::int64_t classes = 10;
+constexpr std::int64_t samples = 520;
+constexpr int steps = 20;
+constexpr std::uint64_t seed = 7;
+const sgd_options optimizer_options{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 1e-4f};
+
+/// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU.
+inline graph make_model(context& ctx) {
+  initializer init(seed);
+  graph g(shape{features});
+  g.add("fc1", linear(features, 32, ctx, init), "input");
+  g.add("relu1", relu(), "fc1");
+  g.add("fc2", linear(32, 16, ctx, init), "relu1");
+  g.add("relu2", relu(), "fc2");
+  g.add("out", linear(16, classes, ctx, init), "relu2");
+  return g;
+}
+
+/// Inputs in [-1, 1) and labels, the same on every rank and run.
+inline std::vector<float> inputs() {
+  std::vector<float> x(static_cast<std::size_t>(samples * features));
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 2.0f * philox_uniform(seed, 99, i) - 1.0f;
+  return x;
+}
+inline std::vector<std::int32_t> labels() {
+  std::vector<std::int32_t> y(static_cast<std::size_t>(samples));
+  for (std::size_t i = 0; i < y.size(); ++i) y[i] = static_cast<std::int32_t>((i * 7 + i / 3) % classes);
+  return y;
+}
+
+/// Rows [first, first + count) of the dataset for `step` with a global batch of `batch`.
+inline std::int64_t first_row(int step, std::int64_t batch) { return (step * batch) % (samples - batch + 1); }
+
+template <class T>
+std::vector<T> slice(const std::vector<T>& v, std::int64_t first, std::int64_t rows, std::int64_t width) {
+  return std::vector<T>(v.begin() + first * width, v.begin() + (first + rows) * width);
+}
+
+inline tensor device_tensor(const std::vector<float>& v, shape dims, stream_ref s) {
+  tensor t(dims, dtype::f32, s);
+  if (!v.empty()) {
+    auto staged = to_device(v, s);
+    copy(t.span<float>(), device_span<const float>(staged.span()), s);
+  }
+  return t;
+}
+inline tensor device_labels(const std::vector<std::int32_t>& v, stream_ref s) {
+  tensor t(shape{static_cast<std::int64_t>(v.size())}, dtype::i32, s);
+  if (!v.empty()) {
+    auto staged = to_device(v, s);
+    copy(t.span<std::int32_t>(), device_span<const std::int32_t>(staged.span()), s);
+  }
+  return t;
+}
+
+/// Every parameter's fp32 values, concatenated in parameter order.
+template <class Model>
+std::vector<float> parameter_values(Model& m, stream_ref s) {
+  std::vector<float> out;
+  for (const auto& p : parameters_of(m)) {
+    const auto v = to_vector(p.param->value().template span<const float>(), s);
+    out.insert(out.end(), v.begin(), v.end());
+  }
+  return out;
+}
+
+/// `steps` steps of single-device training with global batch `batch` on `d`; the final parameters.
+inline std::vector<float> train_single(device d, std::int64_t batch) {
+  stream s(d);
+  context ctx(s);
+  graph model = make_model(ctx);
+  auto params = parameters_of(model).pointers();
+  sgd opt(params, optimizer_options);
+  softmax_cross_entropy loss(reduction::mean);
+  const auto x = inputs();
+  const auto y = labels();
+  for (int step = 0; step < steps; ++step) {
+    const std::int64_t first = first_row(step, batch);
+    tensor xb = device_tensor(slice(x, first, batch, features), shape{batch, features}, s);
+    tensor yb = device_labels(slice(y, first, batch, 1), s);
+    opt.zero_grad();
+    loss.forward(model.forward(xb, ctx), yb, ctx, batch);
+    model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+    opt.step(s);
+  }
+  return parameter_values(model, s);
+}
+
+/// max |a - b| / max |b|: the relative difference of two parameter vectors.
+inline double relative_difference(const std::vector<float>& a, const std::vector<float>& b) {
+  double diff = 0, scale = 0;
+  for (std::size_t i = 0; i < a.size() && i < b.size(); ++i) {
+    diff = std::max(diff, std::abs(static_cast<double>(a[i]) - b[i]));
+    scale = std::max(scale, std::abs(static_cast<double>(b[i])));
+  }
+  return a.size() == b.size() ? diff / scale : 1.0;
+}
+
+}  // namespace parallel_test

@@ -1,0 +1,314 @@
+// Tests of amp/: the loss scaler's dynamics (backoff, growth, ceiling, floor), skipped steps that leave
+// weights and optimizer state bit-identical on every rank, unscaling against a CPU reference, f16/bf16 GEMMs
+// against fp32 within the error of their input rounding, and precision policies end to end (host devices;
+// this program runs with LOCKSTEP_HOST_DEVICES=3).
+#include <gtest/gtest.h>
+
+#include <cmath>
+#include <cstring>
+#include <random>
+
+#include "lockstep/amp/loss_scaler.hpp"
+#include "lockstep/amp/precision.hpp"
+#include "lockstep/blas/gemm.hpp"
+#include "lockstep/comm/run_on_devices.hpp"
+#include "lockstep/parallel/distributed_data_parallel.hpp"
+#include "parallel_common.hpp"
+
+using namespace lockstep;
+using namespace parallel_test;
+
+namespace {
+
+device host(int i) { return device{device_kind::host, i}; }
+
+std::vector<std::uint8_t> raw_bytes(const tensor_view& t, stream_ref s) {
+  return to_vector(device_span<const std::uint8_t>(t.bytes()), s);
+}
+
+// Every byte of a model's fp32 values, working copies and optimizer momentum.
+template <class Model>
+std::vector<std::uint8_t> state_bytes(Model& m, const sgd& opt, stream_ref s) {
+  std::vector<std::uint8_t> out;
+  const auto params = parameters_of(m);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    for (const tensor_view& t : {params[i].param->value(), params[i].param->working(), opt.momentum_buffer(0, i)}) {
+      if (t.empty()) continue;
+      const auto b = raw_bytes(t, s);
+      out.insert(out.end(), b.begin(), b.end());
+    }
+  }
+  return out;
+}
+
+}  // namespace
+
+// ---- the scaler's dynamics --------------------------------------------------------------------------------------
+
+TEST(loss_scaler, backs_off_on_overflow_and_grows_after_the_interval) {
+  stream s(host(0));
+  parameter p("w", shape{4}, s, dtype::f16);
+  parameter* ps[] = {&p};
+  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1024.0f, .growth_interval = 3});
+  auto set_grad = [&](float v) {
+    const std::vector<lockstep::half> g(4, to_half(v));
+    auto staged = to_device(g, s);
+    copy(p.grad().span<lockstep::half>(), device_span<const lockstep::half>(staged.span()), s);
+    (void)p.begin_accumulate();
+  };
+  auto step = [&](float grad) {
+    set_grad(grad);
+    scaler.unscale_and_check(ps, s);
+    scaler.update(s);
+    return scaler.read(s);
+  };
+  EXPECT_EQ(step(1.0f).scale, 1024.0f);
+  EXPECT_EQ(step(1.0f).scale, 1024.0f);
+  auto t = step(1.0f);  // third clean step: grows
+  EXPECT_EQ(t.scale, 2048.0f);
+  EXPECT_EQ(t.growth_tracker, 0);
+  t = step(std::numeric_limits<float>::infinity());
+  EXPECT_EQ(t.scale, 1024.0f);
+  EXPECT_EQ(t.skipped_steps, 1);
+  EXPECT_EQ(t.last_overflow_step, 3);
+  EXPECT_EQ(t.non_finite_values, 4u);
+  t = step(std::numeric_limits<float>::quiet_NaN());
+  EXPECT_EQ(t.scale, 512.0f);
+  EXPECT_EQ(t.skipped_steps, 2);
+  EXPECT_EQ(t.steps, 5);
+}
+
+TEST(loss_scaler, the_ceiling_and_the_floor_hold) {
+  stream s(host(0));
+  parameter p("w", shape{2}, s, dtype::f16);
+  parameter* ps[] = {&p};
+  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 8.0f, .growth_interval = 1, .max_scale = 16.0f,
+                                            .min_scale = 2.0f});
+  auto step = [&](float v) {
+    const std::vector<lockstep::half> g(2, to_half(v));
+    auto staged = to_device(g, s);
+    copy(p.grad().span<lockstep::half>(), device_span<const lockstep::half>(staged.span()), s);
+    (void)p.begin_accumulate();
+    scaler.unscale_and_check(ps, s);
+    scaler.update(s);
+    return scaler.read(s).scale;
+  };
+  EXPECT_EQ(step(1), 16.0f);
+  EXPECT_EQ(step(1), 16.0f);  // ceiling
+  const float inf = std::numeric_limits<float>::infinity();
+  EXPECT_EQ(step(inf), 8.0f);
+  EXPECT_EQ(step(inf), 4.0f);
+  EXPECT_EQ(step(inf), 2.0f);
+  EXPECT_EQ(step(inf), 2.0f);  // floor
+  EXPECT_THROW(loss_scaler(s, loss_scaler_options{.initial_scale = 0.0f}), precondition_error);
+}
+
+TEST(loss_scaler, bf16_defaults_to_no_scaling_but_still_skips_non_finite_steps) {
+  const auto o = loss_scaler_options::for_precision(dtype::bf16);
+  EXPECT_FALSE(o.dynamic);
+  EXPECT_EQ(o.initial_scale, 1.0f);
+  stream s(host(0));
+  parameter p("w", shape{2}, s, dtype::bf16);
+  parameter* ps[] = {&p};
+  loss_scaler scaler(s, o);
+  const std::vector<bfloat16> g{to_bfloat16(1.0f), to_bfloat16(std::numeric_limits<float>::infinity())};
+  auto staged = to_device(g, s);
+  copy(p.grad().span<bfloat16>(), device_span<const bfloat16>(staged.span()), s);
+  (void)p.begin_accumulate();
+  scaler.unscale_and_check(ps, s);
+  scaler.update(s);
+  const auto t = scaler.read(s);
+  EXPECT_EQ(t.scale, 1.0f);
+  EXPECT_EQ(t.skipped_steps, 1);
+}
+
+TEST(loss_scaler, attaches_only_to_a_context_on_its_device) {
+  stream s0(host(0)), s1(host(1));
+  loss_scaler scaler(s0);
+  context here(s0), elsewhere(s1);
+  scaler.attach(here);
+  EXPECT_EQ(here.loss_scale(), scaler.scale());
+  try {
+    scaler.attach(elsewhere);
+    ADD_FAILURE() << "expected precondition_error";
+  } catch (const precondition_error& e) {
+    EXPECT_NE(std::string(e.what()).find("the scaler's state is on host:0 but the context computes on host:1"),
+              std::string::npos)
+        << e.what();
+  }
+  EXPECT_EQ(elsewhere.loss_scale(), nullptr);
+}
+
+// ---- unscaling, exactly -----------------------------------------------------------------------------------------
+
+TEST(loss_scaler, unscaling_matches_a_cpu_reference_exactly) {
+  stream s(host(0));
+  // f32 gradients unscaled in place (unscale_) and f16 gradients unscaled as the optimizer reads them
+  std::mt19937 gen(3);
+  std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
+  std::vector<float> g32(257);
+  for (auto& v : g32) v = dist(gen);
+  parameter p32("a", shape{257}, s, dtype::f32);
+  copy(p32.grad().span<float>(), std::span<const float>(g32), s);
+  (void)p32.begin_accumulate();
+  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 3072.0f});  // 1/3072 is not a power of two
+  parameter* ps[] = {&p32};
+  scaler.unscale_(ps, s);
+  const auto got = to_vector(p32.grad().span<const float>(), s);
+  const float inv = 1.0f / 3072.0f;
+  for (std::size_t i = 0; i < g32.size(); ++i) ASSERT_EQ(got[i], g32[i] * inv) << i;
+  // f16: SGD without momentum, lr 1, reading g * inv_scale
+  parameter p16("b", shape{257}, s, dtype::f16);
+  std::vector<float> start(257, 0.5f);
+  copy(p16.value().span<float>(), std::span<const float>(start), s);
+  p16.refresh_working_copy(s);
+  std::vector<lockstep::half> g16(257);
+  for (std::size_t i = 0; i < g16.size(); ++i) g16[i] = to_half(g32[i]);
+  auto staged = to_device(g16, s);
+  copy(p16.grad().span<lockstep::half>(), device_span<const lockstep::half>(staged.span()), s);
+  (void)p16.begin_accumulate();
+  parameter* qs[] = {&p16};
+  sgd opt(qs, sgd_options{.lr = 1.0f});
+  scaler.unscale_and_check(qs, s);
+  opt.step(s, scaler.optimizer_inputs());
+  const auto values = to_vector(p16.value().span<const float>(), s);
+  const auto working = to_vector(p16.working().span<const lockstep::half>(), s);
+  for (std::size_t i = 0; i < values.size(); ++i) {
+    const float expected = 0.5f - to_float(g16[i]) * inv;
+    ASSERT_EQ(values[i], expected) << i;
+    ASSERT_EQ(working[i].bits, to_half(expected).bits) << i;
+  }
+  EXPECT_THROW(scaler.unscale_(qs, s), precondition_error);  // f16 gradients are not unscaled in place
+}
+
+// ---- a skipped step changes nothing, on every rank ----------------------------------------------------------------
+
+TEST(mixed_precision, an_overflow_on_one_rank_skips_the_step_on_every_rank) {
+  for (int bad_rank : {0, 2}) {
+    std::vector<std::vector<std::uint8_t>> before(3), after(3);
+    std::vector<loss_scaler_telemetry> telemetry(3);
+    run_on_devices(device_set("host:0,host:1,host:2"), [&](rank_context& rc) {
+      context ctx(rc.compute_stream(), dtype::f16);
+      graph model = make_model(ctx);
+      // no DDP here: each rank checks its own gradients, so that only one rank sees the overflow and the
+      // flag's reduction over ranks is what makes the others skip
+      auto params = parameters_of(model).pointers();
+      sgd opt(params, optimizer_options);
+      loss_scaler scaler(rc.compute_stream(), loss_scaler_options::for_precision(dtype::f16));
+      scaler.attach(ctx);
+      softmax_cross_entropy loss;
+      const auto x = inputs();
+      const auto y = labels();
+      const stream_ref s = rc.compute_stream();
+      for (int step = 0; step < 4; ++step) {
+        tensor xb = device_tensor(slice(x, 8 * step, 8, features), shape{8, features}, s);
+        tensor x16(shape{8, features}, dtype::f16, s);
+        cast<lockstep::half, float>(xb.span<const float>(), x16.span<lockstep::half>(), s);
+        tensor yb = device_labels(slice(y, 8 * step, 8, 1), s);
+        opt.zero_grad();
+        loss.forward(model.forward(x16, ctx), yb, ctx);
+        model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+        if (step == 3) {
+          before[static_cast<std::size_t>(rc.rank())] = state_bytes(model, opt, s);
+          if (rc.rank() == bad_rank) {  // one infinity in one gradient of one rank
+            const std::vector<lockstep::half> inf{to_half(std::numeric_limits<float>::infinity())};
+            auto staged = to_device(inf, s);
+            copy(device_span<lockstep::half>(params[3]->grad().as<lockstep::half>() + 5, 1, rc.get_device()),
+                 device_span<const lockstep::half>(staged.span()), s);
+          }
+        }
+        scaler.unscale_and_check(params, s, rc.comm());
+        opt.step(s, scaler.optimizer_inputs());
+        scaler.update(s);
+      }
+      after[static_cast<std::size_t>(rc.rank())] = state_bytes(model, opt, s);
+      telemetry[static_cast<std::size_t>(rc.rank())] = scaler.read(s);
+    });
+    for (int r = 0; r < 3; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      EXPECT_EQ(after[i], before[i]) << "rank " << r << ": weights or optimizer state changed on a skipped step";
+      EXPECT_EQ(telemetry[i].skipped_steps, 1) << "rank " << r;
+      EXPECT_EQ(telemetry[i].last_overflow_step, 3) << "rank " << r;
+      EXPECT_EQ(telemetry[i].scale, 32768.0f) << "rank " << r << ": the scale halves";
+      EXPECT_EQ(telemetry[i].non_finite_values, r == bad_rank ? 1u : 0u) << "rank " << r;
+    }
+  }
+}
+
+TEST(mixed_precision, f16_and_bf16_training_stays_close_to_f32) {
+  const auto x = inputs();
+  const auto y = labels();
+  auto train = [&](dtype t) {
+    stream s(host(1));
+    context ctx(s, t);
+    graph model = make_model(ctx);
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    std::optional<loss_scaler> scaler;
+    if (t != dtype::f32) {
+      scaler.emplace(s, loss_scaler_options::for_precision(t));
+      scaler->attach(ctx);
+    }
+    softmax_cross_entropy loss;
+    for (int step = 0; step < steps; ++step) {
+      const std::int64_t first = first_row(step, 64);
+      tensor xb = device_tensor(slice(x, first, 64, features), shape{64, features}, s);
+      tensor xt(shape{64, features}, t, s);
+      dispatch_floating(t, "test", [&]<class T>() { cast<T, float>(xb.span<const float>(), xt.span<T>(), s); });
+      tensor yb = device_labels(slice(y, first, 64, 1), s);  // the loss keeps a view until backward
+      opt.zero_grad();
+      loss.forward(model.forward(xt, ctx), yb, ctx);
+      model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+      if (scaler) {
+        scaler->unscale_and_check(params, s);
+        opt.step(s, scaler->optimizer_inputs());
+        scaler->update(s);
+      } else {
+        opt.step(s);
+      }
+    }
+    return parameter_values(model, s);
+  };
+  const auto f32 = train(dtype::f32);
+  EXPECT_LE(relative_difference(train(dtype::f16), f32), 2e-2);
+  EXPECT_LE(relative_difference(train(dtype::bf16), f32), 6e-2);
+}
+
+// ---- low-precision GEMMs against fp32 ------------------------------------------------------------------------------
+
+TEST(mixed_precision, f16_and_bf16_gemms_are_within_the_error_of_their_input_rounding) {
+  stream s(host(0));
+  blas_handle h(s);
+  const std::int64_t m = 37, n = 29, k = 300;
+  std::mt19937 gen(11);
+  std::uniform_real_distribution<float> dist(-1.0f, 1.0f);
+  std::vector<float> a(static_cast<std::size_t>(m * k)), b(static_cast<std::size_t>(k * n));
+  for (auto& v : a) v = dist(gen);
+  for (auto& v : b) v = dist(gen);
+  auto run = [&]<class T>(double unit_roundoff) {
+    std::vector<T> at(a.size()), bt(b.size());
+    for (std::size_t i = 0; i < a.size(); ++i) at[i] = convert<T>(a[i]);
+    for (std::size_t i = 0; i < b.size(); ++i) bt[i] = convert<T>(b[i]);
+    auto da = to_device(at, s), db = to_device(bt, s);
+    device_buffer<T> dc(static_cast<std::size_t>(m * n), s);
+    gemm<T>(h, transpose::no, transpose::no, m, n, k, 1.0f, da.data(), k, db.data(), n, 0.0f, dc.data(), n);
+    const auto c = to_vector(device_span<const T>(dc.span()), s);
+    for (std::int64_t i = 0; i < m; ++i) {
+      for (std::int64_t j = 0; j < n; ++j) {
+        double exact = 0, magnitude = 0;
+        for (std::int64_t l = 0; l < k; ++l) {
+          const double x = a[static_cast<std::size_t>(i * k + l)], yv = b[static_cast<std::size_t>(l * n + j)];
+          exact += x * yv;
+          magnitude += std::abs(x * yv);
+        }
+        // inputs rounded (each product off by at most 2u + u^2 relative), fp32 accumulation (k * 2^-24),
+        // and the result rounded once (u relative)
+        const double bound = magnitude * (2 * unit_roundoff + unit_roundoff * unit_roundoff + k * 0x1p-24) +
+                             std::abs(exact) * unit_roundoff + 1e-30;
+        ASSERT_LE(std::abs(to_float(c[static_cast<std::size_t>(i * n + j)]) - exact), bound) << i << "," << j;
+      }
+    }
+  };
+  run.operator()<lockstep::half>(0x1p-11);
+  run.operator()<bfloat16>(0x1p-8);
+}

@@ -1,0 +1,396 @@
+// Tests of the data-parallel layer on host devices (4 of them: LOCKSTEP_HOST_DEVICES=4 for this program):
+// the DataParallel primitives, data_parallel and distributed_data_parallel (threads) against single-device
+// training on the same global batch, uneven splits, no_sync, compression hooks, parameter checks, reports.
+#include <gtest/gtest.h>
+
+#include <atomic>
+#include <chrono>
+#include <mutex>
+
+#include "lockstep/comm/run_on_devices.hpp"
+#include "lockstep/parallel/data_parallel.hpp"
+#include "lockstep/parallel/distributed_data_parallel.hpp"
+#include "parallel_common.hpp"
+
+using namespace lockstep;
+using namespace parallel_test;
+
+namespace {
+
+device host(int i) { return device{device_kind::host, i}; }
+
+device_set first_hosts(int k) {
+  std::vector<device> d;
+  for (int i = 0; i < k; ++i) d.push_back(host(i));
+  return device_set(d);
+}
+
+template <class E, class F>
+std::string message_of(F f) {
+  try {
+    f();
+  } catch (const E& e) {
+    return e.what();
+  } catch (const std::exception& e) {
+    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
+    return {};
+  }
+  ADD_FAILURE() << "did not throw";
+  return {};
+}
+
+#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
+  << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
+
+// data_parallel over `k` devices for `steps` steps of global batch `batch`; the final parameters.
+std::vector<float> train_data_parallel(int k, std::int64_t batch, std::vector<device_report>* report = nullptr) {
+  const device d0 = host(0);
+  stream setup(d0);
+  context build_ctx(setup);
+  graph model = make_model(build_ctx);
+  data_parallel dp(model, data_parallel_options{.device_ids = first_hosts(k)});
+  auto params = parameters_of(model).pointers();
+  sgd opt(params, optimizer_options);
+  softmax_cross_entropy loss(reduction::mean);
+  context& out = dp.output_context();
+  const stream_ref s0 = dp.replica_context(0).stream();
+  const auto x = inputs();
+  const auto y = labels();
+  for (int step = 0; step < steps; ++step) {
+    const std::int64_t first = first_row(step, batch);
+    tensor xb = device_tensor(slice(x, first, batch, features), shape{batch, features}, s0);
+    tensor yb = device_labels(slice(y, first, batch, 1), out.stream());
+    opt.zero_grad();
+    loss.forward(dp.forward(xb), yb, out, batch);
+    dp.backward(loss.backward(out));
+    opt.step(s0);
+  }
+  if (report) *report = dp.report();
+  return parameter_values(model, s0);
+}
+
+// distributed_data_parallel on `k` threads; every rank trains on its chunk of the same global batch. Returns
+// every rank's final parameters.
+std::vector<std::vector<float>> train_ddp_threads(int k, std::int64_t batch, ddp_options options = {}) {
+  std::vector<std::vector<float>> result(static_cast<std::size_t>(k));
+  run_on_devices(first_hosts(k), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), options);
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    const auto x = inputs();
+    const auto y = labels();
+    for (int step = 0; step < steps; ++step) {
+      const std::int64_t first = first_row(step, batch);
+      const auto chunks = chunk_rows(batch, static_cast<std::size_t>(k));
+      opt.zero_grad();
+      if (static_cast<std::size_t>(rc.rank()) < chunks.size()) {
+        const row_range mine = chunks[static_cast<std::size_t>(rc.rank())];
+        tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features},
+                                  rc.compute_stream());
+        tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), rc.compute_stream());
+        loss.forward(ddp.forward(xb), yb, ctx, batch);  // the mean over the GLOBAL batch
+        ddp.backward(loss.backward(ctx));
+      } else {
+        ddp.backward(tensor_view());  // no rows for this rank this step
+      }
+      opt.step(rc.compute_stream());
+    }
+    result[static_cast<std::size_t>(rc.rank())] = parameter_values(model, rc.compute_stream());
+  });
+  return result;
+}
+
+}  // namespace
+
+// ---- primitives ------------------------------------------------------------------------------------------------
+
+TEST(chunk_rows, follows_torch_chunk) {
+  EXPECT_EQ(chunk_rows(130, 4), (std::vector<row_range>{{0, 33}, {33, 33}, {66, 33}, {99, 31}}));
+  EXPECT_EQ(chunk_rows(3, 4), (std::vector<row_range>{{0, 1}, {1, 1}, {2, 1}}));
+  EXPECT_EQ(chunk_rows(5, 4), (std::vector<row_range>{{0, 2}, {2, 2}, {4, 1}}));
+  EXPECT_EQ(chunk_rows(8, 4).size(), 4u);
+  EXPECT_TRUE(chunk_rows(0, 4).empty());
+  EXPECT_EQ(chunk_rows(7, 1), (std::vector<row_range>{{0, 7}}));
+}
+
+TEST(primitives, scatter_then_gather_round_trips_across_devices) {
+  for (std::int64_t rows : {13, 14, 15}) {
+    std::vector<stream> streams;
+    for (int i = 0; i < 4; ++i) streams.emplace_back(host(i));
+    std::vector<stream_ref> refs(streams.begin(), streams.end());
+    std::vector<float> v(static_cast<std::size_t>(rows * 3));
+    for (std::size_t i = 0; i < v.size(); ++i) v[i] = static_cast<float>(i);
+    tensor input = device_tensor(v, shape{rows, 3}, refs[0]);
+    event ready(host(0));
+    ready.record(refs[0]);
+    const auto ranges = chunk_rows(rows, 4);
+    std::vector<tensor> parts(4);
+    scatter_rows(input, ready, ranges, parts, refs);
+    std::vector<tensor_view> views;
+    std::vector<event> done;
+    std::vector<event_ref> done_refs;
+    for (std::size_t i = 0; i < ranges.size(); ++i) {
+      EXPECT_EQ(parts[i].get_device(), host(static_cast<int>(i)));
+      EXPECT_EQ(parts[i].dims(), (shape{ranges[i].rows, 3}));
+      views.push_back(parts[i].view());
+      done.emplace_back(host(static_cast<int>(i)));
+      done.back().record(refs[i]);
+    }
+    for (auto& e : done) done_refs.push_back(e);
+    tensor gathered;
+    gather_rows(views, done_refs, gathered, refs[3]);
+    EXPECT_EQ(gathered.get_device(), host(3));
+    EXPECT_EQ(to_vector(gathered.span<const float>(), refs[3]), v) << rows;
+  }
+}
+
+TEST(primitives, coalesced_broadcast_and_reduce_add) {
+  std::vector<stream> streams;
+  for (int i = 0; i < 3; ++i) streams.emplace_back(host(i));
+  std::vector<std::vector<tensor>> t(3);
+  for (int d = 0; d < 3; ++d) {
+    for (int j = 0; j < 4; ++j) {
+      std::vector<float> v(static_cast<std::size_t>(j * 5 + 1), static_cast<float>(d + 1) * static_cast<float>(j + 1));
+      t[static_cast<std::size_t>(d)].push_back(device_tensor(v, shape{j * 5 + 1}, streams[static_cast<std::size_t>(d)]));
+    }
+  }
+  auto views = [&](int d) {
+    std::vector<tensor_view> out;
+    for (auto& x : t[static_cast<std::size_t>(d)]) out.push_back(x.view());
+    return out;
+  };
+  // reduce: device 0 += devices 1 and 2 -> (1 + 2 + 3) * (j + 1)
+  coalesced_reduce_add reduce;
+  std::vector<std::vector<tensor_view>> sources{views(1), views(2)};
+  std::vector<stream_ref> src{streams[1], streams[2]};
+  reduce(sources, src, views(0), streams[0]);
+  for (int j = 0; j < 4; ++j) {
+    const auto v = to_vector(t[0][static_cast<std::size_t>(j)].span<const float>(), streams[0]);
+    for (float x : v) ASSERT_EQ(x, 6.0f * static_cast<float>(j + 1));
+  }
+  // broadcast: device 0's values to 1 and 2
+  coalesced_broadcast broadcast;
+  std::vector<std::vector<tensor_view>> destinations{views(1), views(2)};
+  std::vector<stream_ref> dst{streams[1], streams[2]};
+  broadcast(views(0), streams[0], destinations, dst);
+  for (int d = 1; d < 3; ++d) {
+    for (int j = 0; j < 4; ++j) {
+      const auto v = to_vector(t[static_cast<std::size_t>(d)][static_cast<std::size_t>(j)].span<const float>(),
+                               streams[static_cast<std::size_t>(d)]);
+      for (float x : v) ASSERT_EQ(x, 6.0f * static_cast<float>(j + 1));
+    }
+  }
+}
+
+// ---- DataParallel ------------------------------------------------------------------------------------------------
+
+class parallel_equivalence : public ::testing::TestWithParam<std::tuple<int, std::int64_t>> {};
+
+TEST_P(parallel_equivalence, data_parallel_makes_the_single_device_update) {
+  const auto [k, batch] = GetParam();
+  const auto reference = train_single(host(0), batch);
+  const auto dp = train_data_parallel(k, batch);
+  EXPECT_LE(relative_difference(dp, reference), 1e-5) << k << " devices, batch " << batch;
+}
+
+TEST_P(parallel_equivalence, ddp_with_threads_makes_the_single_device_update) {
+  const auto [k, batch] = GetParam();
+  const auto reference = train_single(host(0), batch);
+  const auto ranks = train_ddp_threads(k, batch);
+  for (int r = 0; r < k; ++r) {
+    EXPECT_LE(relative_difference(ranks[static_cast<std::size_t>(r)], reference), 1e-5)
+        << "rank " << r << " of " << k << ", batch " << batch;
+    EXPECT_EQ(ranks[static_cast<std::size_t>(r)], ranks[0]) << "ranks must hold identical parameters";
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(devices_and_batches, parallel_equivalence,
+                         ::testing::Values(std::make_tuple(1, std::int64_t{64}), std::make_tuple(2, std::int64_t{64}),
+                                           std::make_tuple(3, std::int64_t{64}), std::make_tuple(4, std::int64_t{64}),
+                                           std::make_tuple(4, std::int64_t{130}), std::make_tuple(4, std::int64_t{3}),
+                                           std::make_tuple(3, std::int64_t{130})),
+                         [](const auto& param_info) {
+                           return std::to_string(std::get<0>(param_info.param)) + "_devices_batch_" +
+                                  std::to_string(std::get<1>(param_info.param));
+                         });
+
+TEST(data_parallel, the_model_must_be_on_the_first_device) {
+  stream s1(host(1));
+  context ctx(s1);
+  graph model = make_model(ctx);
+  const std::string msg = message_of<device_error>(
+      [&] { data_parallel dp(model, data_parallel_options{.device_ids = device_set("host:0,host:1")}); });
+  EXPECT_CONTAINS(msg, "must have its parameters on host:0 (device_ids[0])");
+  EXPECT_CONTAINS(msg, "is on host:1");
+  EXPECT_CONTAINS(msg, "put host:1 first in device_ids");
+  data_parallel ok(model, data_parallel_options{.device_ids = device_set("host:1,host:0")});
+  EXPECT_EQ(ok.output_device(), host(1));
+}
+
+TEST(data_parallel, input_must_be_on_one_of_its_devices) {
+  stream s0(host(0));
+  context ctx(s0);
+  graph model = make_model(ctx);
+  data_parallel dp(model, data_parallel_options{.device_ids = device_set("host:0,host:1")});
+  stream s3(host(3));
+  tensor x = device_tensor(std::vector<float>(static_cast<std::size_t>(4 * features), 0.5f), shape{4, features}, s3);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)dp.forward(x); }), "is on host:3");
+}
+
+TEST(data_parallel, report_shows_the_heavier_first_device) {
+  std::vector<device_report> report;
+  (void)train_data_parallel(3, 96, &report);
+  ASSERT_EQ(report.size(), 3u);
+  for (const auto& r : report) {
+    EXPECT_GT(r.compute_ms, 0.0) << r.device;
+    EXPECT_GE(r.communication_ms, 0.0);
+    EXPECT_GE(r.wall_ms, r.compute_ms);
+  }
+  // device_ids[0] holds the optimizer state and receives every gradient.
+  EXPECT_GT(report[0].peak_bytes, report[1].peak_bytes);
+  EXPECT_GT(report[0].communication_ms, 0.0);
+}
+
+// ---- DistributedDataParallel ------------------------------------------------------------------------------------
+
+TEST(ddp, buckets_fill_in_reverse_order_with_a_smaller_first_bucket) {
+  run_on_devices(first_hosts(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    graph model = make_model(ctx);
+    // In reverse order: out.bias (40 B), out.weight (640 B), fc2.bias (64 B) fill the 1 KiB first bucket;
+    // fc2.weight (2 KiB) starts a 4 KiB bucket with fc1.bias (128 B); fc1.weight (2.5 KiB) needs a third.
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                  ddp_options{.bucket_bytes = 4096, .first_bucket_bytes = 1024});
+    const auto names = parameters_of(model);
+    ASSERT_EQ(ddp.bucket_count(), 3u);
+    auto bucket_names = [&](std::size_t b) {
+      std::vector<std::string> out;
+      for (std::size_t k : ddp.bucket_parameters(b)) out.push_back(names[k].name);
+      return out;
+    };
+    EXPECT_EQ(bucket_names(0), (std::vector<std::string>{"out.bias", "out.weight", "fc2.bias"}));
+    EXPECT_EQ(bucket_names(1), (std::vector<std::string>{"fc2.weight", "fc1.bias"}));
+    EXPECT_EQ(bucket_names(2), (std::vector<std::string>{"fc1.weight"}));
+  });
+}
+
+TEST(ddp, no_sync_accumulates_locally_and_the_next_backward_reduces_it_all) {
+  // Two micro-batches of 32 (the first under no_sync) equal one step of 64 on one device.
+  const auto reference = train_single(host(0), 64);
+  std::vector<std::vector<float>> result(2);
+  run_on_devices(first_hosts(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    const auto x = inputs();
+    const auto y = labels();
+    for (int step = 0; step < steps; ++step) {
+      const std::int64_t first = first_row(step, 64);
+      opt.zero_grad();
+      for (int micro = 0; micro < 2; ++micro) {
+        // micro-batch m of rank r: rows [first + 16 * (2 * m + r), +16): together, the same 64 rows
+        const std::int64_t begin = first + 16 * (2 * micro + rc.rank());
+        tensor xb = device_tensor(slice(x, begin, 16, features), shape{16, features}, rc.compute_stream());
+        tensor yb = device_labels(slice(y, begin, 16, 1), rc.compute_stream());
+        loss.forward(ddp.forward(xb), yb, ctx, 64);
+        if (micro == 0) {
+          auto guard = ddp.no_sync();
+          ddp.backward(loss.backward(ctx));
+        } else {
+          ddp.backward(loss.backward(ctx));
+        }
+      }
+      opt.step(rc.compute_stream());
+    }
+    result[static_cast<std::size_t>(rc.rank())] = parameter_values(model, rc.compute_stream());
+  });
+  EXPECT_LE(relative_difference(result[0], reference), 1e-5);
+  EXPECT_EQ(result[0], result[1]);
+}
+
+TEST(ddp, low_precision_communication_hooks_stay_close_to_fp32) {
+  const auto reference = train_single(host(0), 64);
+  for (comm_hook hook : {comm_hook::fp16, comm_hook::bf16}) {
+    const auto ranks = train_ddp_threads(2, 64, ddp_options{.hook = hook});
+    const double diff = relative_difference(ranks[0], reference);
+    EXPECT_LE(diff, hook == comm_hook::fp16 ? 5e-3 : 3e-2) << "hook " << static_cast<int>(hook);
+    EXPECT_GT(diff, 0.0) << "rounding the gradients must show";  // the hook really changed the wire type
+    EXPECT_EQ(ranks[0], ranks[1]);
+  }
+}
+
+TEST(ddp, mean_reduction_is_pytorchs_convention) {
+  // Each rank's loss a mean over its own 32 rows, gradients averaged: equal shards give the same update.
+  const auto reference = train_single(host(0), 64);
+  std::vector<float> rank0;
+  run_on_devices(first_hosts(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                  ddp_options{.reduction = gradient_reduction::mean});
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    const auto x = inputs();
+    const auto y = labels();
+    for (int step = 0; step < steps; ++step) {
+      const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
+      tensor xb = device_tensor(slice(x, begin, 32, features), shape{32, features}, rc.compute_stream());
+      tensor yb = device_labels(slice(y, begin, 32, 1), rc.compute_stream());
+      opt.zero_grad();
+      loss.forward(ddp.forward(xb), yb, ctx);  // local mean
+      ddp.backward(loss.backward(ctx));
+      opt.step(rc.compute_stream());
+    }
+    if (rc.rank() == 0) rank0 = parameter_values(model, rc.compute_stream());
+  });
+  EXPECT_LE(relative_difference(rank0, reference), 1e-5);
+}
+
+TEST(ddp, ranks_with_different_models_are_rejected_with_the_rank_and_parameter) {
+  const std::string msg = message_of<error>([&] {
+    run_on_devices(first_hosts(2), [&](rank_context& rc) {
+      context ctx(rc.compute_stream());
+      initializer init(1);
+      graph g(shape{features});
+      g.add("fc1", linear(features, rc.rank() == 0 ? 8 : 9, ctx, init), "input");
+      g.add("out", linear(rc.rank() == 0 ? 8 : 9, 2, ctx, init), "fc1");
+      distributed_data_parallel ddp(g, ctx, rc.comm(), rc.comm_stream());
+    });
+  });
+  EXPECT_CONTAINS(msg, "of rank 1 is 'fc1.weight' [9, 20] but rank 0's is 'fc1.weight' [8, 20]");
+}
+
+TEST(ddp, a_rank_that_throws_makes_the_others_fail_fast) {
+  const auto start = std::chrono::steady_clock::now();
+  const std::string msg = message_of<error>([&] {
+    run_on_devices(
+        first_hosts(3),
+        [&](rank_context& rc) {
+          context ctx(rc.compute_stream());
+          graph model = make_model(ctx);
+          distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+          softmax_cross_entropy loss;
+          const auto x = inputs();
+          const auto y = labels();
+          for (int step = 0; step < 5; ++step) {
+            if (rc.rank() == 1 && step == 2) throw std::runtime_error("rank 1 ran out of patience");
+            tensor xb = device_tensor(slice(x, 0, 8, features), shape{8, features}, rc.compute_stream());
+            tensor yb = device_labels(slice(y, 0, 8, 1), rc.compute_stream());
+            loss.forward(ddp.forward(xb), yb, ctx);
+            ddp.backward(loss.backward(ctx));
+            rc.comm().synchronize(rc.compute_stream());
+          }
+        },
+        comm_options{.timeout = std::chrono::seconds(60)});
+  });
+  EXPECT_CONTAINS(msg, "rank 1");
+  EXPECT_CONTAINS(msg, "ran out of patience");
+  EXPECT_LT(std::chrono::steady_clock::now() - start, std::chrono::seconds(20)) << "the others waited for the timeout";
+}
