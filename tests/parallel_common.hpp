@@ -15,6 +15,7 @@
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/optim/sgd.hpp"
+#include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "lockstep/runtime/copy.hpp"
 
 namespace parallel_test {
@@ -105,6 +106,37 @@ inline std::vector<float> train_single(device d, std::int64_t batch) {
     opt.zero_grad();
     loss.forward(model.forward(xb, ctx), yb, ctx, batch);
     model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+    opt.step(s);
+  }
+  return parameter_values(model, s);
+}
+
+/// One rank of distributed_data_parallel training: `steps` steps on this rank's chunk of the same global batch
+/// of `batch` rows (the loss is the mean over the global batch). The rank's final parameters. Threads
+/// (run_on_devices) and processes (mpirun) run the same code.
+inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, stream_ref comm_stream,
+                                         std::int64_t batch, ddp_options options = {}) {
+  const stream_ref s = ctx.stream();
+  graph model = make_model(ctx);
+  distributed_data_parallel ddp(model, ctx, comm, comm_stream, options);
+  auto params = parameters_of(model).pointers();
+  sgd opt(params, optimizer_options);
+  softmax_cross_entropy loss(reduction::mean);
+  const auto x = inputs();
+  const auto y = labels();
+  const auto chunks = chunk_rows(batch, static_cast<std::size_t>(comm.size()));
+  for (int step = 0; step < steps; ++step) {
+    const std::int64_t first = first_row(step, batch);
+    opt.zero_grad();
+    if (static_cast<std::size_t>(comm.rank()) < chunks.size()) {
+      const row_range mine = chunks[static_cast<std::size_t>(comm.rank())];
+      tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
+      tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
+      loss.forward(ddp.forward(xb), yb, ctx, batch);  // the mean over the GLOBAL batch
+      ddp.backward(loss.backward(ctx));
+    } else {
+      ddp.backward(tensor_view());  // no rows for this rank this step
+    }
     opt.step(s);
   }
   return parameter_values(model, s);

@@ -75,30 +75,7 @@ std::vector<std::vector<float>> train_ddp_threads(int k, std::int64_t batch, ddp
   std::vector<std::vector<float>> result(static_cast<std::size_t>(k));
   run_on_devices(first_hosts(k), [&](rank_context& rc) {
     context ctx(rc.compute_stream());
-    graph model = make_model(ctx);
-    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), options);
-    auto params = parameters_of(model).pointers();
-    sgd opt(params, optimizer_options);
-    softmax_cross_entropy loss(reduction::mean);
-    const auto x = inputs();
-    const auto y = labels();
-    for (int step = 0; step < steps; ++step) {
-      const std::int64_t first = first_row(step, batch);
-      const auto chunks = chunk_rows(batch, static_cast<std::size_t>(k));
-      opt.zero_grad();
-      if (static_cast<std::size_t>(rc.rank()) < chunks.size()) {
-        const row_range mine = chunks[static_cast<std::size_t>(rc.rank())];
-        tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features},
-                                  rc.compute_stream());
-        tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), rc.compute_stream());
-        loss.forward(ddp.forward(xb), yb, ctx, batch);  // the mean over the GLOBAL batch
-        ddp.backward(loss.backward(ctx));
-      } else {
-        ddp.backward(tensor_view());  // no rows for this rank this step
-      }
-      opt.step(rc.compute_stream());
-    }
-    result[static_cast<std::size_t>(rc.rank())] = parameter_values(model, rc.compute_stream());
+    result[static_cast<std::size_t>(rc.rank())] = train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options);
   });
   return result;
 }
