@@ -93,53 +93,12 @@ template <reduce_op Op>
   }
 }
 
-// Branch-free 16-bit conversions for the block loops. core/half.hpp's conversions are branchy and do not
-// vectorize, which made an f16 all-reduce 15x slower than an f32 one; these do. Results are
-// bit-identical to core/half.hpp's for every input (checked for all 2^16 halves and all 2^32 floats), except
-// that widening keeps a NaN's payload instead of making it 0x7fffffff: the f32 value is never seen, and every
-// NaN narrows back to 0x7fff.
-
-/// The exact value of a binary16 as a float.
-inline float half_to_float(std::uint16_t h) noexcept {
-  const std::uint32_t sign = (std::uint32_t{h} & 0x8000u) << 16;
-  const std::uint32_t magnitude = std::uint32_t{h} & 0x7fffu;
-  const std::uint32_t shifted = magnitude << 13;
-  // Scaling by 2^112 rebiases the exponent (15 -> 127) and normalizes subnormals, exactly.
-  const std::uint32_t finite = std::bit_cast<std::uint32_t>(std::bit_cast<float>(shifted) * 0x1p112f);
-  // Selects with a mask rather than `?:`: GCC turns a select next to a float multiply into a branch, which
-  // stops vectorization.
-  const std::uint32_t special = 0u - static_cast<std::uint32_t>(magnitude >= 0x7c00u);
-  return std::bit_cast<float>(sign | (special & (shifted | 0x7f800000u)) | (~special & finite));
-}
-
-/// float -> binary16, round to nearest even, overflow to infinity, NaN -> 0x7fff (as core/half.hpp). The
-/// float addition does the rounding: adding a power of two that puts the half's last mantissa bit at the
-/// float's last bit makes the FPU round there (the method of Maratyszcza's FP16 library).
-inline std::uint16_t float_to_half(float f) noexcept {
-  const std::uint32_t w = std::bit_cast<std::uint32_t>(f);
-  const std::uint32_t twice = w + w;  // drops the sign
-  const std::uint32_t sign = w & 0x80000000u;
-  float base = (std::bit_cast<float>(w & 0x7fffffffu) * 0x1p112f) * 0x1p-110f;  // saturates to inf past the range
-  const std::uint32_t bias = std::max(twice & 0xff000000u, 0x71000000u);
-  base = std::bit_cast<float>((bias >> 1) + 0x07800000u) + base;
-  const std::uint32_t bits = std::bit_cast<std::uint32_t>(base);
-  const std::uint32_t magnitude = ((bits >> 13) & 0x7c00u) + (bits & 0x0fffu);
-  const std::uint32_t nan = 0u - static_cast<std::uint32_t>(twice > 0xff000000u);
-  return static_cast<std::uint16_t>((nan & 0x7fffu) | (~nan & ((sign >> 16) | magnitude)));
-}
-
-/// float -> bfloat16, round to nearest even, NaN -> 0x7fff (as core/half.hpp).
-inline std::uint16_t float_to_bfloat16(float f) noexcept {
-  const std::uint32_t x = std::bit_cast<std::uint32_t>(f);
-  const std::uint32_t rounded = (x + 0x7fffu + ((x >> 16) & 1u)) >> 16;
-  const std::uint32_t nan = 0u - static_cast<std::uint32_t>((x & 0x7fffffffu) > 0x7f800000u);
-  return static_cast<std::uint16_t>((nan & 0x7fffu) | (~nan & rounded));
-}
+// The 16-bit conversions are core/half.hpp's: branch-free on the host, so the block loops below vectorize.
 
 template <class T>
 [[gnu::always_inline]] inline void widen(float* __restrict dst, const T* __restrict src, std::size_t n) noexcept {
   if constexpr (std::is_same_v<T, half>) {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = half_to_float(src[i].bits);
+    for (std::size_t i = 0; i < n; ++i) dst[i] = half_bits_to_float(src[i].bits);
   } else if constexpr (std::is_same_v<T, bfloat16>) {
     for (std::size_t i = 0; i < n; ++i) dst[i] = std::bit_cast<float>(std::uint32_t{src[i].bits} << 16);
   } else {
@@ -150,9 +109,9 @@ template <class T>
 template <class T>
 [[gnu::always_inline]] inline void narrow(T* __restrict dst, const float* __restrict src, std::size_t n) noexcept {
   if constexpr (std::is_same_v<T, half>) {
-    for (std::size_t i = 0; i < n; ++i) dst[i].bits = float_to_half(src[i]);
+    for (std::size_t i = 0; i < n; ++i) dst[i].bits = float_to_half_bits(src[i]);
   } else if constexpr (std::is_same_v<T, bfloat16>) {
-    for (std::size_t i = 0; i < n; ++i) dst[i].bits = float_to_bfloat16(src[i]);
+    for (std::size_t i = 0; i < n; ++i) dst[i].bits = float_to_bfloat16_bits(src[i]);
   } else {
     for (std::size_t i = 0; i < n; ++i) dst[i] = convert<T>(src[i]);
   }
