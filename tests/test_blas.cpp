@@ -30,29 +30,12 @@
 #include "lockstep/device/query.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/memory.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 
 namespace {
-
-// Calls f.template operator()<T>() for the C++ type of a floating dtype. (`lockstep::half` is spelled out:
-// compiled by nvcc, cuda_fp16.h also declares `::half`.)
-template <class F>
-void with_float_type(dtype t, F&& f) {
-  switch (t) {
-    case dtype::f32: return f.template operator()<float>();
-    case dtype::f16: return f.template operator()<lockstep::half>();
-    case dtype::bf16: return f.template operator()<bfloat16>();
-    default: FAIL() << "not a floating dtype";
-  }
-}
-
-template <class T>
-std::vector<T> from_floats(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = convert<T>(v[i]);
-  return out;
-}
 
 template <class T>
 std::uint32_t bits_of(T x) {
@@ -62,23 +45,6 @@ std::uint32_t bits_of(T x) {
     return x.bits;
   }
 }
-
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-    << "message: " << (haystack)
 
 // Small integers in [-4, 4] from a hash of (seed, i): exact in every type, varied, never all zero.
 float small_int(std::uint32_t seed, std::int64_t i) {
@@ -219,19 +185,8 @@ struct alpha_beta {
 };
 constexpr alpha_beta scalings[] = {{1.0f, 0.0f}, {-0.5f, 1.0f}, {1.0f, 0.25f}, {-0.5f, 0.0f}, {1.0f, 1.0f}};
 
-class blas_test : public ::testing::TestWithParam<std::tuple<device_kind, dtype>> {
- protected:
-  void SetUp() override {
-    if (kind() == device_kind::cuda && !cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
-  }
-  device_kind kind() const { return std::get<0>(GetParam()); }
-  dtype type() const { return std::get<1>(GetParam()); }
-  device dev() const { return device{kind(), 0}; }
-};
-
-std::string param_name(const ::testing::TestParamInfo<blas_test::ParamType>& info) {
-  return std::string(name_of(std::get<0>(info.param))) + "_" + std::string(name_of(std::get<1>(info.param)));
-}
+// Parameterized over the backend and a floating dtype; the CUDA instances skip without a GPU.
+class blas_test : public backend_and_dtype {};
 
 }  // namespace
 

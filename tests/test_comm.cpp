@@ -23,8 +23,12 @@
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/device_buffer.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "comm_common.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
+using namespace comm_test;
 using namespace std::chrono_literals;
 
 namespace {
@@ -39,24 +43,6 @@ const bool four_host_devices = [] {
 using clock_type = std::chrono::steady_clock;
 
 double seconds_since(clock_type::time_point t) { return std::chrono::duration<double>(clock_type::now() - t).count(); }
-
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
-
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
 
 /// Synchronizes `s` expecting the failure of a collective: the stream reports async_error with the
 /// collective's own error of type E nested. Returns E's message.
@@ -91,81 +77,6 @@ void on_each_rank(int k, F f) {
   for (int r = 0; r < k; ++r) threads.emplace_back(f, r);
   for (auto& t : threads) t.join();
 }
-
-// ---- values and references ----------------------------------------------------------------------------------
-
-template <class T>
-T value(long v) {
-  if constexpr (is_storage_float_v<T>) {
-    return convert<T>(static_cast<float>(v));
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
-/// Rank r's input element i: small integers (exact in f16/bf16 sums), both signs, rarely zero, different on
-/// every rank; integers of the widest types also use their high bits.
-template <class T>
-std::vector<T> input(int rank, std::size_t n) {
-  std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const long small = static_cast<long>((i * 7 + static_cast<std::size_t>(rank) * 13 + 3) % 17);
-    if constexpr (is_storage_float_v<T>) {
-      v[i] = value<T>(small - 8);
-    } else if constexpr (std::is_same_v<T, std::uint8_t>) {
-      v[i] = static_cast<T>(small * 13 + rank + 1);
-    } else if constexpr (std::is_same_v<T, std::int64_t>) {
-      v[i] = (static_cast<std::int64_t>(rank + 1) << 40) - small * 1000003;
-    } else {
-      v[i] = static_cast<T>(small * 100000 - rank);
-    }
-  }
-  return v;
-}
-
-template <class T>
-T sentinel() {
-  return value<T>(99);
-}
-
-/// The reduction of the ranks' inputs as the library defines it: in f32, rounded once.
-template <class T>
-std::vector<T> reference(const std::vector<std::vector<T>>& in, reduce_op op, std::size_t offset, std::size_t n) {
-  std::vector<T> out(n);
-  const int k = static_cast<int>(in.size());
-  for (std::size_t i = 0; i < n; ++i) {
-    float acc = to_float(in[0][offset + i]);
-    for (int r = 1; r < k; ++r) {
-      const float x = to_float(in[static_cast<std::size_t>(r)][offset + i]);
-      acc = op == reduce_op::max ? std::max(acc, x) : acc + x;
-    }
-    if (op == reduce_op::mean) acc /= static_cast<float>(k);
-    out[i] = convert<T>(acc);
-  }
-  return out;
-}
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
-template <class T>
-std::string show(const std::vector<T>& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size() && i < 12; ++i) {
-    if (i) s += ", ";
-    if constexpr (is_storage_float_v<T>) {
-      s += std::to_string(to_float(v[i]));
-    } else {
-      s += std::to_string(static_cast<long long>(v[i]));
-    }
-  }
-  return s + (v.size() > 12 ? ", ...]" : "]");
-}
-
-#define EXPECT_SAME(actual, expected, what) \
-  EXPECT_TRUE(same_bits(actual, expected)) << what << ": got " << show(actual) << ", expected " << show(expected)
 
 // ---- the clique fixture -----------------------------------------------------------------------------------------
 
@@ -322,13 +233,6 @@ class clique : public ::testing::TestWithParam<std::tuple<device_kind, int>> {
   std::vector<communicator> comms_;
   std::vector<stream> streams_;
 };
-
-template <class... T, class F>
-void for_each_type(F f) {
-  (f.template operator()<T>(), ...);
-}
-
-constexpr reduce_op all_ops[] = {reduce_op::sum, reduce_op::mean, reduce_op::max};
 
 std::string clique_name(const ::testing::TestParamInfo<std::tuple<device_kind, int>>& info) {
   return std::string(name_of(std::get<0>(info.param))) + '_' + std::to_string(std::get<1>(info.param));

@@ -19,21 +19,21 @@
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/device_buffer.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "comm_common.hpp"
+#include "test_support.hpp"
 
 #if !defined(LOCKSTEP_WITH_MPI) || !LOCKSTEP_WITH_MPI
 #error "test_comm_mpi is built with lockstep::mpi (LOCKSTEP_WITH_MPI=1)"
 #endif
 
 using namespace lockstep;
+using namespace lockstep_test;
+using namespace comm_test;
 using namespace std::chrono_literals;
 
 namespace {
 
 constexpr device host0{device_kind::host, 0};
-
-#define EXPECT_CONTAINS(haystack, needle)                          \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-      << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
 
 int world_rank() {
   int r = 0;
@@ -44,20 +44,6 @@ int world_size() {
   int n = 0;
   MPI_Comm_size(MPI_COMM_WORLD, &n);
   return n;
-}
-
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
 }
 
 /// The nested error of type E of a failed collective, as reported by comm.synchronize(s).
@@ -83,85 +69,13 @@ std::string collective_failure(communicator_ref comm, stream_ref s) {
   return {};
 }
 
-template <class T>
-T value(long v) {
-  if constexpr (is_storage_float_v<T>) {
-    return convert<T>(static_cast<float>(v));
-  } else {
-    return static_cast<T>(v);
-  }
-}
-
-/// Rank r's input: small integers (exact in f16/bf16 sums), both signs, different on every rank.
-template <class T>
-std::vector<T> input(int rank, std::size_t n) {
-  std::vector<T> v(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    const long small = static_cast<long>((i * 7 + static_cast<std::size_t>(rank) * 13 + 3) % 17);
-    if constexpr (is_storage_float_v<T>) {
-      v[i] = value<T>(small - 8);
-    } else if constexpr (std::is_same_v<T, std::uint8_t>) {
-      v[i] = static_cast<T>(small * 13 + rank + 1);
-    } else if constexpr (std::is_same_v<T, std::int64_t>) {
-      v[i] = (static_cast<std::int64_t>(rank + 1) << 40) - small * 1000003;
-    } else {
-      v[i] = static_cast<T>(small * 100000 - rank);
-    }
-  }
-  return v;
-}
-
-template <class T>
-T sentinel() {
-  return value<T>(99);
-}
-
 /// In f32, rounded once, over every rank's input (each process computes every rank's input itself).
 template <class T>
 std::vector<T> reference(int k, std::size_t total, reduce_op op, std::size_t offset, std::size_t n) {
   std::vector<std::vector<T>> in;
   for (int r = 0; r < k; ++r) in.push_back(input<T>(r, total));
-  std::vector<T> out(n);
-  for (std::size_t i = 0; i < n; ++i) {
-    float acc = to_float(in[0][offset + i]);
-    for (int r = 1; r < k; ++r) {
-      const float x = to_float(in[static_cast<std::size_t>(r)][offset + i]);
-      acc = op == reduce_op::max ? std::max(acc, x) : acc + x;
-    }
-    if (op == reduce_op::mean) acc /= static_cast<float>(k);
-    out[i] = convert<T>(acc);
-  }
-  return out;
+  return comm_test::reference(in, op, offset, n);
 }
-
-template <class T>
-bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
-  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
-}
-
-template <class T>
-std::string show(const std::vector<T>& v) {
-  std::string s = "[";
-  for (std::size_t i = 0; i < v.size() && i < 12; ++i) {
-    if (i) s += ", ";
-    if constexpr (is_storage_float_v<T>) {
-      s += std::to_string(to_float(v[i]));
-    } else {
-      s += std::to_string(static_cast<long long>(v[i]));
-    }
-  }
-  return s + (v.size() > 12 ? ", ...]" : "]");
-}
-
-#define EXPECT_SAME(actual, expected, what) \
-  EXPECT_TRUE(same_bits(actual, expected)) << what << ": got " << show(actual) << ", expected " << show(expected)
-
-template <class... T, class F>
-void for_each_type(F f) {
-  (f.template operator()<T>(), ...);
-}
-
-constexpr reduce_op all_ops[] = {reduce_op::sum, reduce_op::mean, reduce_op::max};
 
 /// A communicator over MPI_COMM_WORLD (or `comm`) on host:0, and a stream.
 class mpi_comm : public ::testing::Test {

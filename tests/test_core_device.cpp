@@ -16,8 +16,10 @@
 #include "lockstep/device/host_platform.hpp"
 #include "lockstep/device/query.hpp"
 #include "lockstep/device/visibility.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 
 namespace {
 
@@ -38,24 +40,6 @@ void in_fresh_process(F body) {
       },
       ::testing::ExitedWithCode(0), "");
 }
-
-// The message of the exception `f` throws, which must be of type E; fails the test otherwise.
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-  << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
 
 }  // namespace
 

@@ -254,6 +254,25 @@ std::vector<float> subnormal_range_inputs(std::uint32_t stride) {
 std::uint16_t lockstep_half(float f) { return ls::to_half(f).bits; }
 std::uint16_t lockstep_bfloat16(float f) { return ls::to_bfloat16(f).bits; }
 
+// Compares `convert` with the exact nearest-even reference on the special values, every midpoint and its
+// neighbours, the subnormal range and a strided sweep of all float patterns (NaN inputs are checked apart).
+void expect_nearest_even(std::uint16_t (*convert)(float), const nearest_even_reference& ref) {
+  sweep_log log;
+  auto check = [&](float x) {
+    if (std::isnan(x)) return;
+    const std::uint16_t got = convert(x);
+    const std::uint16_t want = ref(x);
+    log.check(got == want,
+              [&] { return hex(bits_of(x)) + " -> " + hex16(got) + ", reference " + hex16(want); });
+  };
+  for (float x : special_inputs()) check(x);
+  for (float x : midpoints_and_neighbours(ref)) check(x);
+  for (float x : subnormal_range_inputs(1021)) check(x);
+  for (std::uint64_t p = 7; p <= 0xffffffffu; p += reference_stride)
+    check(float_of(static_cast<std::uint32_t>(p)));
+  EXPECT_TRUE(log.clean((std::uint64_t{1} << 32) / reference_stride + 300'000));
+}
+
 }  // namespace
 
 // ---- layout and construction
@@ -464,39 +483,11 @@ TEST(bfloat16_conversion, handles_zero_infinity_nan_overflow_and_float_subnormal
 }
 
 TEST(half_conversion, matches_the_exact_nearest_even_reference) {
-  const auto& ref = half_reference();
-  sweep_log log;
-  auto check = [&](float x) {
-    if (std::isnan(x)) return;
-    const std::uint16_t got = lockstep_half(x);
-    const std::uint16_t want = ref(x);
-    log.check(got == want,
-              [&] { return hex(bits_of(x)) + " -> " + hex16(got) + ", reference " + hex16(want); });
-  };
-  for (float x : special_inputs()) check(x);
-  for (float x : midpoints_and_neighbours(ref)) check(x);
-  for (float x : subnormal_range_inputs(1021)) check(x);
-  for (std::uint64_t p = 7; p <= 0xffffffffu; p += reference_stride)
-    check(float_of(static_cast<std::uint32_t>(p)));
-  EXPECT_TRUE(log.clean((std::uint64_t{1} << 32) / reference_stride + 300'000));
+  expect_nearest_even(lockstep_half, half_reference());
 }
 
 TEST(bfloat16_conversion, matches_the_exact_nearest_even_reference) {
-  const auto& ref = bfloat16_reference();
-  sweep_log log;
-  auto check = [&](float x) {
-    if (std::isnan(x)) return;
-    const std::uint16_t got = lockstep_bfloat16(x);
-    const std::uint16_t want = ref(x);
-    log.check(got == want,
-              [&] { return hex(bits_of(x)) + " -> " + hex16(got) + ", reference " + hex16(want); });
-  };
-  for (float x : special_inputs()) check(x);
-  for (float x : midpoints_and_neighbours(ref)) check(x);
-  for (float x : subnormal_range_inputs(1021)) check(x);
-  for (std::uint64_t p = 7; p <= 0xffffffffu; p += reference_stride)
-    check(float_of(static_cast<std::uint32_t>(p)));
-  EXPECT_TRUE(log.clean((std::uint64_t{1} << 32) / reference_stride + 300'000));
+  expect_nearest_even(lockstep_bfloat16, bfloat16_reference());
 }
 
 // ---- bit-for-bit agreement with CUDA's cuda_fp16.h / cuda_bf16.h ------------------------------------------

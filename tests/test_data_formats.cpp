@@ -24,6 +24,7 @@
 #include "lockstep/data/dataset.hpp"
 #include "lockstep/data/idx.hpp"
 #include "lockstep/data/sampler.hpp"
+#include "test_support.hpp"
 
 // The largest single allocation made through operator new since the last reset, so that a test can check that
 // a corrupt header did not make the reader allocate what the header claims. nvcc treats a replaced global
@@ -67,6 +68,7 @@ namespace {
 
 namespace fs = std::filesystem;
 using lockstep::dtype;
+using lockstep_test::message_of;
 
 std::vector<std::byte> bytes(std::initializer_list<unsigned> values) {
   std::vector<std::byte> out;
@@ -121,21 +123,6 @@ std::vector<std::byte> read_all(const fs::path& path) {
   std::vector<std::byte> out(chars.size());
   std::memcpy(out.data(), chars.data(), chars.size());
   return out;
-}
-
-/// Runs `f`, expecting an exception of type E; returns its message ("" and a test failure otherwise).
-template <class E, class F>
-std::string message_of(F&& f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
 }
 
 /// Expects `message` to contain every one of `parts`.

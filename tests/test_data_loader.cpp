@@ -35,8 +35,10 @@
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 using namespace std::chrono_literals;
 
 namespace {
@@ -48,42 +50,6 @@ using clock_type = std::chrono::steady_clock;
 
 static_assert(!std::is_copy_constructible_v<data_loader<in_memory_dataset, sequential_sampler>>);
 static_assert(!std::is_move_constructible_v<data_loader<in_memory_dataset, sequential_sampler>>);
-
-#define EXPECT_CONTAINS(haystack, needle)                                        \
-  EXPECT_NE(std::string(haystack).find(needle), std::string::npos)              \
-      << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
-
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-// A gate that queued work can wait on: the test decides when the stream may go on.
-struct gate {
-  std::mutex m;
-  std::condition_variable cv;
-  bool open = false;
-  void release() {
-    {
-      std::lock_guard l(m);
-      open = true;
-    }
-    cv.notify_all();
-  }
-  void wait() {
-    std::unique_lock l(m);
-    cv.wait(l, [&] { return open; });
-  }
-};
 
 float value_of(std::size_t sample, std::size_t j) { return static_cast<float>(sample * 1000 + j); }
 

@@ -15,35 +15,12 @@
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/kernels/reduce.hpp"
 #include "lockstep/runtime/copy.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 
 namespace {
-
-// Calls f.template operator()<T>() for the C++ type of a floating dtype.
-template <class F>
-void with_float_type(dtype t, F&& f) {
-  switch (t) {
-    case dtype::f32: return f.template operator()<float>();
-    case dtype::f16: return f.template operator()<lockstep::half>();
-    case dtype::bf16: return f.template operator()<bfloat16>();
-    default: FAIL() << "not a floating dtype";
-  }
-}
-
-template <class T>
-std::vector<T> from_floats(const std::vector<float>& v) {
-  std::vector<T> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = convert<T>(v[i]);
-  return out;
-}
-
-template <class T>
-std::vector<float> to_floats(const std::vector<T>& v) {
-  std::vector<float> out(v.size());
-  for (std::size_t i = 0; i < v.size(); ++i) out[i] = to_float(v[i]);
-  return out;
-}
 
 // Small integers and halves: exact in f32, f16 and bf16, and never all zero.
 std::vector<float> small_values(std::size_t n, int salt) {
@@ -52,19 +29,8 @@ std::vector<float> small_values(std::size_t n, int salt) {
   return v;
 }
 
-class kernel_test : public ::testing::TestWithParam<std::tuple<device_kind, dtype>> {
- protected:
-  void SetUp() override {
-    if (kind() == device_kind::cuda && !cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
-  }
-  device_kind kind() const { return std::get<0>(GetParam()); }
-  dtype type() const { return std::get<1>(GetParam()); }
-  device dev() const { return device{kind(), 0}; }
-};
-
-std::string param_name(const ::testing::TestParamInfo<kernel_test::ParamType>& info) {
-  return std::string(name_of(std::get<0>(info.param))) + "_" + std::string(name_of(std::get<1>(info.param)));
-}
+// Parameterized over the backend and a floating dtype; the CUDA instances skip without a GPU.
+class kernel_test : public backend_and_dtype {};
 
 constexpr std::size_t sizes[] = {1000, 1001, 1002, 1, 70001};
 

@@ -11,8 +11,10 @@
 #include "lockstep/parallel/data_parallel.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "parallel_common.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 using namespace parallel_test;
 
 namespace {
@@ -24,23 +26,6 @@ device_set first_hosts(int k) {
   for (int i = 0; i < k; ++i) d.push_back(host(i));
   return device_set(d);
 }
-
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-  << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
 
 // data_parallel over `k` devices for `steps` steps of global batch `batch`; the final parameters.
 std::vector<float> train_data_parallel(int k, std::int64_t batch, std::vector<device_report>* report = nullptr) {

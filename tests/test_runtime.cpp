@@ -19,31 +19,16 @@
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/pinned_buffer.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 using namespace std::chrono_literals;
 
 namespace {
 
 constexpr device host0{device_kind::host, 0};
 constexpr device host1{device_kind::host, 1};
-
-template <class E, class F>
-std::string message_of(F f) {
-  try {
-    f();
-  } catch (const E& e) {
-    return e.what();
-  } catch (const std::exception& e) {
-    ADD_FAILURE() << "threw the wrong exception type: " << e.what();
-    return {};
-  }
-  ADD_FAILURE() << "did not throw";
-  return {};
-}
-
-#define EXPECT_CONTAINS(haystack, needle) EXPECT_NE(std::string(haystack).find(needle), std::string::npos) \
-  << "expected to find \"" << (needle) << "\" in \"" << (haystack) << '"'
 
 template <class F>
 void in_fresh_process(F body) {
@@ -60,24 +45,6 @@ void in_fresh_process(F body) {
       },
       ::testing::ExitedWithCode(0), "");
 }
-
-// A gate that queued host work can wait on: the test decides when the stream may go on.
-struct gate {
-  std::mutex m;
-  std::condition_variable cv;
-  bool open = false;
-  void release() {
-    {
-      std::lock_guard l(m);
-      open = true;
-    }
-    cv.notify_all();
-  }
-  void wait() {
-    std::unique_lock l(m);
-    cv.wait(l, [&] { return open; });
-  }
-};
 
 // Both backends: the CUDA instance skips without a GPU.
 class backend : public ::testing::TestWithParam<device_kind> {

@@ -1,0 +1,105 @@
+// Shared by the communicator tests (test_comm: host cliques and NCCL in one process; test_comm_mpi: processes
+// under mpirun): every rank's input, the reference result of a reduction, and exact comparisons.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <type_traits>
+#include <vector>
+
+#include <gtest/gtest.h>
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/core/half.hpp"
+
+/// Expects two vectors to hold the same bits, showing the first elements of both otherwise.
+#define EXPECT_SAME(actual, expected, what) \
+  EXPECT_TRUE(comm_test::same_bits(actual, expected))  \
+      << what << ": got " << comm_test::show(actual) << ", expected " << comm_test::show(expected)
+
+namespace comm_test {
+
+using namespace lockstep;
+
+template <class T>
+T value(long v) {
+  if constexpr (is_storage_float_v<T>) {
+    return convert<T>(static_cast<float>(v));
+  } else {
+    return static_cast<T>(v);
+  }
+}
+
+/// Rank r's input element i: small integers (exact in f16/bf16 sums), both signs, rarely zero, different on
+/// every rank; integers of the widest types also use their high bits.
+template <class T>
+std::vector<T> input(int rank, std::size_t n) {
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const long small = static_cast<long>((i * 7 + static_cast<std::size_t>(rank) * 13 + 3) % 17);
+    if constexpr (is_storage_float_v<T>) {
+      v[i] = value<T>(small - 8);
+    } else if constexpr (std::is_same_v<T, std::uint8_t>) {
+      v[i] = static_cast<T>(small * 13 + rank + 1);
+    } else if constexpr (std::is_same_v<T, std::int64_t>) {
+      v[i] = (static_cast<std::int64_t>(rank + 1) << 40) - small * 1000003;
+    } else {
+      v[i] = static_cast<T>(small * 100000 - rank);
+    }
+  }
+  return v;
+}
+
+template <class T>
+T sentinel() {
+  return value<T>(99);
+}
+
+/// The reduction of the ranks' inputs as the library defines it: in f32, rounded once.
+template <class T>
+std::vector<T> reference(const std::vector<std::vector<T>>& in, reduce_op op, std::size_t offset, std::size_t n) {
+  std::vector<T> out(n);
+  const int k = static_cast<int>(in.size());
+  for (std::size_t i = 0; i < n; ++i) {
+    float acc = to_float(in[0][offset + i]);
+    for (int r = 1; r < k; ++r) {
+      const float x = to_float(in[static_cast<std::size_t>(r)][offset + i]);
+      acc = op == reduce_op::max ? std::max(acc, x) : acc + x;
+    }
+    if (op == reduce_op::mean) acc /= static_cast<float>(k);
+    out[i] = convert<T>(acc);
+  }
+  return out;
+}
+
+template <class T>
+bool same_bits(const std::vector<T>& a, const std::vector<T>& b) {
+  return a.size() == b.size() && (a.empty() || std::memcmp(a.data(), b.data(), a.size() * sizeof(T)) == 0);
+}
+
+template <class T>
+std::string show(const std::vector<T>& v) {
+  std::string s = "[";
+  for (std::size_t i = 0; i < v.size() && i < 12; ++i) {
+    if (i) s += ", ";
+    if constexpr (is_storage_float_v<T>) {
+      s += std::to_string(to_float(v[i]));
+    } else {
+      s += std::to_string(static_cast<long long>(v[i]));
+    }
+  }
+  return s + (v.size() > 12 ? ", ...]" : "]");
+}
+
+/// Calls f.template operator()<T>() for each T.
+template <class... T, class F>
+void for_each_type(F f) {
+  (f.template operator()<T>(), ...);
+}
+
+/// Every reduction.
+constexpr reduce_op all_ops[] = {reduce_op::sum, reduce_op::mean, reduce_op::max};
+
+}  // namespace comm_test
