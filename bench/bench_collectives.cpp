@@ -720,21 +720,13 @@ std::vector<int> rank_counts(ls::device_kind kind) {
   return out;
 }
 
-std::vector<ls::device_kind> backends() {
-  std::vector<ls::device_kind> out{ls::device_kind::host};
-#if LOCKSTEP_HAS_CUDA
-  out.push_back(ls::device_kind::cuda);
-#endif
-  return out;
-}
-
 void register_benchmarks() {
   const std::vector<std::size_t> sizes = message_sizes();
   for (const std::size_t s : sizes) {
     add("memcpy/size:" + lb::size_label(s),
         [s](benchmark::State& st, const std::string& name) { bm_memcpy(st, name, s); });
   }
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     const bool enough = ls::device_count(kind) >= 2;
     for (const auto& c : collectives) {
       for (const int k : rank_counts(kind)) {
@@ -763,7 +755,7 @@ void register_benchmarks() {
           ->Unit(benchmark::kMicrosecond);
     }
   }
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     const bool enough = ls::device_count(kind) >= 2;
     for (const auto& model : models()) {
       if (model.spec.gradient_bytes() > cfg().max_bytes) continue;
@@ -858,7 +850,7 @@ void print_summary() {
   // 2. gradient synchronization, communication only
   bool tables = false;
   bool header = false;
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     for (const auto& model : models()) {
       for (const int k : rank_counts(kind)) {
         const lb::measurement* v[3] = {
@@ -890,7 +882,7 @@ void print_summary() {
   }
   // 3. forward + backward with DP and DDP
   header = false;
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     for (const auto& model : models()) {
       const lb::measurement* single = lb::find_result(fwd_bwd_name(kind, model.spec, 1, train_mode::single));
       for (const int k : rank_counts(kind)) {

@@ -24,7 +24,9 @@
 #include <utility>
 #include <vector>
 
+#include "lockstep/config.hpp"
 #include "lockstep/core/units.hpp"
+#include "lockstep/device/device.hpp"
 
 namespace lockstep_bench {
 
@@ -307,6 +309,15 @@ int run_benchmarks(const char* program, int argc, char** argv, launch& how, Summ
     return 1;
   }
   return 0;
+}
+
+/// The backends this translation unit carries: host, and CUDA when compiled by nvcc (its rows skip without GPUs).
+inline std::vector<lockstep::device_kind> backends() {
+  std::vector<lockstep::device_kind> out{lockstep::device_kind::host};
+#if LOCKSTEP_HAS_CUDA
+  out.push_back(lockstep::device_kind::cuda);
+#endif
+  return out;
 }
 
 }  // namespace lockstep_bench

@@ -322,16 +322,8 @@ void bm_mode(benchmark::State& st, const std::string& name, ls::device_kind kind
   });
 }
 
-std::vector<ls::device_kind> backends() {
-  std::vector<ls::device_kind> out{ls::device_kind::host};
-#if LOCKSTEP_HAS_CUDA
-  out.push_back(ls::device_kind::cuda);
-#endif
-  return out;
-}
-
 void register_benchmarks() {
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     // Without the devices, one skipped row per family says why.
     const bool one = ls::device_count(kind) >= 1, two = ls::device_count(kind) >= 2;
     for (const auto& m : models()) {
@@ -362,7 +354,7 @@ void print_summary() {
                "\n==== summary (measured in this run; one device unless stated; global batch %lld) ====\n",
                static_cast<long long>(batch_size));
   bool header = false;
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     for (const auto& m : models()) {
       const lb::measurement* f32 = lb::find_result(precision_name(kind, m, ls::dtype::f32));
       for (const ls::dtype p : precisions) {
@@ -390,7 +382,7 @@ void print_summary() {
     }
   }
   header = false;
-  for (const ls::device_kind kind : backends()) {
+  for (const ls::device_kind kind : lb::backends()) {
     for (const auto& m : models()) {
       const lb::measurement* single = lb::find_result(mode_row_name(kind, m, 2, mode::single));
       for (const mode x : {mode::single, mode::dp, mode::ddp}) {

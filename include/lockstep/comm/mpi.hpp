@@ -527,37 +527,14 @@ class state {
 
   /// After completion: the division of `mean` and the rounding of f16/bf16 staging.
   void finish(const collective_call& c, buffers& b) const {
-    const bool mean = c.is_reduction() && c.op == reduce_op::mean;
+    if (!c.is_reduction() || (c.kind == collective_kind::reduce && rank_ != c.root)) return;
+    // f32 is reduced straight into recv; f16/bf16 in f32 staging (reduce_scatter's result is b.out, the
+    // others' b.in), rounded into recv once, after the division
     const bool is_f32 = c.type == dtype::f32;
-    switch (c.kind) {
-      case collective_kind::all_reduce:
-        if (is_f32) {
-          if (mean) divide(static_cast<float*>(c.recv), c.count, size_);
-        } else {
-          if (mean) divide(b.in.data(), c.count, size_);
-          narrow_from(c.recv, b.in.data(), c.type, c.count);
-        }
-        return;
-      case collective_kind::reduce:
-        if (rank_ != c.root) return;
-        if (is_f32) {
-          if (mean) divide(static_cast<float*>(c.recv), c.count, size_);
-        } else {
-          if (mean) divide(b.in.data(), c.count, size_);
-          narrow_from(c.recv, b.in.data(), c.type, c.count);
-        }
-        return;
-      case collective_kind::reduce_scatter:
-        if (is_f32) {
-          if (mean) divide(static_cast<float*>(c.recv), c.count, size_);
-        } else {
-          if (mean) divide(b.out.data(), c.count, size_);
-          narrow_from(c.recv, b.out.data(), c.type, c.count);
-        }
-        return;
-      default:
-        return;
-    }
+    float* result = is_f32 ? static_cast<float*>(c.recv)
+                           : (c.kind == collective_kind::reduce_scatter ? b.out.data() : b.in.data());
+    if (c.op == reduce_op::mean) divide(result, c.count, size_);
+    if (!is_f32) narrow_from(c.recv, result, c.type, c.count);
   }
 
   MPI_Comm data_;
