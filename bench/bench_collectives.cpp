@@ -475,7 +475,8 @@ std::vector<std::vector<std::size_t>> ddp_buckets(const std::vector<ls::shape>& 
 ///   dp_reduce_add_broadcast  DataParallel: coalesced_reduce_add onto device 0 (one packed copy per device, added
 ///                            there), then coalesced_broadcast of the result back (one packed copy per device)
 ///   all_reduce_per_tensor    one in-place all_reduce per gradient tensor, in backward's (reverse) order
-///   bucketed_all_reduce      DDP's buckets without backward to overlap: pack, all_reduce, unpack per bucket
+///   bucketed_all_reduce      DDP's buckets without backward to overlap: one all_reduce per bucket buffer (DDP keeps
+///                            the gradients inside their bucket's buffer, so there is nothing to pack or unpack)
 void bm_grad_sync(benchmark::State& st, const std::string& name, ls::device_kind kind, int k, const lb::mlp_spec& m,
                   sync_method how) {
   run_guarded(st, name, [&] {
@@ -524,28 +525,14 @@ void bm_grad_sync(benchmark::State& st, const std::string& name, ls::device_kind
             std::size_t n = 0;
             for (std::size_t j : b) n += static_cast<std::size_t>(shapes[j].numel());
             flat[r].emplace_back(n, g.refs[r]);
+            ls::fill_zero(flat[r].back().span(), g.refs[r]);
           }
         }
         once = [&] {
           g.on_ranks([&](int r) {
             const auto u = static_cast<std::size_t>(r);
             const ls::stream_ref s = g.refs[u];
-            for (std::size_t b = 0; b < buckets.size(); ++b) {
-              const ls::device_span<float> bucket = flat[u][b].span();
-              std::size_t offset = 0;
-              for (std::size_t j : buckets[b]) {
-                const auto grad = grads[u][j].span<float>();
-                ls::copy(bucket.subspan(offset, grad.size()), ls::device_span<const float>(grad), s);
-                offset += grad.size();
-              }
-              g.comms[u].all_reduce(bucket, ls::reduce_op::sum, s);
-              offset = 0;
-              for (std::size_t j : buckets[b]) {
-                const auto grad = grads[u][j].span<float>();
-                ls::copy(grad, ls::device_span<const float>(bucket.subspan(offset, grad.size())), s);
-                offset += grad.size();
-              }
-            }
+            for (auto& bucket : flat[u]) g.comms[u].all_reduce(bucket.span(), ls::reduce_op::sum, s);
           });
           g.synchronize();
         };

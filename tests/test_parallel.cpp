@@ -239,6 +239,54 @@ TEST(ddp, buckets_fill_in_reverse_order_with_a_smaller_first_bucket) {
   });
 }
 
+TEST(ddp, gradients_live_in_their_buckets_and_keep_what_was_accumulated) {
+  run_on_devices(first_hosts(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    const auto params = parameters_of(model);
+    // A gradient accumulated before wrapping (rank-dependent) must survive the move into the bucket.
+    parameter& last = *params[params.size() - 1].param;
+    const float before = static_cast<float>(rc.rank() + 1);
+    fill(last.grad().span<float>(), before, s);
+    (void)last.begin_accumulate();
+    std::vector<const void*> own;
+    for (const auto& p : params) own.push_back(p.param->grad().data());
+    const std::uint64_t in_use = get_memory_stats(rc.get_device()).bytes_in_use;
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                  ddp_options{.bucket_bytes = 4096, .first_bucket_bytes = 1024});
+    // Every gradient moved into its bucket, at a 256-byte boundary, in the bucket's order, and its own memory
+    // was given back: the buckets replace the gradients instead of doubling them.
+    for (std::size_t b = 0; b < ddp.bucket_count(); ++b) {
+      const std::byte* previous = nullptr;
+      for (std::size_t k : ddp.bucket_parameters(b)) {
+        const auto* g = static_cast<const std::byte*>(params[k].param->grad().data());
+        EXPECT_NE(static_cast<const void*>(g), own[k]) << params[k].name;
+        EXPECT_EQ(reinterpret_cast<std::uintptr_t>(g) % 256, 0u) << params[k].name;
+        if (previous != nullptr) {
+          EXPECT_GT(g, previous) << params[k].name;
+        }
+        previous = g;
+      }
+    }
+    std::int64_t elements = 0;
+    for (const auto& p : params) elements += p.param->numel();
+    const std::uint64_t padding = 256 * params.size();
+    EXPECT_LE(get_memory_stats(rc.get_device()).bytes_in_use,
+              in_use + padding + 64 * 1024)  // + the construction's small all_gather buffers at most
+        << "a second copy of " << elements * 4 << " gradient bytes";
+    const auto kept = to_vector(device_span<const float>(last.grad().span<float>()), s);
+    for (float v : kept) ASSERT_EQ(v, before);
+    // The next backward adds to it, and the all-reduce sums over ranks in place: 1 + 2 from the two ranks.
+    tensor xb = device_tensor(std::vector<float>(features, 0.0f), shape{1, features}, s);
+    tensor dy = device_tensor(std::vector<float>(classes, 0.0f), shape{1, classes}, s);
+    (void)ddp.forward(xb);
+    ddp.backward(dy);
+    const auto summed = to_vector(device_span<const float>(last.grad().span<float>()), s);
+    for (float v : summed) ASSERT_EQ(v, 3.0f);
+  });
+}
+
 TEST(ddp, no_sync_accumulates_locally_and_the_next_backward_reduces_it_all) {
   // Two micro-batches of 32 (the first under no_sync) equal one step of 64 on one device.
   const auto reference = train_single(host(0), 64);

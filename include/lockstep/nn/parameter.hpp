@@ -7,8 +7,13 @@
 // the gradient as zero, and the first accumulation after it overwrites instead of adding (beta = 0 in a
 // GEMM), which saves a pass over every gradient per step. Code that reads gradients calls
 // `materialize_grad` first, which zeroes a gradient nobody wrote since (an unused parameter).
+//
+// A gradient may live in memory the parameter shares rather than owns (`share_grad_storage`): DDP places the
+// gradients of a bucket side by side in the bucket's buffer, as PyTorch's gradient_as_bucket_view, so that
+// backward writes them where the all-reduce reads them and no copy is needed either way.
 #pragma once
 
+#include <memory>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -41,8 +46,8 @@ class parameter {
   /// What forward and backward read: the working copy under f16/bf16, the master values under f32.
   [[nodiscard]] tensor_view compute_value() const noexcept { return working_.empty() ? value_.view() : working_.view(); }
   /// The gradient, in the compute precision.
-  [[nodiscard]] tensor_view grad() const noexcept { return grad_.view(); }
-  [[nodiscard]] dtype compute_type() const noexcept { return grad_.type(); }
+  [[nodiscard]] tensor_view grad() const noexcept { return grad_view_; }
+  [[nodiscard]] dtype compute_type() const noexcept { return grad_view_.type(); }
 
   /// True when the gradient is logically zero (zero_grad was called and nothing accumulated since).
   [[nodiscard]] bool grad_is_zero() const noexcept { return grad_zero_; }
@@ -57,8 +62,28 @@ class parameter {
   /// Writes zeros into a gradient that is logically zero, so that readers of its memory see them.
   void materialize_grad(stream_ref s) {
     if (!grad_zero_) return;
-    fill_zero(device_span<std::byte>(static_cast<std::byte*>(grad_.data()), grad_.size_bytes(), grad_.get_device()), s);
+    fill_zero(grad_view_.bytes(), s);
     grad_zero_ = false;
+  }
+
+  /// Moves the gradient into `storage` (this parameter's shape and compute type, on its device), which `owner`
+  /// keeps alive for as long as the parameter uses it; the parameter's own gradient memory is freed. The
+  /// gradient's value is kept (copied in stream order on `s` unless it is logically zero). It stays there until
+  /// set_compute_type changes the type or share_grad_storage is called again.
+  void share_grad_storage(const tensor_view& storage, std::shared_ptr<const void> owner, stream_ref s) {
+    LOCKSTEP_EXPECTS(storage.type() == compute_type() && storage.numel() == numel() &&
+                         storage.get_device() == get_device(),
+                     "parameter ", name_, ": shared gradient storage must be ", numel(), " elements of ",
+                     name_of(compute_type()), " on ", get_device().str(), ", got ", storage.numel(), " of ",
+                     name_of(storage.type()), " on ", storage.get_device().str());
+    const tensor_view target = storage.reshaped(dims());
+    if (!grad_zero_ && target.data() != grad_view_.data()) {
+      copy(target.bytes(), device_span<const std::uint8_t>(grad_view_.bytes()), s);
+      grad_.set_stream(s);  // freed after the copy that reads it
+    }
+    grad_ = tensor();
+    grad_owner_ = std::move(owner);
+    grad_view_ = target;
   }
 
   /// Switches the compute precision: allocates the gradient in `type` and, for f16/bf16, a working copy
@@ -66,7 +91,11 @@ class parameter {
   void set_compute_type(dtype type, stream_ref s) {
     LOCKSTEP_EXPECTS(is_floating(type), "parameter ", name_, ": compute type must be f32, f16 or bf16, got ",
                      name_of(type));
-    if (grad_.empty() || grad_.type() != type) grad_ = tensor(value_.dims(), type, s);
+    if (grad_view_.empty() || grad_view_.type() != type) {
+      grad_ = tensor(value_.dims(), type, s);
+      grad_owner_.reset();
+      grad_view_ = grad_.view();
+    }
     grad_zero_ = true;
     if (type == dtype::f32) {
       working_ = tensor();
@@ -100,7 +129,9 @@ class parameter {
   std::string name_;
   tensor value_;
   tensor working_;
-  tensor grad_;
+  tensor grad_;                             // the gradient's memory, unless shared:
+  std::shared_ptr<const void> grad_owner_;  // keeps shared gradient memory alive
+  tensor_view grad_view_;                   // the gradient (in grad_ or in shared memory)
   bool grad_zero_ = true;
 };
 

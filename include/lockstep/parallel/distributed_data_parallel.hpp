@@ -15,12 +15,19 @@
 // training on the whole batch, even when shards differ in size; `mean` is PyTorch's convention (each rank
 // averages its own shard, gradients are averaged over ranks), exact only for equal shards.
 //
+// Gradients live in their buckets (PyTorch's gradient_as_bucket_view): each bucket is one buffer, and every
+// parameter whose gradient travels in its own type (no hook, or a hook of the gradients' type) has its
+// gradient placed in it, each at a 256-byte boundary. Backward writes the gradients where the all-reduce reads
+// them, and the all-reduce leaves the result in place: no copy either way, and no second copy of the
+// gradients in memory. Gradients that change type on the wire are packed (cast) into the bucket and unpacked.
+//
 // A rank whose shard of a step is empty (a batch smaller than the world) calls backward with an empty
 // gradient: it contributes zeros and takes part in every all-reduce, as the others expect.
 #pragma once
 
 #include <cstdint>
 #include <cstring>
+#include <memory>
 #include <optional>
 #include <string>
 #include <unordered_map>
@@ -167,10 +174,11 @@ class distributed_data_parallel {
 
  private:
   struct bucket {
-    std::vector<std::size_t> params;  // indices into params_
-    std::size_t elements = 0;
+    std::vector<std::size_t> params;   // indices into params_
+    std::vector<std::size_t> offsets;  // element offset of each parameter's gradient in `flat`
+    std::size_t elements = 0;          // of `flat`, padding included
     dtype wire = dtype::f32;
-    tensor flat;
+    std::shared_ptr<tensor> flat;      // shared with the parameters whose gradients live in it
     std::optional<event> done;
     std::size_t ready = 0;
     bool launched = false;
@@ -203,16 +211,37 @@ class distributed_data_parallel {
       }
       current.wire = wire;
       current.params.push_back(k);
-      current.elements += static_cast<std::size_t>(p.numel());
+      current.offsets.push_back(current.elements);
+      current.elements += round_up(static_cast<std::size_t>(p.numel()), alignment / size_of(wire));
       bytes += n;
     }
     if (!current.params.empty()) buckets_.push_back(std::move(current));
+    const stream_ref s = ctx_->stream();
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& bk = buckets_[b];
-      bk.flat.ensure(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, ctx_->stream());
+      bk.flat = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
+      fill_zero(bk.flat->bytes(), s);  // the padding between gradients stays zero
       bk.done.emplace(ctx_->get_device());
-      for (std::size_t k : bk.params) bucket_of_.emplace(k, b);
+      for (std::size_t i = 0; i < bk.params.size(); ++i) {
+        bucket_of_.emplace(bk.params[i], b);
+        parameter& p = *params_[bk.params[i]].param;
+        if (p.compute_type() == bk.wire) p.share_grad_storage(slot(bk, i), bk.flat, s);
+      }
     }
+  }
+
+  static constexpr std::size_t alignment = 256;  // bytes, as cudaMalloc's
+  static constexpr std::size_t round_up(std::size_t n, std::size_t m) noexcept { return (n + m - 1) / m * m; }
+
+  // Where the gradient of the i-th parameter of bucket b goes in its buffer.
+  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const {
+    const parameter& p = *params_[b.params[i]].param;
+    return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.offsets[i] * size_of(b.wire), b.wire, p.dims(),
+                       ctx_->get_device());
+  }
+  // Whether the i-th parameter's gradient lives in bucket b's buffer (no copy needed).
+  [[nodiscard]] bool in_place(const bucket& b, std::size_t i) const {
+    return params_[b.params[i]].param->grad().data() == slot(b, i).data();
   }
 
   void on_gradients_ready(std::span<parameter* const> ps) {
@@ -230,58 +259,39 @@ class distributed_data_parallel {
   void launch(std::size_t index) {
     bucket& b = buckets_[index];
     const stream_ref s = ctx_->stream();
-    std::size_t offset = 0;
-    for (std::size_t k : b.params) {
-      parameter& p = *params_[k].param;
+    for (std::size_t i = 0; i < b.params.size(); ++i) {
+      parameter& p = *params_[b.params[i]].param;
       p.materialize_grad(s);
-      const auto n = static_cast<std::size_t>(p.numel());
-      convert_into(p.grad(), b.flat.view(), offset, n, s, direction::pack);
-      offset += n;
+      if (!in_place(b, i)) convert(p.grad(), slot(b, i), s);
     }
     grads_ready_.record(s);
     comm_stream_.wait(grads_ready_);
     comm_timeline_.begin(phase::communication, comm_stream_);
-    comm_.all_reduce(b.flat.data(), b.flat.data(), b.elements, b.wire,
+    comm_.all_reduce(b.flat->data(), b.flat->data(), b.elements, b.wire,
                      options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum, comm_stream_);
     comm_timeline_.end(comm_stream_);
     b.done->record(comm_stream_);
     b.launched = true;
   }
 
-  enum class direction : std::uint8_t { pack, unpack };
-
-  // Copies (casting) n gradient elements to or from `flat` at `offset`.
-  static void convert_into(const tensor_view& grad, const tensor_view& flat, std::size_t offset, std::size_t n,
-                           stream_ref s, direction dir) {
-    dispatch_floating(grad.type(), "ddp gradient", [&]<class G>() {
-      dispatch_floating(flat.type(), "ddp bucket", [&]<class W>() {
-        const device d = flat.get_device();
-        device_span<G> g = grad.span<G>();
-        device_span<W> w(flat.as<W>() + offset, n, d);
-        if (dir == direction::pack) {
-          if constexpr (std::is_same_v<G, W>) {
-            copy(w, device_span<const G>(g), s);
-          } else {
-            cast<W, G>(device_span<const G>(g), w, s);
-          }
+  // Copies `from` into `to` (same number of elements), casting between floating types.
+  static void convert(const tensor_view& from, const tensor_view& to, stream_ref s) {
+    dispatch_floating(from.type(), "ddp gradient", [&]<class F>() {
+      dispatch_floating(to.type(), "ddp gradient", [&]<class T>() {
+        const device_span<const F> src(from.span<F>());
+        if constexpr (std::is_same_v<F, T>) {
+          copy(to.span<T>(), src, s);
         } else {
-          if constexpr (std::is_same_v<G, W>) {
-            copy(g, device_span<const W>(w), s);
-          } else {
-            cast<G, W>(device_span<const W>(w), g, s);
-          }
+          cast<T, F>(src, to.span<T>(), s);
         }
       });
     });
   }
 
-  void unpack(bucket& b) {
-    std::size_t offset = 0;
-    for (std::size_t k : b.params) {
-      parameter& p = *params_[k].param;
-      const auto n = static_cast<std::size_t>(p.numel());
-      convert_into(p.grad(), b.flat.view(), offset, n, ctx_->stream(), direction::unpack);
-      offset += n;
+  // Restores the gradients that travelled in another type from the all-reduced bucket.
+  void unpack(const bucket& b) {
+    for (std::size_t i = 0; i < b.params.size(); ++i) {
+      if (!in_place(b, i)) convert(slot(b, i), params_[b.params[i]].param->grad(), ctx_->stream());
     }
   }
 

@@ -123,6 +123,10 @@ class tensor {
     return view().span<T>();
   }
   [[nodiscard]] device_span<std::uint8_t> bytes() const noexcept { return view().bytes(); }
+  /// Frees the memory on `s` instead of the stream that allocated it (device_buffer::set_stream).
+  void set_stream(stream_ref s) {
+    if (!storage_.empty()) storage_.set_stream(s);
+  }
 
  private:
   device_buffer<std::byte> storage_;

@@ -88,12 +88,14 @@ class stream_state {
   /// Queues `t`; returns its sequence number (1, 2, ...). Never blocks on queued work.
   std::uint64_t enqueue(task t) {
     std::uint64_t seq;
+    bool wake;
     {
       std::lock_guard lock(mutex_);
       queue_.push_back(std::move(t));
       seq = ++enqueued_;
+      wake = worker_sleeping_;
     }
-    work_ready_.notify_one();
+    if (wake) work_ready_.notify_one();  // a busy worker finds the task without a futex call
     return seq;
   }
 
@@ -116,7 +118,7 @@ class stream_state {
   /// Blocks until work up to sequence number `seq` has run.
   void wait_for(std::uint64_t seq) const {
     std::unique_lock lock(mutex_);
-    work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= seq; });
+    wait_done_locked(lock, seq);
   }
 
   /// Blocks until everything queued so far has run, then rethrows a kept error (and clears it).
@@ -124,8 +126,7 @@ class stream_state {
     LOCKSTEP_EXPECTS(!on_worker(), "synchronize() called from work queued on ", label_,
                      " itself: the stream would wait for itself forever");
     std::unique_lock lock(mutex_);
-    const std::uint64_t target = enqueued_;
-    work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= target; });
+    wait_done_locked(lock, enqueued_);
     rethrow_locked();
   }
 
@@ -136,6 +137,14 @@ class stream_state {
   }
 
  private:
+  // Blocks (mutex_ held by `lock`) until work up to `seq` has run. Counted, so that the worker notifies only
+  // when somebody waits.
+  void wait_done_locked(std::unique_lock<std::mutex>& lock, std::uint64_t seq) const {
+    ++done_waiters_;
+    work_done_.wait(lock, [&] { return completed_.load(std::memory_order_acquire) >= seq; });
+    --done_waiters_;
+  }
+
   void rethrow_locked() {
     if (!error_) return;
     std::exception_ptr e = std::exchange(error_, nullptr);
@@ -150,7 +159,11 @@ class stream_state {
   void run() {
     std::unique_lock lock(mutex_);
     while (true) {
-      work_ready_.wait(lock, [&] { return stopping_ || !queue_.empty(); });
+      while (!stopping_ && queue_.empty()) {
+        worker_sleeping_ = true;
+        work_ready_.wait(lock);
+        worker_sleeping_ = false;
+      }
       if (queue_.empty()) return;  // stopping, and all work done
       task t = std::move(queue_.front());
       queue_.pop_front();
@@ -165,7 +178,7 @@ class stream_state {
       t.body = nullptr;  // release captures before reporting completion
       lock.lock();
       completed_.fetch_add(1, std::memory_order_acq_rel);
-      work_done_.notify_all();
+      if (done_waiters_ != 0) work_done_.notify_all();
     }
   }
 
@@ -187,6 +200,8 @@ class stream_state {
   std::uint64_t enqueued_ = 0;
   std::atomic<std::uint64_t> completed_{0};
   bool stopping_ = false;
+  bool worker_sleeping_ = false;    // the worker waits on work_ready_ (guarded by mutex_)
+  mutable int done_waiters_ = 0;    // threads waiting on work_done_ (guarded by mutex_)
   std::exception_ptr error_;
   std::string error_context_;
   mutable std::atomic<int> refs_{1};
@@ -242,14 +257,13 @@ class event_state {
 
   void wait(std::uint64_t gen) const {
     std::unique_lock lock(mutex_);
-    done_.wait(lock, [&] { return complete_locked(gen); });
+    wait_locked(lock, gen);
   }
 
   /// Waits for the most recent record.
   void synchronize() const {
     std::unique_lock lock(mutex_);
-    const std::uint64_t gen = recorded_;
-    done_.wait(lock, [&] { return complete_locked(gen); });
+    wait_locked(lock, recorded_);
   }
 
   /// Enqueues on `s` a wait for the record current now (cudaStreamWaitEvent).
@@ -271,11 +285,19 @@ class event_state {
   }
 
  private:
+  void wait_locked(std::unique_lock<std::mutex>& lock, std::uint64_t gen) const {
+    if (complete_locked(gen)) return;
+    ++waiters_;
+    done_.wait(lock, [&] { return complete_locked(gen); });
+    --waiters_;
+  }
+
   bool complete_locked(std::uint64_t gen) const {
     return gen <= done_through_ || done_out_of_order_.count(gen) != 0;
   }
 
   void complete(std::uint64_t gen) {
+    bool wake;
     {
       std::lock_guard lock(mutex_);
       if (timing_ && gen >= stamp_gen_) {
@@ -287,8 +309,9 @@ class event_state {
         done_out_of_order_.erase(done_through_ + 1);
         ++done_through_;
       }
+      wake = waiters_ != 0;
     }
-    done_.notify_all();
+    if (wake) done_.notify_all();
   }
 
   const int device_;
@@ -296,6 +319,7 @@ class event_state {
   std::atomic<int> refs_{1};
   mutable std::mutex mutex_;
   mutable std::condition_variable done_;
+  mutable int waiters_ = 0;  // threads waiting on done_ (guarded by mutex_)
   std::uint64_t recorded_ = 0;
   std::uint64_t done_through_ = 0;              // every generation <= this has completed
   std::set<std::uint64_t> done_out_of_order_;   // completed generations above done_through_
