@@ -3,6 +3,7 @@
 // so that results compare exactly where the arithmetic allows.
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstdint>
 #include <limits>
@@ -11,7 +12,10 @@
 
 #include "lockstep/core/half.hpp"
 #include "lockstep/device/device_set.hpp"
+#include "lockstep/core/random.hpp"
+#include "lockstep/kernels/activation.hpp"
 #include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/optim.hpp"
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/kernels/reduce.hpp"
 #include "lockstep/runtime/copy.hpp"
@@ -203,4 +207,123 @@ TEST(launch, runs_a_user_functor_over_every_index) {
       for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<std::int64_t>(i * i));
     }
   }
+}
+
+// ---- the host loops that widen and round whole blocks (core/half_runs.hpp) -------------------------------------
+//
+// On a host stream the f16/bf16 activation, bias and optimizer kernels run their own loops over blocks (for_all,
+// for_rows, for_group); these must give the bits of the per-element operator() on every element, including
+// across block boundaries (512), at special values (subnormals, infinities, NaN, the largest values) and ties.
+namespace {
+
+template <class T>
+std::vector<T> awkward_values(std::size_t n, int salt) {
+  const float specials[] = {0.0f, -0.0f, 1e-7f, -6e-8f, 65504.0f, 65520.0f, -70000.0f,
+                            std::numeric_limits<float>::infinity(), std::numeric_limits<float>::quiet_NaN(),
+                            1.0009765625f, 3e38f, -1.5f};
+  std::vector<T> v(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    const float x = i % 7 == 3 ? specials[(i / 7 + static_cast<std::size_t>(salt)) % std::size(specials)]
+                               : 2.0f * philox_uniform(11, static_cast<std::uint64_t>(salt), i) - 1.0f;
+    v[i] = convert<T>(x);
+  }
+  return v;
+}
+
+template <class T>
+std::vector<std::uint16_t> bits_of(const std::vector<T>& v) {
+  std::vector<std::uint16_t> b;
+  for (const T& x : v) b.push_back(x.bits);
+  return b;
+}
+std::vector<std::uint32_t> bits_of(const std::vector<float>& v) {  // NaNs compare by their bits
+  std::vector<std::uint32_t> b;
+  for (float x : v) b.push_back(std::bit_cast<std::uint32_t>(x));
+  return b;
+}
+
+}  // namespace
+
+TEST(host_block_loops, activations_and_bias_match_the_per_element_code) {
+  stream s(device{device_kind::host, 0});
+  auto check = [&]<class T>() {
+    for (std::size_t n : {std::size_t{1}, std::size_t{511}, std::size_t{512}, std::size_t{1500}}) {
+      const auto x = awkward_values<T>(n, 1), y = awkward_values<T>(n, 2), gy = awkward_values<T>(n, 3);
+      auto dx = to_device(x, s), dy = to_device(y, s), dgy = to_device(gy, s);
+      device_buffer<T> out(n, s);
+      auto expect = [&](auto op, const char* what) {
+        launch_elementwise(n, op, s, what);
+        return to_vector(device_span<const T>(out.span()), s);
+      };
+      using relu_fwd = kernels::activation_forward_op<kernels::relu_fn, T>;
+      using gelu_bwd = kernels::activation_backward_op<kernels::gelu_fn, T>;
+      using relu_bwd = kernels::activation_backward_op<kernels::relu_fn, T>;
+      std::vector<T> ref(n);
+      // forward
+      relu_fwd f_ref{x.data(), ref.data()};
+      for (std::size_t i = 0; i < n; ++i) f_ref(i);
+      EXPECT_EQ(bits_of(expect(relu_fwd{dx.data(), out.data()}, "relu")), bits_of(ref)) << "relu n=" << n;
+      // backward, two derivatives (one reads y, one reads x)
+      relu_bwd rb_ref{gy.data(), x.data(), y.data(), ref.data()};
+      for (std::size_t i = 0; i < n; ++i) rb_ref(i);
+      EXPECT_EQ(bits_of(expect(relu_bwd{dgy.data(), dx.data(), dy.data(), out.data()}, "relu bwd")), bits_of(ref))
+          << "relu backward n=" << n;
+      gelu_bwd gb_ref{gy.data(), x.data(), y.data(), ref.data()};
+      for (std::size_t i = 0; i < n; ++i) gb_ref(i);
+      EXPECT_EQ(bits_of(expect(gelu_bwd{dgy.data(), dx.data(), dy.data(), out.data()}, "gelu bwd")), bits_of(ref))
+          << "gelu backward n=" << n;
+      // bias over a [rows, n] matrix, in place
+      const std::size_t rows = 3;
+      auto m = awkward_values<T>(rows * n, 4);
+      auto dm = to_device(m, s);
+      kernels::add_bias_op<T> b_ref{m.data(), gy.data(), m.data(), n};
+      for (std::size_t r = 0; r < rows; ++r)
+        for (std::size_t c = 0; c < n; ++c) b_ref(r, c);
+      launch_2d(rows, n, kernels::add_bias_op<T>{dm.data(), dgy.data(), dm.data(), n}, s, "bias");
+      EXPECT_EQ(bits_of(to_vector(device_span<const T>(dm.span()), s)), bits_of(m)) << "bias n=" << n;
+    }
+  };
+  check.template operator()<half>();
+  check.template operator()<bfloat16>();
+}
+
+TEST(host_block_loops, optimizer_updates_match_the_per_element_code) {
+  auto check = [&]<class T>() {
+    for (std::size_t n : {std::size_t{1}, std::size_t{511}, std::size_t{1500}}) {
+      const auto grad = awkward_values<T>(n, 5);
+      std::vector<float> value(n), state(n), state2(n);
+      for (std::size_t i = 0; i < n; ++i) {
+        value[i] = philox_uniform(3, 0, i) - 0.5f;
+        state[i] = philox_uniform(3, 1, i) - 0.5f;
+        state2[i] = philox_uniform(3, 2, i);
+      }
+      for (bool first : {true, false}) {
+        // SGD with momentum and Nesterov (group: value, grad, momentum, working copy)
+        using sgd = typename kernels::sgd_update_op<T>::bound;
+        const sgd op{0.05f, 0.9f, 0.1f, 1e-4f, 1.0f / 1024, 1.0f, first ? 1.0f : 0.0f, false};
+        auto v1 = value, b1 = state, v2 = value, b2 = state;
+        std::vector<T> w1(n), w2(n);
+        op.for_group(tensor_group<4>{{v1.data(), const_cast<T*>(grad.data()), b1.data(), w1.data()}, n});
+        for (std::size_t i = 0; i < n; ++i)
+          op(tensor_group<4>{{v2.data(), const_cast<T*>(grad.data()), b2.data(), w2.data()}, n}, i);
+        EXPECT_EQ(bits_of(v1), bits_of(v2)) << "sgd n=" << n;
+        EXPECT_EQ(bits_of(b1), bits_of(b2)) << "sgd n=" << n;
+        EXPECT_EQ(bits_of(w1), bits_of(w2)) << "sgd n=" << n;
+      }
+      // AdamW (group: value, grad, m, v, working copy)
+      using adamw = typename kernels::adamw_update_op<T>::bound;
+      const adamw op{0.9f, 0.999f, 1e-8f, 0.99f, 0.01f, 1.2f, 1.0f / 512, false};
+      auto v1 = value, m1 = state, s1 = state2, v2 = value, m2 = state, s2 = state2;
+      std::vector<T> w1(n), w2(n);
+      op.for_group(tensor_group<5>{{v1.data(), const_cast<T*>(grad.data()), m1.data(), s1.data(), w1.data()}, n});
+      for (std::size_t i = 0; i < n; ++i)
+        op(tensor_group<5>{{v2.data(), const_cast<T*>(grad.data()), m2.data(), s2.data(), w2.data()}, n}, i);
+      EXPECT_EQ(bits_of(v1), bits_of(v2)) << "adamw n=" << n;
+      EXPECT_EQ(bits_of(m1), bits_of(m2)) << "adamw n=" << n;
+      EXPECT_EQ(bits_of(s1), bits_of(s2)) << "adamw n=" << n;
+      EXPECT_EQ(bits_of(w1), bits_of(w2)) << "adamw n=" << n;
+    }
+  };
+  check.template operator()<half>();
+  check.template operator()<bfloat16>();
 }

@@ -50,6 +50,7 @@
 #include <span>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 #include <vector>
 
@@ -57,6 +58,7 @@
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/core/half_runs.hpp"
 #include "lockstep/core/shape.hpp"
 #include "lockstep/data/dataset.hpp"
 #include "lockstep/data/sampler.hpp"
@@ -576,9 +578,11 @@ class data_loader {
   // One sample's f32 input -> input_type (f16 or bf16), rounding to nearest even.
   void convert_row(const float* src, std::byte* dst) const {
     dispatch_floating(plan_.input_type, "data_loader input conversion", [&]<class T>() {
-      for (std::size_t e = 0; e < plan_.input_elements; ++e) {
-        const T value = convert<T>(src[e]);
-        std::memcpy(dst + e * sizeof(T), &value, sizeof(T));
+      if constexpr (std::is_same_v<T, float>) {
+        std::memcpy(dst, src, plan_.input_elements * sizeof(float));
+      } else {
+        // Rows of a pinned batch are T-aligned (the batch is an array of T).
+        detail::narrow_run(src, reinterpret_cast<T*>(dst), static_cast<std::int64_t>(plan_.input_elements));
       }
     });
   }

@@ -7,13 +7,18 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/core/half_runs.hpp"
 #include "lockstep/core/random.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
+
+/// Elements per block of the host loops that widen f16/bf16 operands to fp32 (stack arrays of this size).
+inline constexpr std::size_t host_block = 512;
 
 /// y[r, c] = x[r, c] + b[c] over a [rows, cols] row-major matrix (x and y may be the same memory); a
 /// launch_2d functor.
@@ -25,6 +30,21 @@ struct add_bias_op {
   std::size_t cols;
   LOCKSTEP_HD void operator()(std::size_t r, std::size_t c) const {
     y[r * cols + c] = convert<T>(to_float(x[r * cols + c]) + to_float(b[c]));
+  }
+  /// The host loop for f16/bf16: the same sums, on blocks widened and rounded with core/half_runs.hpp.
+  void for_rows(std::size_t rows, std::size_t) const
+    requires(!std::is_same_v<T, float>)
+  {
+    float bias[host_block], t[host_block];
+    for (std::size_t c0 = 0; c0 < cols; c0 += host_block) {
+      const auto n = static_cast<std::int64_t>(cols - c0 < host_block ? cols - c0 : host_block);
+      detail::widen_run(b + c0, bias, n);
+      for (std::size_t r = 0; r < rows; ++r) {
+        detail::widen_run(x + r * cols + c0, t, n);
+        for (std::int64_t j = 0; j < n; ++j) t[j] += bias[j];
+        detail::narrow_run(t, y + r * cols + c0, n);
+      }
+    }
   }
 };
 
@@ -95,6 +115,18 @@ struct activation_forward_op {
   const T* x;
   T* y;
   LOCKSTEP_HD void operator()(std::size_t i) const { y[i] = convert<T>(Fn::forward(to_float(x[i]))); }
+  /// The host loop for f16/bf16: blocks widened and rounded with core/half_runs.hpp (the same results).
+  void for_all(std::size_t n) const
+    requires(!std::is_same_v<T, float>)
+  {
+    float t[host_block];
+    for (std::size_t i0 = 0; i0 < n; i0 += host_block) {
+      const auto m = static_cast<std::int64_t>(n - i0 < host_block ? n - i0 : host_block);
+      detail::widen_run(x + i0, t, m);
+      for (std::int64_t j = 0; j < m; ++j) t[j] = Fn::forward(t[j]);
+      detail::narrow_run(t, y + i0, m);
+    }
+  }
 };
 
 template <class Fn, class T>
@@ -105,6 +137,20 @@ struct activation_backward_op {
   T* gx;
   LOCKSTEP_HD void operator()(std::size_t i) const {
     gx[i] = convert<T>(Fn::backward(to_float(gy[i]), to_float(x[i]), to_float(y[i])));
+  }
+  /// The host loop for f16/bf16: blocks widened and rounded with core/half_runs.hpp (the same results).
+  void for_all(std::size_t n) const
+    requires(!std::is_same_v<T, float>)
+  {
+    float g[host_block], a[host_block], b[host_block];
+    for (std::size_t i0 = 0; i0 < n; i0 += host_block) {
+      const auto m = static_cast<std::int64_t>(n - i0 < host_block ? n - i0 : host_block);
+      detail::widen_run(gy + i0, g, m);
+      detail::widen_run(x + i0, a, m);
+      detail::widen_run(y + i0, b, m);
+      for (std::int64_t j = 0; j < m; ++j) g[j] = Fn::backward(g[j], a[j], b[j]);
+      detail::narrow_run(g, gx + i0, m);
+    }
   }
 };
 

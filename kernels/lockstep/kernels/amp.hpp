@@ -44,11 +44,17 @@ struct count_non_finite_op {
     LOCKSTEP_HD void operator()(const tensor_group<1>& g, std::size_t i) const {
       if (bad(static_cast<const T*>(g.ptr[0]), i)) add_count(counter, 1);  // rare: one atomic per bad value
     }
-    /// The host loop: a branch-free count, added once.
+    /// The host loop: a branch-free count, added once. When unscaling cannot overflow (inv_scale <= 1: the
+    /// scale is at least 1, as always with its default floor), a value is bad exactly when it is not finite
+    /// already, which for f16/bf16 is a test of the exponent bits, without converting.
     void for_group(const tensor_group<1>& g) const {
       const T* __restrict__ p = static_cast<const T*>(g.ptr[0]);
       unsigned long long n = 0;
-      for (std::size_t i = 0; i < g.size; ++i) n += bad(p, i) ? 1u : 0u;
+      if (inv_scale <= 1.0f) {
+        for (std::size_t i = 0; i < g.size; ++i) n += is_finite(p[i]) ? 0u : 1u;
+      } else {
+        for (std::size_t i = 0; i < g.size; ++i) n += bad(p, i) ? 1u : 0u;
+      }
       *counter += n;
     }
   };

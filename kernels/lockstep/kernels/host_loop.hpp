@@ -32,8 +32,12 @@ void host_loop_body(std::size_t n, const K& k) {
 }
 template <class K>
 void host_loop_2d_body(std::size_t rows, std::size_t cols, const K& k) {
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t c = 0; c < cols; ++c) k(r, c);
+  if constexpr (requires { k.for_rows(rows, cols); }) {
+    k.for_rows(rows, cols);  // the functor's own loop over the matrix: the same per-element results
+  } else {
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t c = 0; c < cols; ++c) k(r, c);
+  }
 }
 template <class Group, class K>
 void host_groups_body(std::span<const Group> groups, const K& k) {
@@ -57,8 +61,12 @@ LOCKSTEP_TARGET_AVX2 void host_loop_avx2(std::size_t n, const K& k) {
 }
 template <class K>
 LOCKSTEP_TARGET_AVX2 void host_loop_2d_avx2(std::size_t rows, std::size_t cols, const K& k) {
-  for (std::size_t r = 0; r < rows; ++r)
-    for (std::size_t c = 0; c < cols; ++c) k(r, c);
+  if constexpr (requires { k.for_rows(rows, cols); }) {
+    k.for_rows(rows, cols);
+  } else {
+    for (std::size_t r = 0; r < rows; ++r)
+      for (std::size_t c = 0; c < cols; ++c) k(r, c);
+  }
 }
 template <class Group, class K>
 LOCKSTEP_TARGET_AVX2 void host_groups_avx2(std::span<const Group> groups, const K& k) {

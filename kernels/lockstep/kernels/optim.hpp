@@ -10,13 +10,32 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/core/half_runs.hpp"
 #include "lockstep/kernels/multi_tensor.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
+
+/// The host loop of an update whose gradient and working copy are 16-bit (T): a block of the gradient is
+/// widened into `g` with core/half_runs.hpp's vector conversion, `update(begin, count, g)` runs the fp32
+/// arithmetic of elements [begin, begin + count) reading g[j] for element begin + j, and the updated fp32
+/// values `value[begin, begin + count)` are rounded into `working` (when not null) the same way. The same bits
+/// as converting element by element (core/half.hpp), several times faster.
+template <class T, class Update>
+void host_update_blocks(const T* grad, const float* value, T* working, std::size_t n, Update&& update) {
+  constexpr std::size_t block = 512;
+  float g[block];
+  for (std::size_t begin = 0; begin < n; begin += block) {
+    const std::size_t count = n - begin < block ? n - begin : block;
+    detail::widen_run(grad + begin, g, static_cast<std::int64_t>(count));
+    update(begin, count, static_cast<const float*>(g));
+    if (working != nullptr) detail::narrow_run(value + begin, working + begin, static_cast<std::int64_t>(count));
+  }
+}
 
 /// Per-optimizer values computed once per step, on the device.
 struct optimizer_counters {
@@ -69,8 +88,8 @@ struct sgd_update_op {
     /// copy are compile-time choices (they decide which memory is touched); the uniform choices (first step,
     /// Nesterov) are blends with weights 0 and 1, exact for finite values, so the host loop has no control
     /// flow and vectorizes. A zero weight decay adds weight_decay * value = 0.
-    template <bool Momentum, bool Working>
-    LOCKSTEP_HD void element(float* __restrict__ p, const T* __restrict__ grad, float* __restrict__ buf,
+    template <bool Momentum, bool Working, class G = T>
+    LOCKSTEP_HD void element(float* __restrict__ p, const G* __restrict__ grad, float* __restrict__ buf,
                              T* __restrict__ working, std::size_t i) const {
       const float value = p[i];
       float d = to_float(grad[i]) * multiplier + weight_decay * value;
@@ -108,7 +127,15 @@ struct sgd_update_op {
         const T* __restrict__ grad = static_cast<const T*>(g.ptr[1]);
         float* __restrict__ buf = static_cast<float*>(g.ptr[2]);
         T* __restrict__ working = static_cast<T*>(g.ptr[3]);
-        for (std::size_t i = 0; i < g.size; ++i) element<M, W>(p, grad, buf, working, i);
+        if constexpr (std::is_same_v<T, float>) {
+          for (std::size_t i = 0; i < g.size; ++i) element<M, W>(p, grad, buf, working, i);
+        } else {
+          host_update_blocks(grad, p, W ? working : nullptr, g.size, [&](std::size_t b, std::size_t n, const float* gb) {
+            float* __restrict__ pb = p + b;
+            float* __restrict__ bb = M ? buf + b : nullptr;
+            for (std::size_t j = 0; j < n; ++j) element<M, false, float>(pb, gb, bb, nullptr, j);
+          });
+        }
       });
     }
   };
@@ -143,8 +170,8 @@ struct adamw_update_op {
     bool skip;
     /// Element i, with the group's pointers loaded: the arithmetic both backends run. The working copy is a
     /// compile-time choice, so the host loop has no control flow and vectorizes.
-    template <bool Working>
-    LOCKSTEP_HD void element(float* __restrict__ p, const T* __restrict__ grad, float* __restrict__ m,
+    template <bool Working, class G = T>
+    LOCKSTEP_HD void element(float* __restrict__ p, const G* __restrict__ grad, float* __restrict__ m,
                              float* __restrict__ v, T* __restrict__ working, std::size_t i) const {
       const float d = to_float(grad[i]) * multiplier;
       float value = p[i] * decay;
@@ -177,7 +204,14 @@ struct adamw_update_op {
       float* __restrict__ m = static_cast<float*>(g.ptr[2]);
       float* __restrict__ v = static_cast<float*>(g.ptr[3]);
       T* __restrict__ working = static_cast<T*>(g.ptr[4]);
-      if (working) {
+      if constexpr (!std::is_same_v<T, float>) {
+        host_update_blocks(grad, p, working, g.size, [&](std::size_t b, std::size_t n, const float* gb) {
+          float* __restrict__ pb = p + b;
+          float* __restrict__ mb = m + b;
+          float* __restrict__ vb = v + b;
+          for (std::size_t j = 0; j < n; ++j) element<false, float>(pb, gb, mb, vb, nullptr, j);
+        });
+      } else if (working) {
         for (std::size_t i = 0; i < g.size; ++i) element<true>(p, grad, m, v, working, i);
       } else {
         for (std::size_t i = 0; i < g.size; ++i) element<false>(p, grad, m, v, working, i);
