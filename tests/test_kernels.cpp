@@ -283,7 +283,7 @@ TEST(host_block_loops, activations_and_bias_match_the_per_element_code) {
       EXPECT_EQ(bits_of(to_vector(device_span<const T>(dm.span()), s)), bits_of(m)) << "bias n=" << n;
     }
   };
-  check.template operator()<half>();
+  check.template operator()<lockstep::half>();
   check.template operator()<bfloat16>();
 }
 
@@ -324,6 +324,6 @@ TEST(host_block_loops, optimizer_updates_match_the_per_element_code) {
       EXPECT_EQ(bits_of(w1), bits_of(w2)) << "adamw n=" << n;
     }
   };
-  check.template operator()<half>();
+  check.template operator()<lockstep::half>();
   check.template operator()<bfloat16>();
 }
