@@ -163,6 +163,38 @@ double evaluate(graph& model, const mnist_dataset& test, context& ctx, const mlp
 
 bool step_limit_reached(const mlp_options& o, std::int64_t step) { return o.max_steps > 0 && step >= o.max_steps; }
 
+// The epoch loop of every mode: epochs up to the step limit, per-epoch training time, progress lines.
+// `step(batch)` queues one training step and returns the number of samples it covered (the global batch);
+// `read_loss()` reads the last loss (a host synchronization: only when a progress line is due);
+// `wait()` waits for the epoch's work; `memory()` gives the figures of the progress line.
+template <class Loader, class Step, class ReadLoss, class Wait, class Memory>
+void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result& r, Step&& step, ReadLoss&& read_loss,
+                Wait&& wait, Memory&& memory) {
+  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
+    const auto t0 = clock_type::now();
+    loader.start_epoch(static_cast<std::uint64_t>(epoch));
+    std::int64_t epoch_samples = 0;
+    std::size_t epoch_step = 0;
+    while (auto b = loader.next()) {
+      if (step_limit_reached(o, r.steps)) break;
+      const std::int64_t samples = step(*b);
+      r.samples += samples;
+      epoch_samples += samples;
+      ++r.steps;
+      if (show.due(++epoch_step)) {
+        r.final_loss = read_loss();
+        show.line(epoch, epoch_step, r.final_loss,
+                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
+                  memory());
+      }
+    }
+    wait();
+    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
+    show.end_epoch();
+  }
+  r.final_loss = read_loss();
+}
+
 // ---- one device ------------------------------------------------------------------------------------------------
 
 run_result train_single(const mlp_options& o, const datasets& data, device dev) {
@@ -179,35 +211,20 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   timeline time(dev);
   run_result r;
   reset_memory_stats(dev);
-  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
-    const auto t0 = clock_type::now();
-    loader.start_epoch(static_cast<std::uint64_t>(epoch));
-    std::int64_t epoch_samples = 0;
-    std::size_t epoch_step = 0;
-    while (auto b = loader.next()) {
-      if (step_limit_reached(o, r.steps)) break;
-      ctx.set_step(static_cast<std::uint64_t>(r.steps));
-      time.begin(phase::compute, compute);
-      optimizer.zero_grad();
-      loss.forward(model.forward(b->input, ctx), b->target, ctx);
-      model.backward(loss.backward(ctx), ctx, input_grad::not_required);
-      optimizer.step(compute);
-      time.end(compute);
-      r.samples += b->rows;
-      epoch_samples += b->rows;
-      ++r.steps;
-      if (show.due(++epoch_step)) {
-        r.final_loss = loss.read_loss(compute);  // the one host synchronization: the user asked for a value
-        show.line(epoch, epoch_step, r.final_loss,
-                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
-                  memory_in_use({dev}));
-      }
-    }
-    compute.synchronize();
-    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
-    show.end_epoch();
-  }
-  r.final_loss = loss.read_loss(compute);
+  run_epochs(
+      o, loader, show, r,
+      [&](const auto& b) {
+        ctx.set_step(static_cast<std::uint64_t>(r.steps));
+        time.begin(phase::compute, compute);
+        optimizer.zero_grad();
+        loss.forward(model.forward(b.input, ctx), b.target, ctx);
+        model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+        optimizer.step(compute);
+        time.end(compute);
+        return b.rows;
+      },
+      [&] { return loss.read_loss(compute); }, [&] { compute.synchronize(); },
+      [&] { return memory_in_use({dev}); });
   r.scaler = optimizer.scaler_state(compute);
   r.devices.push_back(time.report());
   r.accuracy = evaluate(model, data.test, ctx, o);
@@ -233,34 +250,22 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
   progress show(o, loader.batches_per_epoch(), true);
   run_result r;
   dp.reset_report();
-  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
-    const auto t0 = clock_type::now();
-    loader.start_epoch(static_cast<std::uint64_t>(epoch));
-    std::int64_t epoch_samples = 0;
-    std::size_t epoch_step = 0;
-    while (auto b = loader.next()) {
-      if (step_limit_reached(o, r.steps)) break;
-      dp.set_step(static_cast<std::uint64_t>(r.steps));
-      optimizer.zero_grad();
-      // the labels are on device_ids[0], which is also the output device: the loss is computed there
-      loss.forward(dp.forward(b->input), b->target, out);
-      dp.backward(loss.backward(out));
-      optimizer.step(s0);
-      r.samples += b->rows;
-      epoch_samples += b->rows;
-      ++r.steps;
-      if (show.due(++epoch_step)) {
-        r.final_loss = loss.read_loss(out.stream());
-        show.line(epoch, epoch_step, r.final_loss,
-                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
-                  memory_in_use(devices.devices()));
-      }
-    }
-    for (const device d : devices) synchronize(d);
-    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
-    show.end_epoch();
-  }
-  r.final_loss = loss.read_loss(out.stream());
+  run_epochs(
+      o, loader, show, r,
+      [&](const auto& b) {
+        dp.set_step(static_cast<std::uint64_t>(r.steps));
+        optimizer.zero_grad();
+        // the labels are on device_ids[0], which is also the output device: the loss is computed there
+        loss.forward(dp.forward(b.input), b.target, out);
+        dp.backward(loss.backward(out));
+        optimizer.step(s0);
+        return b.rows;
+      },
+      [&] { return loss.read_loss(out.stream()); },
+      [&] {
+        for (const device d : devices) synchronize(d);
+      },
+      [&] { return memory_in_use(devices.devices()); });
   r.scaler = optimizer.scaler_state(s0);
   r.devices = dp.report();
   r.accuracy = evaluate(model, data.test, dp.replica_context(0), o);
@@ -286,35 +291,20 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
   ddp.reset_report();
-  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
-    const auto t0 = clock_type::now();
-    loader.start_epoch(static_cast<std::uint64_t>(epoch));
-    std::int64_t epoch_samples = 0;
-    std::size_t epoch_step = 0;
-    while (auto b = loader.next()) {
-      if (step_limit_reached(o, r.steps)) break;
-      ctx.set_step(static_cast<std::uint64_t>(r.steps));
-      optimizer.zero_grad();
-      // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a
-      // mean over the global batch and the gradients are summed over ranks
-      loss.forward(ddp.forward(b->input), b->target, ctx, b->rows * world);
-      ddp.backward(loss.backward(ctx));
-      optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
-      r.samples += b->rows * world;
-      epoch_samples += b->rows * world;
-      ++r.steps;
-      if (show.due(++epoch_step)) {
-        r.final_loss = loss.read_loss(compute);
-        show.line(epoch, epoch_step, r.final_loss,
-                  static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
-                  memory_in_use({ctx.get_device()}));
-      }
-    }
-    comm.synchronize(compute);
-    r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
-    show.end_epoch();
-  }
-  r.final_loss = loss.read_loss(compute);
+  run_epochs(
+      o, loader, show, r,
+      [&](const auto& b) {
+        ctx.set_step(static_cast<std::uint64_t>(r.steps));
+        optimizer.zero_grad();
+        // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a
+        // mean over the global batch and the gradients are summed over ranks
+        loss.forward(ddp.forward(b.input), b.target, ctx, b.rows * world);
+        ddp.backward(loss.backward(ctx));
+        optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
+        return b.rows * world;
+      },
+      [&] { return loss.read_loss(compute); }, [&] { comm.synchronize(compute); },
+      [&] { return memory_in_use({ctx.get_device()}); });
   r.scaler = optimizer.scaler_state(compute);
   r.devices.push_back(ddp.report());
   if (rank == 0) r.accuracy = evaluate(model, data.test, ctx, o);
