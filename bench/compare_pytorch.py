@@ -10,7 +10,8 @@ reported figure is the median of each side's runs and the ratio of the medians.
              on other threads) against PyTorch pinned to one core (taskset -c 0, torch.set_num_threads(1),
              DataLoader in the training thread).
     ddp      lockstep --mode ddp on 2 host devices against PyTorch DistributedDataParallel with the gloo backend
-             on 2 processes (one thread each), both with the same global batch.
+             on 2 processes (one thread each), both with the same global batch; and, alternated with them,
+             lockstep on one host device, for lockstep's own speed-up from the second device (ddp_over_single).
 
 Usage: bench/compare_pytorch.py [--mlp-train PATH] [--hidden 256,256 1024,1024] [--steps N] [--repeats R]
                                 [--modes single ddp] [--json]
@@ -179,8 +180,10 @@ def main():
     for mode in a.modes:
         for hidden_spec in a.hidden:
             hidden = [int(h) for h in hidden_spec.split(",")]
-            ours, theirs = [], []
+            ours, theirs, ours_single = [], [], []
             for _ in range(a.repeats):
+                if mode == "ddp":
+                    ours_single.append(run_lockstep(a.mlp_train, "single", hidden, a.batch, a.steps, a.lr, a.momentum))
                 ours.append(run_lockstep(a.mlp_train, mode, hidden, a.batch, a.steps, a.lr, a.momentum))
                 theirs.append(run_torch(mode, hidden, a.batch, a.steps, a.lr, a.momentum))
             r = {
@@ -199,11 +202,17 @@ def main():
                 "machine_cores": cores,
             }
             r["ratio"] = r["lockstep_samples_per_second"] / r["pytorch_samples_per_second"]
+            if ours_single:
+                r["lockstep_single_runs"] = ours_single
+                r["ddp_over_single"] = r["lockstep_samples_per_second"] / statistics.median(ours_single)
             results.append(r)
             if not a.json:
                 print(f"{mode:6s} hidden {hidden_spec:10s} batch {a.batch}: lockstep {r['lockstep_samples_per_second']:9.0f}"
                       f" samples/s, PyTorch {r['pytorch_samples_per_second']:9.0f} samples/s, ratio {r['ratio']:.2f}"
                       f"  (medians of {a.repeats}, alternated)")
+                if ours_single:
+                    print(f"{'':6s} hidden {hidden_spec:10s} batch {a.batch}: lockstep ddp on 2 devices against 1 device:"
+                          f" {r['ddp_over_single']:.2f}x (1 device: {statistics.median(ours_single):.0f} samples/s)")
     if not a.json:
         print(f"machine: {cores} cores. lockstep single: {results[0]['lockstep_setup'] if results else ''}; "
               f"PyTorch single: taskset -c 0, 1 thread.")

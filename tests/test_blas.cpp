@@ -222,10 +222,11 @@ TEST_P(blas_test, gemm_matches_the_reference_for_every_transpose_and_odd_sizes) 
 }
 
 TEST_P(blas_test, gemm_is_exact_across_the_host_block_boundaries) {
-  // The host fp16/bf16 GEMM works in blocks of at most 1024 rows, 1024 columns and 256 of depth; these sizes
-  // cross each boundary, alone and together (1030 rows are two blocks of 515, 300 of depth two of 150).
+  // The host fp16/bf16 GEMM works in blocks of at most 1024 rows and 1024 columns; these sizes cross each
+  // boundary, alone and together (1030 rows are two blocks of 515). Depth blocks need sizes too large for a
+  // test (the depth gets what 6 MiB of scratch leaves): host_blocking.* below covers them with small blocks.
   using blocking = detail::host_blocking;
-  static_assert(blocking::max_rows < 1030 && blocking::max_cols < 1030 && blocking::max_depth < 260,
+  static_assert(blocking::max_rows < 1030 && blocking::max_cols < 1030,
                 "the sizes below no longer cross the block boundaries");
   with_float_type(type(), [&]<class T>() {
     stream s(dev());
@@ -237,14 +238,14 @@ TEST_P(blas_test, gemm_is_exact_across_the_host_block_boundaries) {
       std::int64_t pad;
     };
     const big_case cases[] = {
-        {300, 513, 600, transpose::yes, transpose::yes, {-0.5f, 0.25f}, 5},  // depth: 3 blocks of 200
+        {300, 513, 600, transpose::yes, transpose::yes, {-0.5f, 0.25f}, 5},
         {65, 33, 600, transpose::no, transpose::no, {1.0f, 0.0f}, 0},
         {1030, 33, 65, transpose::no, transpose::yes, {1.0f, 1.0f}, 3},   // rows
         {33, 1030, 65, transpose::yes, transpose::no, {-0.5f, 0.0f}, 1},  // columns
-        {1030, 20, 300, transpose::yes, transpose::no, {1.0f, 0.25f}, 0}, // rows and depth (B converted again)
-        {20, 1030, 300, transpose::no, transpose::yes, {-0.5f, 1.0f}, 2}, // columns and depth
+        {1030, 20, 300, transpose::yes, transpose::no, {1.0f, 0.25f}, 0}, // rows (B serves both)
+        {20, 1030, 300, transpose::no, transpose::yes, {-0.5f, 1.0f}, 2}, // columns
         {1030, 1030, 8, transpose::no, transpose::no, {1.0f, 0.0f}, 0},   // rows and columns
-        {1030, 1030, 260, transpose::yes, transpose::no, {-0.5f, 0.25f}, 1},  // all three
+        {1030, 1030, 260, transpose::yes, transpose::no, {-0.5f, 0.25f}, 1},
     };
     std::uint32_t seed = 100;
     for (const auto& c : cases) {
@@ -252,6 +253,66 @@ TEST_P(blas_test, gemm_is_exact_across_the_host_block_boundaries) {
       if (::testing::Test::HasFailure()) return;
     }
   });
+}
+
+TEST(host_blocking, the_scratch_stays_within_6_MiB_and_the_depth_takes_what_it_leaves) {
+  using blocking = detail::host_blocking;
+  const std::int64_t sizes[] = {1, 7, 128, 256, 784, 1000, 1024, 1025, 2048, 3000, 100000};
+  for (std::int64_t m : sizes)
+    for (std::int64_t n : sizes)
+      for (std::int64_t k : sizes) {
+        const auto b = blocking::for_problem(m, n, k);
+        SCOPED_TRACE(detail::concat("m=", m, " n=", n, " k=", k, " -> ", b.rows, " x ", b.cols, " x ", b.depth));
+        ASSERT_LE(b.scratch_floats(), static_cast<std::size_t>(blocking::max_scratch_floats));
+        ASSERT_TRUE(b.rows >= 1 && b.rows <= std::min(m, blocking::max_rows));
+        ASSERT_TRUE(b.cols >= 1 && b.cols <= std::min(n, blocking::max_cols));
+        ASSERT_TRUE(b.depth >= 1 && b.depth <= k);
+        // whole, or split into equal blocks of at most what the budget leaves (at least 256): never slivers
+        ASSERT_TRUE(b.depth == k || b.depth > blocking::min_depth / 2);
+      }
+  EXPECT_EQ(blocking::max_scratch_floats * 4, 6 << 20);
+  // the largest blocks keep a depth of 256; a training step's GEMMs at batch 128 take the whole depth
+  EXPECT_EQ(blocking::for_problem(1024, 2048, 2048).depth, 256);
+  EXPECT_EQ(blocking::for_problem(128, 1024, 1024).depth, 1024);
+  EXPECT_EQ(blocking::for_problem(1024, 784, 128).depth, 128);
+}
+
+TEST(host_blocking, blocks_of_every_dimension_and_their_remainders_give_the_exact_product) {
+  // The blocked loop with small blocks (7 rows, 9 columns, 5 of depth; the problem sizes leave remainders),
+  // every transpose, small integer values (exact sums): C must be the correctly rounded exact product.
+  auto check = [&]<class T>() {
+    const detail::host_blocking small{7, 9, 5};
+    std::vector<float> scratch(small.scratch_floats());
+    std::uint32_t seed = 500;
+    for (transpose ta : {transpose::no, transpose::yes})
+      for (transpose tb : {transpose::no, transpose::yes})
+        for (float beta : {0.0f, 0.5f}) {
+          const gemm_case g{ta, tb, 23, 20, 17, -0.5f, beta, 1, 2, 3};
+          SCOPED_TRACE(g.str());
+          const bool tra = ta == transpose::yes, trb = tb == transpose::yes;
+          stored_matrix a(tra ? g.k : g.m, tra ? g.m : g.k, g.pad_a, nan_value);
+          stored_matrix b(trb ? g.n : g.k, trb ? g.k : g.n, g.pad_b, nan_value);
+          stored_matrix c(g.m, g.n, g.pad_c, padding_sentinel);
+          for (auto* x : {&a, &b, &c})
+            for (std::int64_t r = 0; r < x->rows; ++r)
+              for (std::int64_t col = 0; col < x->cols; ++col) x->at(r, col) = small_int(seed, r * 1000 + col);
+          ++seed;
+          const auto ha = from_floats<T>(a.values), hb = from_floats<T>(b.values);
+          auto hc = from_floats<T>(c.values);
+          const detail::gemm_problem<T> p{ta,     tb,     g.m,  g.n,       g.k,  g.alpha, ha.data(), a.ld,
+                                          hb.data(), b.ld, g.beta, hc.data(), c.ld};
+          detail::gemm_host_blocked(p, small, scratch.data());
+          const reference ref(g, a, b, c);
+          for (std::int64_t i = 0; i < g.m; ++i)
+            for (std::int64_t j = 0; j < c.ld; ++j) {
+              const float got = to_float(hc[static_cast<std::size_t>(i * c.ld + j)]);
+              const float want = j < g.n ? to_float(convert<T>(static_cast<float>(ref.at(i, j)))) : padding_sentinel;
+              ASSERT_EQ(got, want) << "C[" << i << ", " << j << "]";
+            }
+        }
+  };
+  check.template operator()<lockstep::half>();
+  check.template operator()<bfloat16>();
 }
 
 TEST_P(blas_test, k_zero_or_alpha_zero_scales_c_without_reading_a_or_b) {

@@ -211,9 +211,10 @@ TEST(launch, runs_a_user_functor_over_every_index) {
 
 // ---- the host loops that widen and round whole blocks (core/half_runs.hpp) -------------------------------------
 //
-// On a host stream the f16/bf16 activation, bias and optimizer kernels run their own loops over blocks (for_all,
-// for_rows, for_group); these must give the bits of the per-element operator() on every element, including
-// across block boundaries (512), at special values (subnormals, infinities, NaN, the largest values) and ties.
+// On a host stream the f16/bf16 activation, bias, bias-gradient and optimizer kernels run their own loops over
+// blocks (for_all, for_rows, for_group); these must give the bits of the per-element operator() on every element,
+// including across block boundaries (512), at special values (subnormals, infinities, NaN, the largest values)
+// and ties.
 namespace {
 
 template <class T>
@@ -281,6 +282,16 @@ TEST(host_block_loops, activations_and_bias_match_the_per_element_code) {
         for (std::size_t c = 0; c < n; ++c) b_ref(r, c);
       launch_2d(rows, n, kernels::add_bias_op<T>{dm.data(), dgy.data(), dm.data(), n}, s, "bias");
       EXPECT_EQ(bits_of(to_vector(device_span<const T>(dm.span()), s)), bits_of(m)) << "bias n=" << n;
+      // column sums of a [rows, n] matrix (bias gradients), overwritten and accumulated
+      for (float beta : {0.0f, 0.5f}) {
+        std::vector<T> sums = y;
+        kernels::column_sum_op<T> c_ref{m.data(), sums.data(), rows, n, beta};
+        for (std::size_t c = 0; c < n; ++c) c_ref(c);
+        auto dsums = to_device(y, s);
+        launch_elementwise(n, kernels::column_sum_op<T>{dm.data(), dsums.data(), rows, n, beta}, s, "column sum");
+        EXPECT_EQ(bits_of(to_vector(device_span<const T>(dsums.span()), s)), bits_of(sums))
+            << "column sum n=" << n << " beta=" << beta;
+      }
     }
   };
   check.template operator()<lockstep::half>();

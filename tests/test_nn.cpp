@@ -512,11 +512,25 @@ TEST(optimizer, unused_parameters_see_a_zero_gradient_and_groups_are_checked) {
   f.p.zero_grad();
   parameter* ps[] = {&f.p};
   sgd opt(ps, sgd_options{.lr = 1.0f});
-  opt.step(f.s);
-  EXPECT_EQ(f.values(), (std::vector<float>{1.0f, 2.0f, 3.0f}));
   EXPECT_THROW(opt.add_param_group(ps, sgd_options{}), precondition_error);  // already in a group
   stream other(host1);
   parameter q("q", shape{2}, other);
   parameter* qs[] = {&q};
   EXPECT_THROW(opt.add_param_group(qs, sgd_options{}), precondition_error);  // another device
+  parameter r("r", shape{2}, f.s);
+  parameter* rs[] = {&r};
+  opt.add_param_group(rs, sgd_options{.lr = 1.0f});  // before the first step: fine
+  EXPECT_EQ(opt.group_count(), 2u);
+  opt.step(f.s);
+  EXPECT_EQ(f.values(), (std::vector<float>{1.0f, 2.0f, 3.0f}));
+  // after it, a new group would inherit the shared step count (Adam's bias corrections): refused, saying why
+  parameter late("late", shape{2}, f.s);
+  parameter* lates[] = {&late};
+  try {
+    opt.add_param_group(lates, sgd_options{});
+    ADD_FAILURE() << "a group added after the first step was accepted";
+  } catch (const precondition_error& e) {
+    EXPECT_NE(std::string(e.what()).find("after the optimizer's first step"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(opt.group_count(), 2u);
 }

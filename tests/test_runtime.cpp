@@ -115,6 +115,21 @@ TEST(host_stream, an_exception_in_queued_work_is_rethrown_at_the_next_synchroniz
   }
   EXPECT_TRUE(later_ran.load());      // like later kernels on a GPU, later work still ran
   EXPECT_NO_THROW(s.synchronize());   // reported once
+  // a query reports it too (as cudaStreamQuery does), once the failed work is done, and once
+  detail::enqueue_host(s, [] { throw std::runtime_error("boom again"); }, "test kernel");
+  for (;;) {  // until the failed work has run: then ready() throws, or returns true and the test fails
+    try {
+      if (s.ready()) {
+        ADD_FAILURE() << "ready() hid the error";
+        break;
+      }
+    } catch (const async_error& e) {
+      EXPECT_CONTAINS(std::string(e.what()), "boom again");
+      break;
+    }
+    std::this_thread::yield();
+  }
+  EXPECT_TRUE(s.ready());
 }
 
 TEST(host_stream, only_the_first_error_is_kept_and_device_synchronize_reports_it) {

@@ -12,7 +12,7 @@
 //   - host device: queued on the handle's stream and run by its worker. fp32 is cblas_sgemm. fp16/bf16 are
 //     converted to fp32 block by block into the handle's scratch memory, multiplied with cblas_sgemm into an
 //     fp32 accumulator block that sums the whole k dimension, and rounded once (see detail::gemm_host_blocked).
-//     The scratch memory is bounded by the block sizes (at most 6 MiB), whatever the problem size.
+//     The scratch memory is bounded (at most 6 MiB), whatever the problem size (see detail::host_blocking).
 //
 // BLAS semantics for the corner cases: m == 0 or n == 0 does nothing; k == 0 or alpha == 0 sets
 // C = beta * C without reading A or B; beta == 0 sets C without reading it (NaNs in C do not propagate).
@@ -75,15 +75,19 @@ void widen_block(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t 
 /// What costs time besides the multiply-adds is the traffic per element: converting an operand block to fp32,
 /// and OpenBLAS packing it again inside each sgemm call. op(A) is converted and packed once per block of
 /// columns and op(B) once per block of rows, so that traffic is about m n k (1 / rows + 1 / cols) elements:
-/// rows and columns get large blocks. The depth block can be small without cost (OpenBLAS itself works through
-/// the depth in steps of a few hundred) and bounds the operand blocks. Measured on one core (AVX-512 Xeon,
-/// OpenBLAS 0.3.21), the f16 GEMM takes 0.99x, 1.07x and 1.17x the time of the fp32 sgemm for square sizes
-/// 512, 1024 and 2048, against 1.09x, 1.15x and 1.30x with 256 x 512 x 2048 blocks. The scratch memory is at
-/// most 1024 x 256 + 256 x 1024 + 1024 x 1024 floats (6 MiB), whatever the problem size.
+/// rows and columns get large blocks. Measured on one core (AVX-512 Xeon, OpenBLAS 0.3.21), the f16 GEMM takes
+/// 0.99x, 1.07x and 1.17x the time of the fp32 sgemm for square sizes 512, 1024 and 2048, against 1.09x, 1.15x
+/// and 1.30x with 256 x 512 x 2048 blocks.
+///
+/// The depth gets what the scratch budget leaves: every sgemm call over a part of the depth reads and writes
+/// the fp32 accumulator again, which costs most when the rows are few (a training step's GEMMs at batch 128
+/// took 1.4x longer with the depth cut at 256 than whole). The budget is that of the largest blocks with a
+/// depth of 256: at most 1024 x 256 + 256 x 1024 + 1024 x 1024 floats (6 MiB), whatever the problem size.
 struct host_blocking {
   static constexpr std::int64_t max_rows = 1024;
   static constexpr std::int64_t max_cols = 1024;
-  static constexpr std::int64_t max_depth = 256;
+  static constexpr std::int64_t min_depth = 256;  // the depth of a block when rows and columns are largest
+  static constexpr std::int64_t max_scratch_floats = max_rows * min_depth + min_depth * max_cols + max_rows * max_cols;
 
   std::int64_t rows, cols, depth;
 
@@ -93,7 +97,9 @@ struct host_blocking {
     return (extent + blocks - 1) / blocks;
   }
   static constexpr host_blocking for_problem(std::int64_t m, std::int64_t n, std::int64_t k) noexcept {
-    return {split(m, max_rows), split(n, max_cols), split(k, max_depth)};
+    const std::int64_t rows = split(m, max_rows), cols = split(n, max_cols);
+    const std::int64_t depth_budget = std::max(min_depth, (max_scratch_floats - rows * cols) / (rows + cols));
+    return {rows, cols, split(k, depth_budget)};
   }
   /// Floats of scratch memory: a block of op(A) [rows, depth], of op(B) [depth, cols], of C [rows, cols].
   [[nodiscard]] constexpr std::size_t scratch_floats() const noexcept {

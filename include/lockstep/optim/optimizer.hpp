@@ -33,7 +33,12 @@ template <class Options, int State>
 class optimizer_core {
  public:
   /// Adds a group of parameters updated with `options`. All parameters of an optimizer live on one device.
+  /// Groups are added before the first step: the step count (Adam's bias corrections, SGD's first-step
+  /// momentum) is one per optimizer, so a group added later would be updated as if it had taken every step.
   void add_param_group(std::span<parameter* const> params, const Options& options) {
+    LOCKSTEP_EXPECTS(counters_.empty(), "add_param_group after the optimizer's first step: the step count is shared "
+                     "by all groups, so the new group's first update would use the bias corrections of step ",
+                     "N + 1; add every group before the first step, or give the new parameters their own optimizer");
     param_group g{std::vector<parameter*>(params.begin(), params.end()), options, {}};
     for (parameter* p : g.params) {
       LOCKSTEP_EXPECTS(p != nullptr, "a null parameter in an optimizer group");

@@ -56,9 +56,14 @@ class stream_ref {
 #endif
   }
 
-  /// True when all work queued so far has run (cudaStreamQuery). Does not block.
+  /// True when all work queued so far has run (cudaStreamQuery). Does not block. Like cudaStreamQuery, it
+  /// reports a failure of that work: an error kept from a host stream's work is rethrown (once) when it is done.
   [[nodiscard]] bool ready() const {
-    if (h_.dev.is_host()) return host_state().idle();
+    if (h_.dev.is_host()) {
+      if (!host_state().idle()) return false;
+      host_state().rethrow_if_failed();
+      return true;
+    }
 #if LOCKSTEP_HAS_CUDA
     device_guard guard(h_.dev);
     const cudaError_t e = cudaStreamQuery(cuda_stream());

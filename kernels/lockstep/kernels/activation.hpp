@@ -50,8 +50,9 @@ struct add_bias_op {
 
 /// db[c] = beta * db[c] + sum over r of g[r, c]: one index per column; the loop over rows makes reads of
 /// neighbouring columns by neighbouring threads coalesced on a GPU. On a host stream `for_all` runs the same
-/// sums (each column's rows in the same order, so the same results) sixteen columns at a time, which turns the
-/// strided column walk into contiguous row segments the compiler vectorizes.
+/// sums (each column's rows in the same order, so the same results) on many columns at a time, which turns the
+/// strided column walk into contiguous row segments the compiler vectorizes: sixteen f32 columns, or blocks of
+/// f16/bf16 columns widened with core/half_runs.hpp.
 template <class T>
 struct column_sum_op {
   const T* g;
@@ -68,17 +69,31 @@ struct column_sum_op {
     finish(c, acc);
   }
   void for_all(std::size_t n) const {
-    constexpr std::size_t block = 16;
-    std::size_t c0 = 0;
-    for (; c0 + block <= n; c0 += block) {
-      float acc[block] = {};
-      for (std::size_t r = 0; r < rows; ++r) {
-        const T* row = g + r * cols + c0;
-        for (std::size_t j = 0; j < block; ++j) acc[j] += to_float(row[j]);
+    if constexpr (!std::is_same_v<T, float>) {
+      // row segments widened a block at a time with core/half_runs.hpp
+      float acc[host_block], t[host_block];
+      for (std::size_t c0 = 0; c0 < n; c0 += host_block) {
+        const std::size_t m = n - c0 < host_block ? n - c0 : host_block;
+        for (std::size_t j = 0; j < m; ++j) acc[j] = 0.0f;
+        for (std::size_t r = 0; r < rows; ++r) {
+          detail::widen_run(g + r * cols + c0, t, static_cast<std::int64_t>(m));
+          for (std::size_t j = 0; j < m; ++j) acc[j] += t[j];
+        }
+        for (std::size_t j = 0; j < m; ++j) finish(c0 + j, acc[j]);
       }
-      for (std::size_t j = 0; j < block; ++j) finish(c0 + j, acc[j]);
+    } else {
+      constexpr std::size_t block = 16;
+      std::size_t c0 = 0;
+      for (; c0 + block <= n; c0 += block) {
+        float acc[block] = {};
+        for (std::size_t r = 0; r < rows; ++r) {
+          const float* row = g + r * cols + c0;
+          for (std::size_t j = 0; j < block; ++j) acc[j] += row[j];
+        }
+        for (std::size_t j = 0; j < block; ++j) finish(c0 + j, acc[j]);
+      }
+      for (; c0 < n; ++c0) (*this)(c0);
     }
-    for (; c0 < n; ++c0) (*this)(c0);
   }
 };
 

@@ -3,8 +3,10 @@
 // On x86-64 each loop exists twice: compiled for the baseline instruction set (SSE2, what a plain build
 // targets) and for AVX2, chosen at run time by what the CPU supports. The functor's code is inlined into both,
 // so the AVX2 loop vectorizes 8 floats wide (and the branch-free f16/bf16 conversions with AVX2 integer
-// instructions) without the program requiring AVX2. FMA is deliberately not enabled: contracting a * b + c
-// would change results between machines.
+// instructions) without the program requiring AVX2. The AVX2 copies are flattened: everything they call with
+// a visible body (a functor's own for_all / for_rows / for_group, the lambdas and block helpers inside them)
+// is inlined into them, since code left out of line is compiled for the baseline only. FMA is deliberately
+// not enabled: contracting a * b + c would change results between machines.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +17,7 @@
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDA_ARCH__)
 #define LOCKSTEP_HOST_AVX2_CLONES 1
-#define LOCKSTEP_TARGET_AVX2 __attribute__((target("avx2")))
+#define LOCKSTEP_TARGET_AVX2 __attribute__((target("avx2"), flatten))
 #else
 #define LOCKSTEP_HOST_AVX2_CLONES 0
 #endif
