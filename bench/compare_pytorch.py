@@ -214,8 +214,11 @@ def main():
                     print(f"{'':6s} hidden {hidden_spec:10s} batch {a.batch}: lockstep ddp on 2 devices against 1 device:"
                           f" {r['ddp_over_single']:.2f}x (1 device: {statistics.median(ours_single):.0f} samples/s)")
     if not a.json:
-        print(f"machine: {cores} cores. lockstep single: {results[0]['lockstep_setup'] if results else ''}; "
-              f"PyTorch single: taskset -c 0, 1 thread.")
+        print(f"machine: {cores} cores.")
+        for mode in a.modes:
+            r = next((r for r in results if r["mode"] == mode), None)
+            if r:
+                print(f"{mode}: lockstep {r['lockstep_setup']}; PyTorch {r['pytorch_setup']}.")
     else:
         print(json.dumps(results))
     return 0
