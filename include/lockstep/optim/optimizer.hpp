@@ -33,12 +33,10 @@ template <class Options, int State>
 class optimizer_core {
  public:
   /// Adds a group of parameters updated with `options`. All parameters of an optimizer live on one device.
-  /// Groups are added before the first step: the step count (Adam's bias corrections, SGD's first-step
-  /// momentum) is one per optimizer, so a group added later would be updated as if it had taken every step.
+  /// A group may be added after steps were taken (unfreezing layers): it keeps its own step count, so its
+  /// first update is a first step (SGD's momentum buffer starts at the gradient, AdamW's bias corrections
+  /// are those of step 1), as in PyTorch.
   void add_param_group(std::span<parameter* const> params, const Options& options) {
-    LOCKSTEP_EXPECTS(counters_.empty(), "add_param_group after the optimizer's first step: the step count is shared "
-                     "by all groups, so the new group's first update would use the bias corrections of step ",
-                     "N + 1; add every group before the first step, or give the new parameters their own optimizer");
     param_group g{std::vector<parameter*>(params.begin(), params.end()), options, {}};
     for (parameter* p : g.params) {
       LOCKSTEP_EXPECTS(p != nullptr, "a null parameter in an optimizer group");
@@ -70,12 +68,14 @@ class optimizer_core {
     return g.state.at(index).at(static_cast<std::size_t>(which)).view();
   }
 
-  /// Steps applied so far; synchronizes `s`. (The count lives on the device: a skipped step does not count.)
-  [[nodiscard]] std::int64_t steps_taken(stream_ref s) const {
-    if (counters_.empty()) return 0;
+  /// Steps applied so far to group `group_index` (the first by default); synchronizes `s`. (The counts live on
+  /// the device: a skipped step does not count.)
+  [[nodiscard]] std::int64_t steps_taken(stream_ref s, std::size_t group_index = 0) const {
+    LOCKSTEP_EXPECTS(group_index < groups_.size(), "steps_taken: group ", group_index, " of ", groups_.size());
+    if (group_index >= counted_groups_) return 0;
     const auto bytes = to_vector(counters_.template span<const std::uint8_t>(), s);
     kernels::optimizer_counters c{};
-    std::memcpy(&c, bytes.data(), sizeof c);
+    std::memcpy(&c, bytes.data() + group_index * sizeof c, sizeof c);
     return c.step;
   }
 
@@ -86,17 +86,15 @@ class optimizer_core {
     std::vector<std::array<tensor, State>> state;
   };
 
-  /// Allocates zeroed state (for groups whose options need it) and counters on the first step,
-  /// materializes gradients nobody wrote, and advances the device step count (unless skipped).
+  /// Allocates zeroed state (for groups whose options need it) and step counters on a group's first step,
+  /// materializes gradients nobody wrote, and advances the device step counts (unless skipped). Returns the
+  /// counters, one per group.
   template <class NeedsState>
   kernels::optimizer_counters* prepare(stream_ref s, step_inputs in, float beta1, float beta2, NeedsState needs_state) {
     LOCKSTEP_EXPECTS(dev_.has_value(), "an optimizer without parameters cannot step");
     LOCKSTEP_EXPECTS(s.get_device() == *dev_, "optimizer step on a stream of ", s.get_device().str(),
                      " for parameters on ", dev_->str());
-    if (counters_.empty()) {
-      counters_.ensure(shape{static_cast<std::int64_t>(sizeof(kernels::optimizer_counters))}, dtype::u8, s);
-      fill_zero(counters_.template span<std::uint8_t>(), s);
-    }
+    if (counted_groups_ < groups_.size()) grow_counters(s);
     for (auto& g : groups_) {
       if (g.state.empty() && needs_state(g.options)) {
         g.state.resize(g.params.size());
@@ -110,16 +108,33 @@ class optimizer_core {
       for (parameter* p : g.params) p->materialize_grad(s);
     }
     auto* counters = reinterpret_cast<kernels::optimizer_counters*>(counters_.data());
-    launch_elementwise(1, kernels::prepare_step_op{counters, in, beta1, beta2}, s, "optimizer step count");
+    launch_elementwise(groups_.size(), kernels::prepare_step_op{counters, in, beta1, beta2}, s, "optimizer step counts");
     return counters;
   }
 
-  /// Calls launch(groups_of_dtype_T, options) for every group and every gradient dtype T present, with the
-  /// tensor groups [value, grad, state..., working] built for T.
+  // Counters for every group: the existing ones copied, the new ones zero. Groups are rarely added after a
+  // step, so the copy is waited for before the old counters are freed (their memory is stream-ordered on the
+  // stream of the step that allocated them, which may not be `s`).
+  void grow_counters(stream_ref s) {
+    constexpr std::size_t each = sizeof(kernels::optimizer_counters);
+    tensor grown(shape{static_cast<std::int64_t>(groups_.size() * each)}, dtype::u8, s);
+    fill_zero(grown.template span<std::uint8_t>(), s);
+    if (counted_groups_ > 0) {
+      copy(grown.template span<std::uint8_t>().first(counted_groups_ * each),
+           device_span<const std::uint8_t>(counters_.template span<std::uint8_t>().first(counted_groups_ * each)), s);
+      s.synchronize();
+    }
+    counters_ = std::move(grown);
+    counted_groups_ = groups_.size();
+  }
+
+  /// Calls launch(T, tensor groups of dtype T, options, group index) for every parameter group and every
+  /// gradient dtype T present, with the tensor groups [value, grad, state..., working] built for T.
   template <int K, class Launch>
   void for_each_batch(Launch&& launch) {
     static_assert(K == State + 3, "tensor groups are [value, grad, state..., working]");
-    for (auto& g : groups_) {
+    for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
+      auto& g = groups_[gi];
       for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
         std::vector<tensor_group<K>> batch;
         for (std::size_t i = 0; i < g.params.size(); ++i) {
@@ -135,14 +150,15 @@ class optimizer_core {
           tg.size = static_cast<std::size_t>(p->numel());
           batch.push_back(tg);
         }
-        if (!batch.empty()) launch(t, std::span<const tensor_group<K>>(batch), g.options);
+        if (!batch.empty()) launch(t, std::span<const tensor_group<K>>(batch), g.options, gi);
       }
     }
   }
 
   std::vector<param_group> groups_;
   std::optional<device> dev_;
-  tensor counters_;
+  tensor counters_;                 // kernels::optimizer_counters, one per group (the first counted_groups_)
+  std::size_t counted_groups_ = 0;
 };
 
 LOCKSTEP_DETAIL_END

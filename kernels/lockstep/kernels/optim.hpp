@@ -37,7 +37,8 @@ void host_update_blocks(const T* grad, const float* value, T* working, std::size
   }
 }
 
-/// Per-optimizer values computed once per step, on the device.
+/// Per-parameter-group values computed once per step, on the device (PyTorch counts steps per parameter; a
+/// group's parameters all start together, so one count per group is the same).
 struct optimizer_counters {
   std::int64_t step;        // steps applied so far (after prepare: including this one)
   float bias_correction1;   // 1 - beta1^step (AdamW)
@@ -52,17 +53,19 @@ struct step_inputs {
   LOCKSTEP_HD float multiplier() const { return grad_multiplier ? *grad_multiplier : 1.0f; }
 };
 
-/// Advances the step count (and AdamW's bias corrections) unless the step is skipped. One element.
+/// Advances each parameter group's step count (and AdamW's bias corrections) unless the step is skipped. One
+/// element per group.
 struct prepare_step_op {
-  optimizer_counters* counters;
+  optimizer_counters* counters;  // one per group
   step_inputs in;
   float beta1;
   float beta2;
-  LOCKSTEP_HD void operator()(std::size_t) const {
+  LOCKSTEP_HD void operator()(std::size_t group) const {
     if (in.skipped()) return;
-    const std::int64_t t = ++counters->step;
-    counters->bias_correction1 = 1.0f - ::powf(beta1, static_cast<float>(t));
-    counters->bias_correction2 = 1.0f - ::powf(beta2, static_cast<float>(t));
+    optimizer_counters& c = counters[group];
+    const std::int64_t t = ++c.step;
+    c.bias_correction1 = 1.0f - ::powf(beta1, static_cast<float>(t));
+    c.bias_correction2 = 1.0f - ::powf(beta2, static_cast<float>(t));
   }
 };
 
