@@ -235,6 +235,45 @@ TEST(mixed_precision, an_overflow_on_one_rank_skips_the_step_on_every_rank) {
   }
 }
 
+TEST(mixed_precision, set_precision_gives_every_parameter_a_rounded_working_copy_and_a_low_precision_gradient) {
+  stream s(host(0));
+  context ctx(s);
+  graph model = make_model(ctx);
+  const auto masters = parameter_values(model, s);
+  for (dtype t : {dtype::f16, dtype::bf16, dtype::f32}) {
+    SCOPED_TRACE(name_of(t));
+    set_precision(model, ctx, t);
+    EXPECT_EQ(ctx.compute_type(), t);
+    std::size_t at = 0;
+    for (const auto& p : parameters_of(model)) {
+      const parameter& q = *p.param;
+      EXPECT_EQ(q.compute_type(), t) << p.name;
+      EXPECT_EQ(q.grad().type(), t) << p.name;
+      EXPECT_EQ(q.value().type(), dtype::f32) << p.name;  // the master values stay fp32
+      if (t == dtype::f32) {
+        EXPECT_TRUE(q.working().empty()) << p.name;
+        at += static_cast<std::size_t>(q.numel());
+        continue;
+      }
+      ASSERT_EQ(q.working().type(), t) << p.name;
+      const auto bits = raw_bytes(q.working(), s);
+      for (std::int64_t i = 0; i < q.numel(); ++i, ++at) {  // each the master value rounded to nearest even
+        std::uint16_t got = 0;
+        std::memcpy(&got, bits.data() + 2 * i, 2);
+        const std::uint16_t want = t == dtype::f16 ? convert<half>(masters[at]).bits : convert<bfloat16>(masters[at]).bits;
+        ASSERT_EQ(got, want) << p.name << "[" << i << "]";
+      }
+    }
+    EXPECT_EQ(at, masters.size());
+  }
+  EXPECT_EQ(parameter_values(model, s), masters);  // switching precision never touches the master values
+  // a model on another device, and a type that is not floating, are refused with what is wrong
+  stream other(host(1));
+  context elsewhere(other);
+  EXPECT_THROW(set_precision(model, elsewhere, dtype::f16), precondition_error);
+  EXPECT_THROW(set_precision(model, ctx, dtype::i32), precondition_error);
+}
+
 TEST(mixed_precision, f16_and_bf16_training_stays_close_to_f32) {
   const auto x = inputs();
   const auto y = labels();
