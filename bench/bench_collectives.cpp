@@ -573,28 +573,6 @@ std::string fwd_bwd_name(ls::device_kind kind, const lb::mlp_spec& m, int k, tra
          "/ranks:" + std::to_string(k) + "/" + mode_name(mode);
 }
 
-/// One rank of a DDP run.
-struct ddp_rank {
-  ddp_rank(ls::device d, const lb::mlp_spec& m, ls::communicator_ref comm, std::int64_t first, std::int64_t rows)
-      : compute(d),
-        comm_stream(d),
-        ctx(compute),
-        model(lb::build_mlp(m, ctx, seed)),
-        x(lb::device_tensor(lb::batch_inputs(global_batch, m.inputs(), seed), ls::shape{global_batch, m.inputs()},
-                            ls::dtype::f32, compute)),
-        y(lb::device_labels(lb::batch_labels(rows, m.classes(), first), compute)),
-        shard(x.view().slice_rows(first, rows)) {
-    ddp.emplace(model, ctx, comm, comm_stream, cfg().ddp);
-  }
-  ls::stream compute, comm_stream;
-  ls::context ctx;
-  ls::graph model;
-  ls::tensor x, y;
-  ls::tensor_view shard;
-  ls::softmax_cross_entropy loss{ls::reduction::mean};
-  std::optional<ls::distributed_data_parallel<ls::graph>> ddp;
-};
-
 /// Forward and backward of model m on a global batch of `global_batch` rows (no optimizer step):
 ///   single       one device, the whole batch
 ///   dp           data_parallel over k devices: parameters broadcast, batch scattered, outputs gathered, the
@@ -649,14 +627,15 @@ void bm_fwd_bwd(benchmark::State& st, const std::string& name, ls::device_kind k
       }
     } else {
       rank_group& g = group(kind, k);
-      std::vector<std::unique_ptr<ddp_rank>> ranks(static_cast<std::size_t>(k));
+      std::vector<std::unique_ptr<lb::ddp_rank>> ranks(static_cast<std::size_t>(k));
       g.on_rank_threads([&](int r) {
-        ranks[static_cast<std::size_t>(r)] = std::make_unique<ddp_rank>(
-            g.devices[static_cast<std::size_t>(r)], m, g.comms[static_cast<std::size_t>(r)], r * rows, rows);
+        ranks[static_cast<std::size_t>(r)] = std::make_unique<lb::ddp_rank>(
+            g.devices[static_cast<std::size_t>(r)], m, g.comms[static_cast<std::size_t>(r)], r * rows, rows, seed,
+            cfg().ddp);
       });
       const bool sync = mode == train_mode::ddp_overlap;
       const auto step = [&](int r) {
-        ddp_rank& d = *ranks[static_cast<std::size_t>(r)];
+        lb::ddp_rank& d = *ranks[static_cast<std::size_t>(r)];
         ls::zero_grad(d.model);
         d.loss.forward(d.ddp->forward(d.shard), d.y, d.ctx, batch);  // mean over the global batch
         if (sync) {

@@ -1,10 +1,11 @@
 // bench/bench_model.hpp — the models and batches of the benchmarks: MLPs built like the sample's
 // (examples/mlp_train: input -> [linear -> relu] x hidden -> linear), synthetic batches resident on the device
 // (the data loader is not part of what is measured), and the parameter shapes of a model for the
-// communication-only gradient benchmarks.
+// communication-only gradient benchmarks; and one rank of a DDP benchmark.
 #pragma once
 
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -16,6 +17,8 @@
 #include "lockstep/nn/graph.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/linear.hpp"
+#include "lockstep/nn/loss.hpp"
+#include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/tensor.hpp"
 
@@ -113,5 +116,33 @@ inline lockstep::tensor device_labels(const std::vector<std::int32_t>& labels, l
                  lockstep::device_span<const std::int32_t>(staged.data(), staged.size(), staged.get_device()), s);
   return t;
 }
+
+/// One rank of a DDP benchmark: its compute and communication streams, context, model (every rank builds the
+/// same one from `seed`), the global batch of rows x ranks synthetic inputs on its device, this rank's shard
+/// (`rows` rows from `first`) with its labels, a mean loss, and the DDP wrapper.
+struct ddp_rank {
+  ddp_rank(lockstep::device d, const mlp_spec& m, lockstep::communicator_ref c, std::int64_t first, std::int64_t rows,
+           std::uint64_t seed, const lockstep::ddp_options& options = {})
+      : comm(c),
+        compute(d),
+        comm_stream(d),
+        ctx(compute),
+        model(build_mlp(m, ctx, seed)),
+        x(device_tensor(batch_inputs(rows * c.size(), m.inputs(), seed), lockstep::shape{rows * c.size(), m.inputs()},
+                        lockstep::dtype::f32, compute)),
+        y(device_labels(batch_labels(rows, m.classes(), first), compute)),
+        shard(x.view().slice_rows(first, rows)) {
+    ctx.set_seed(seed);
+    ddp.emplace(model, ctx, comm, comm_stream, options);
+  }
+  lockstep::communicator_ref comm;
+  lockstep::stream compute, comm_stream;
+  lockstep::context ctx;
+  lockstep::graph model;
+  lockstep::tensor x, y;
+  lockstep::tensor_view shard;
+  lockstep::softmax_cross_entropy loss{lockstep::reduction::mean};
+  std::optional<lockstep::distributed_data_parallel<lockstep::graph>> ddp;
+};
 
 }  // namespace lockstep_bench

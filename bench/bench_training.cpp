@@ -188,30 +188,12 @@ void bm_precision(benchmark::State& st, const std::string& name, ls::device_kind
   });
 }
 
-/// One rank of a DDP run: its streams, model, optimizer, batch shard.
-struct ddp_rank {
+/// One rank of a DDP run (bench_model.hpp) with its optimizer.
+struct ddp_rank : lb::ddp_rank {
   ddp_rank(ls::device d, const lb::mlp_spec& m, ls::communicator_ref c, std::int64_t first, std::int64_t rows)
-      : comm(c),
-        compute(d),
-        comm_stream(d),
-        ctx(compute),
-        model(lb::build_mlp(m, ctx, seed)),
-        x(lb::device_tensor(lb::batch_inputs(rows * c.size(), m.inputs(), seed), ls::shape{rows * c.size(), m.inputs()},
-                            ls::dtype::f32, compute)),
-        y(lb::device_labels(lb::batch_labels(rows, m.classes(), first), compute)),
-        shard(x.view().slice_rows(first, rows)) {
-    ctx.set_seed(seed);
-    ddp.emplace(model, ctx, comm, comm_stream);
+      : lb::ddp_rank(d, m, c, first, rows, seed) {
     opt.emplace(ls::parameters_of(model).pointers(), ls::dtype::f32, compute, ctx);
   }
-  ls::communicator_ref comm;
-  ls::stream compute, comm_stream;
-  ls::context ctx;
-  ls::graph model;
-  ls::tensor x, y;
-  ls::tensor_view shard;
-  ls::softmax_cross_entropy loss{ls::reduction::mean};
-  std::optional<ls::distributed_data_parallel<ls::graph>> ddp;
   std::optional<optimizer> opt;
 };
 
