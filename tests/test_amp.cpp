@@ -260,7 +260,8 @@ TEST(mixed_precision, set_precision_gives_every_parameter_a_rounded_working_copy
       for (std::int64_t i = 0; i < q.numel(); ++i, ++at) {  // each the master value rounded to nearest even
         std::uint16_t got = 0;
         std::memcpy(&got, bits.data() + 2 * i, 2);
-        const std::uint16_t want = t == dtype::f16 ? convert<half>(masters[at]).bits : convert<bfloat16>(masters[at]).bits;
+        const std::uint16_t want = t == dtype::f16 ? convert<lockstep::half>(masters[at]).bits
+                                                   : convert<bfloat16>(masters[at]).bits;
         ASSERT_EQ(got, want) << p.name << "[" << i << "]";
       }
     }
