@@ -245,6 +245,8 @@ std::vector<std::uint32_t> bits_of(const std::vector<float>& v) {  // NaNs compa
 
 }  // namespace
 
+static_assert(detail::run_block == 512, "the sizes below (511, 512, 1500) no longer straddle the block boundary");
+
 TEST(host_block_loops, activations_and_bias_match_the_per_element_code) {
   stream s(device{device_kind::host, 0});
   auto check = [&]<class T>() {

@@ -7,6 +7,7 @@
 // conversions (tests/test_blas.cpp compares them over every half and a dense sweep of floats).
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 
 #include "lockstep/config.hpp"
@@ -176,6 +177,15 @@ void store_run(const float* acc, T* c, std::int64_t n, float alpha, float beta) 
 template <class T>
 void narrow_run(const float* src, T* dst, std::int64_t n) noexcept {
   store_run(src, dst, n, 1.0f, 0.0f);  // 1 * x is x, exactly
+}
+
+/// Elements per block of the host loops that convert runs through fp32 arrays on the stack (2 KiB each).
+inline constexpr std::size_t run_block = 512;
+
+/// f(begin, count) for the blocks [begin, begin + count) of [0, n), in order, each at most run_block long.
+template <class F>
+void for_each_run_block(std::size_t n, F&& f) {
+  for (std::size_t begin = 0; begin < n; begin += run_block) f(begin, n - begin < run_block ? n - begin : run_block);
 }
 
 LOCKSTEP_DETAIL_END

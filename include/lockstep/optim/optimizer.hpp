@@ -73,9 +73,9 @@ class optimizer_core {
   [[nodiscard]] std::int64_t steps_taken(stream_ref s, std::size_t group_index = 0) const {
     LOCKSTEP_EXPECTS(group_index < groups_.size(), "steps_taken: group ", group_index, " of ", groups_.size());
     if (group_index >= counted_groups_) return 0;
-    const auto bytes = to_vector(counters_.template span<const std::uint8_t>(), s);
     kernels::optimizer_counters c{};
-    std::memcpy(&c, bytes.data() + group_index * sizeof c, sizeof c);
+    const auto bytes = to_vector(counters_.template span<const std::uint8_t>().subspan(group_index * sizeof c, sizeof c), s);
+    std::memcpy(&c, bytes.data(), sizeof c);
     return c.step;
   }
 

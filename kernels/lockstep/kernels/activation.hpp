@@ -17,9 +17,6 @@
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
 
-/// Elements per block of the host loops that widen f16/bf16 operands to fp32 (stack arrays of this size).
-inline constexpr std::size_t host_block = 512;
-
 /// y[r, c] = x[r, c] + b[c] over a [rows, cols] row-major matrix (x and y may be the same memory); a
 /// launch_2d functor.
 template <class T>
@@ -35,16 +32,16 @@ struct add_bias_op {
   void for_rows(std::size_t rows, std::size_t) const
     requires(!std::is_same_v<T, float>)
   {
-    float bias[host_block], t[host_block];
-    for (std::size_t c0 = 0; c0 < cols; c0 += host_block) {
-      const auto n = static_cast<std::int64_t>(cols - c0 < host_block ? cols - c0 : host_block);
+    float bias[detail::run_block], t[detail::run_block];
+    detail::for_each_run_block(cols, [&](std::size_t c0, std::size_t count) {
+      const auto n = static_cast<std::int64_t>(count);
       detail::widen_run(b + c0, bias, n);
       for (std::size_t r = 0; r < rows; ++r) {
         detail::widen_run(x + r * cols + c0, t, n);
         for (std::int64_t j = 0; j < n; ++j) t[j] += bias[j];
         detail::narrow_run(t, y + r * cols + c0, n);
       }
-    }
+    });
   }
 };
 
@@ -71,16 +68,15 @@ struct column_sum_op {
   void for_all(std::size_t n) const {
     if constexpr (!std::is_same_v<T, float>) {
       // row segments widened a block at a time with core/half_runs.hpp
-      float acc[host_block], t[host_block];
-      for (std::size_t c0 = 0; c0 < n; c0 += host_block) {
-        const std::size_t m = n - c0 < host_block ? n - c0 : host_block;
+      float acc[detail::run_block], t[detail::run_block];
+      detail::for_each_run_block(n, [&](std::size_t c0, std::size_t m) {
         for (std::size_t j = 0; j < m; ++j) acc[j] = 0.0f;
         for (std::size_t r = 0; r < rows; ++r) {
           detail::widen_run(g + r * cols + c0, t, static_cast<std::int64_t>(m));
           for (std::size_t j = 0; j < m; ++j) acc[j] += t[j];
         }
         for (std::size_t j = 0; j < m; ++j) finish(c0 + j, acc[j]);
-      }
+      });
     } else {
       constexpr std::size_t block = 16;
       std::size_t c0 = 0;
@@ -134,13 +130,13 @@ struct activation_forward_op {
   void for_all(std::size_t n) const
     requires(!std::is_same_v<T, float>)
   {
-    float t[host_block];
-    for (std::size_t i0 = 0; i0 < n; i0 += host_block) {
-      const auto m = static_cast<std::int64_t>(n - i0 < host_block ? n - i0 : host_block);
+    float t[detail::run_block];
+    detail::for_each_run_block(n, [&](std::size_t i0, std::size_t count) {
+      const auto m = static_cast<std::int64_t>(count);
       detail::widen_run(x + i0, t, m);
       for (std::int64_t j = 0; j < m; ++j) t[j] = Fn::forward(t[j]);
       detail::narrow_run(t, y + i0, m);
-    }
+    });
   }
 };
 
@@ -157,15 +153,15 @@ struct activation_backward_op {
   void for_all(std::size_t n) const
     requires(!std::is_same_v<T, float>)
   {
-    float g[host_block], a[host_block], b[host_block];
-    for (std::size_t i0 = 0; i0 < n; i0 += host_block) {
-      const auto m = static_cast<std::int64_t>(n - i0 < host_block ? n - i0 : host_block);
+    float g[detail::run_block], a[detail::run_block], b[detail::run_block];
+    detail::for_each_run_block(n, [&](std::size_t i0, std::size_t count) {
+      const auto m = static_cast<std::int64_t>(count);
       detail::widen_run(gy + i0, g, m);
       detail::widen_run(x + i0, a, m);
       detail::widen_run(y + i0, b, m);
       for (std::int64_t j = 0; j < m; ++j) g[j] = Fn::backward(g[j], a[j], b[j]);
       detail::narrow_run(g, gx + i0, m);
-    }
+    });
   }
 };
 

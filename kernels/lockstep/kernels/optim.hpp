@@ -27,14 +27,12 @@ namespace kernels {
 /// as converting element by element (core/half.hpp), several times faster.
 template <class T, class Update>
 void host_update_blocks(const T* grad, const float* value, T* working, std::size_t n, Update&& update) {
-  constexpr std::size_t block = 512;
-  float g[block];
-  for (std::size_t begin = 0; begin < n; begin += block) {
-    const std::size_t count = n - begin < block ? n - begin : block;
+  float g[detail::run_block];
+  detail::for_each_run_block(n, [&](std::size_t begin, std::size_t count) {
     detail::widen_run(grad + begin, g, static_cast<std::int64_t>(count));
     update(begin, count, static_cast<const float*>(g));
     if (working != nullptr) detail::narrow_run(value + begin, working + begin, static_cast<std::int64_t>(count));
-  }
+  });
 }
 
 /// Per-parameter-group values computed once per step, on the device (PyTorch counts steps per parameter; a
