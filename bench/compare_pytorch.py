@@ -12,9 +12,17 @@ reported figure is the median of each side's runs and the ratio of the medians.
     ddp      lockstep --mode ddp on 2 host devices against PyTorch DistributedDataParallel with the gloo backend
              on 2 processes (one thread each), both with the same global batch; and, alternated with them,
              lockstep on one host device, for lockstep's own speed-up from the second device (ddp_over_single).
+    accuracy not a speed: the test accuracy after --epochs full epochs (default 5) of the sample's recipe, for
+             each of --seeds and each of --schedules (cosine: the rate anneals from --lr to 0 over the run,
+             stepped every batch, PyTorch's CosineAnnealingLR; constant: --lr throughout), lockstep on one
+             host device against PyTorch on one thread. The seeds differ between the two (different random
+             generators), so compare the means and spreads, not seed by seed.
+
+The speed modes run both sides with a constant learning rate.
 
 Usage: bench/compare_pytorch.py [--mlp-train PATH] [--hidden 256,256 1024,1024] [--steps N] [--repeats R]
-                                [--modes single ddp] [--json]
+                                [--modes single ddp accuracy] [--epochs N] [--seeds 0 1 2]
+                                [--schedules cosine constant] [--json]
 PyTorch is Debian's python3-torch (scripts/setup.sh --torch); without it the comparison is skipped with a
 message (exit code 0).
 """
@@ -96,6 +104,33 @@ def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1):
     return samples / (time.perf_counter() - start)
 
 
+def torch_accuracy(hidden, batch, epochs, lr, momentum, schedule, seed):
+    """Trains `epochs` epochs from seed `seed` (initialization and shuffling); returns the test accuracy."""
+    import torch
+    torch.set_num_threads(1)
+    torch.manual_seed(seed)
+    model = torch_model(hidden)
+    opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
+    loader = torch_loader(batch, seed)
+    sched = None
+    if schedule == "cosine":
+        sched = torch.optim.lr_scheduler.CosineAnnealingLR(opt, T_max=epochs * len(loader))
+    loss_fn = torch.nn.CrossEntropyLoss()
+    for _ in range(epochs):
+        for x, y in loader:
+            opt.zero_grad()
+            loss_fn(model(x.float().div_(255.0)), y).backward()
+            opt.step()
+            if sched:
+                sched.step()
+    images = torch.from_numpy(read_idx(os.path.join(DATA, "t10k-images-idx3-ubyte.gz")).reshape(-1, 784).copy())
+    labels = torch.from_numpy(read_idx(os.path.join(DATA, "t10k-labels-idx1-ubyte.gz")).astype("int64"))
+    model.eval()
+    with torch.no_grad():
+        predicted = model(images.float().div_(255.0)).argmax(dim=1)
+    return (predicted == labels).float().mean().item()
+
+
 def torch_ddp_worker(rank, world, port, args, queue):
     import torch.distributed as dist
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
@@ -109,6 +144,11 @@ def torch_ddp_worker(rank, world, port, args, queue):
 
 def torch_child(spec):
     """Entry point of the PyTorch child process: prints one JSON line."""
+    if spec["mode"] == "accuracy":
+        acc = torch_accuracy(spec["hidden"], spec["batch"], spec["epochs"], spec["lr"], spec["momentum"],
+                             spec["schedule"], spec["seed"])
+        print(json.dumps({"test_accuracy": acc}))
+        return
     if spec["mode"] == "single":
         rate = torch_train(spec["hidden"], spec["batch"], spec["steps"], spec["lr"], spec["momentum"])
     else:
@@ -130,7 +170,7 @@ def torch_child(spec):
 def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum):
     args = [binary, "--json", "--hidden", ",".join(map(str, hidden)), "--batch", str(batch), "--lr", str(lr),
             "--momentum", str(momentum), "--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000",
-            "--eval-batch", "10000"]
+            "--eval-batch", "10000", "--lr-schedule", "constant"]
     if mode == "single":
         args += ["--devices", "host:0"]
     else:
@@ -139,21 +179,62 @@ def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum):
     return json.loads(out)["samples_per_second"]
 
 
-def run_torch(mode, hidden, batch, steps, lr, momentum):
-    spec = json.dumps({"mode": mode, "hidden": hidden, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum})
-    cmd = [TORCH_PYTHON, os.path.abspath(__file__), "--torch-child", spec]
-    if mode == "single" and shutil.which("taskset"):
+def lockstep_accuracy(binary, hidden, batch, epochs, lr, momentum, schedule, seed):
+    args = [binary, "--json", "--hidden", ",".join(map(str, hidden)), "--batch", str(batch), "--lr", str(lr),
+            "--momentum", str(momentum), "--epochs", str(epochs), "--lr-schedule", schedule, "--seed", str(seed),
+            "--devices", "host:0"]
+    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
+    return json.loads(out)["test_accuracy"]
+
+
+def torch_run(spec, pin):
+    cmd = [TORCH_PYTHON, os.path.abspath(__file__), "--torch-child", json.dumps(spec)]
+    if pin and shutil.which("taskset"):
         cmd = ["taskset", "-c", "0"] + cmd
     env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
-    return json.loads(out)["samples_per_second"]
+    return json.loads(out)
+
+
+def compare_accuracy(a, hidden_spec):
+    """The accuracy mode: one result per schedule."""
+    hidden = [int(h) for h in hidden_spec.split(",")]
+    results = []
+    for schedule in a.schedules:
+        ours, theirs = [], []
+        for seed in a.seeds:
+            ours.append(lockstep_accuracy(a.mlp_train, hidden, a.batch, a.epochs, a.lr, a.momentum, schedule, seed))
+            theirs.append(torch_run({"mode": "accuracy", "hidden": hidden, "batch": a.batch, "epochs": a.epochs,
+                                     "lr": a.lr, "momentum": a.momentum, "schedule": schedule, "seed": seed},
+                                    pin=False)["test_accuracy"])
+        r = {"mode": "accuracy", "hidden": hidden_spec, "batch": a.batch, "epochs": a.epochs, "lr": a.lr,
+             "momentum": a.momentum, "schedule": schedule, "seeds": a.seeds, "lockstep_accuracy": ours,
+             "pytorch_accuracy": theirs, "lockstep_mean": statistics.mean(ours), "pytorch_mean": statistics.mean(theirs),
+             "lockstep_min": min(ours), "pytorch_min": min(theirs)}
+        results.append(r)
+        if not a.json:
+            fmt = lambda v: " ".join(f"{x:.4f}" for x in v)
+            print(f"accuracy hidden {hidden_spec:10s} batch {a.batch} {a.epochs} epochs, lr {a.lr} {schedule:8s}:"
+                  f" lockstep mean {r['lockstep_mean']:.4f} min {r['lockstep_min']:.4f} [{fmt(ours)}];"
+                  f" PyTorch mean {r['pytorch_mean']:.4f} min {r['pytorch_min']:.4f} [{fmt(theirs)}]"
+                  f"  (seeds {' '.join(map(str, a.seeds))})")
+    return results
+
+
+def run_torch(mode, hidden, batch, steps, lr, momentum):
+    spec = {"mode": mode, "hidden": hidden, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum}
+    return torch_run(spec, pin=mode == "single")["samples_per_second"]
 
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mlp-train", default=os.path.join(ROOT, "build", "sample", "examples", "mlp_train", "mlp_train"))
     p.add_argument("--hidden", nargs="+", default=["256,256", "1024,1024"])
-    p.add_argument("--modes", nargs="+", default=["single", "ddp"], choices=["single", "ddp"])
+    p.add_argument("--modes", nargs="+", default=["single", "ddp"], choices=["single", "ddp", "accuracy"])
+    p.add_argument("--epochs", type=int, default=5, help="accuracy mode: full epochs")
+    p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="accuracy mode")
+    p.add_argument("--schedules", nargs="+", default=["cosine", "constant"], choices=["cosine", "constant"],
+                   help="accuracy mode")
     p.add_argument("--batch", type=int, default=128)
     p.add_argument("--steps", type=int, default=300)
     p.add_argument("--repeats", type=int, default=3)
@@ -179,6 +260,9 @@ def main():
     results = []
     for mode in a.modes:
         for hidden_spec in a.hidden:
+            if mode == "accuracy":
+                results += compare_accuracy(a, hidden_spec)
+                continue
             hidden = [int(h) for h in hidden_spec.split(",")]
             ours, theirs, ours_single = [], [], []
             for _ in range(a.repeats):
@@ -216,6 +300,9 @@ def main():
     if not a.json:
         print(f"machine: {cores} cores.")
         for mode in a.modes:
+            if mode == "accuracy":
+                print("accuracy: lockstep 1 host device; PyTorch 1 thread.")
+                continue
             r = next((r for r in results if r["mode"] == mode), None)
             if r:
                 print(f"{mode}: lockstep {r['lockstep_setup']}; PyTorch {r['pytorch_setup']}.")

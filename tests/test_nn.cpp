@@ -18,6 +18,7 @@
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/runtime/copy.hpp"
 
@@ -524,6 +525,81 @@ TEST(optimizer, unused_parameters_see_a_zero_gradient_and_groups_are_checked) {
   opt.step(f.s);
   EXPECT_EQ(f.values(), (std::vector<float>{1.0f, 2.0f, 3.0f}));
   EXPECT_EQ(opt.steps_taken(f.s, 1), 1);
+}
+
+TEST(lr_schedule, cosine_and_step_factors_match_pytorch) {
+  // torch.optim.lr_scheduler.CosineAnnealingLR(T_max=4) from lr 1: 1, 0.85355339, 0.5, 0.14644661, 0 (and then
+  // back up, 0.1464...: PyTorch's cosine is periodic; this one stays at its end value).
+  const cosine_schedule cosine{.total_steps = 4};
+  const double expected[] = {1.0, 0.8535533905932737, 0.5, 0.14644660940672627, 0.0, 0.0, 0.0};
+  for (std::int64_t t = 0; t < 7; ++t) EXPECT_NEAR(cosine(t), expected[t], 1e-15) << "step " << t;
+  // eta_min = 0.1 x lr: halfway is 0.1 + 0.9 x 0.5.
+  EXPECT_NEAR((cosine_schedule{.total_steps = 4, .final_factor = 0.1})(2), 0.55, 1e-15);
+  // Warm-up 2 of 6: 1/3, 2/3, then the cosine over the remaining 4 steps.
+  const cosine_schedule warm{.total_steps = 6, .warmup_steps = 2};
+  EXPECT_NEAR(warm(0), 1.0 / 3, 1e-15);
+  EXPECT_NEAR(warm(1), 2.0 / 3, 1e-15);
+  for (std::int64_t t = 2; t < 9; ++t) EXPECT_NEAR(warm(t), expected[t - 2], 1e-15) << "step " << t;
+  // StepLR(step_size=2, gamma=0.5).
+  const step_schedule halving{.step_size = 2, .gamma = 0.5};
+  const double steps[] = {1.0, 1.0, 0.5, 0.5, 0.25};
+  for (std::int64_t t = 0; t < 5; ++t) EXPECT_EQ(halving(t), steps[t]) << "step " << t;
+  EXPECT_EQ(constant_schedule{}(12345), 1.0);
+}
+
+TEST(lr_schedule, invalid_schedules_are_rejected_when_the_scheduler_is_made) {
+  optim_fixture f({1.0f, 1.0f, 1.0f});
+  parameter* ps[] = {&f.p};
+  sgd opt(ps, sgd_options{.lr = 0.1f});
+  EXPECT_THROW(lr_scheduler(opt, cosine_schedule{}), precondition_error);  // total_steps 0
+  EXPECT_THROW(lr_scheduler(opt, cosine_schedule{.total_steps = 4, .warmup_steps = 4}), precondition_error);
+  EXPECT_THROW(lr_scheduler(opt, cosine_schedule{.total_steps = 4, .final_factor = 2.0}), precondition_error);
+  EXPECT_THROW(lr_scheduler(opt, step_schedule{.step_size = 0}), precondition_error);
+  EXPECT_THROW(lr_scheduler(opt, step_schedule{.step_size = 3, .gamma = 0.0}), precondition_error);
+  EXPECT_EQ(opt.options().lr, 0.1f);  // a rejected scheduler changed nothing
+}
+
+TEST(lr_schedule, queued_steps_use_the_rate_they_were_queued_with_in_every_group) {
+  // Plain SGD (p -= lr g) on two groups with base rates 0.5 and 0.25, halved every step; the gradients are
+  // written once and the three steps queued without waiting for the device: each update must use its own
+  // step's rate. A group added later keeps its own base rate.
+  stream s{host0};
+  parameter a{"a", shape{3}, s}, b{"b", shape{3}, s}, c{"c", shape{3}, s};
+  const std::vector<float> start = {1.0f, 2.0f, 3.0f}, g = {1.0f, -2.0f, 4.0f};
+  for (parameter* p : {&a, &b}) {
+    write(p->value(), start, s);
+    write(p->grad(), g, s);
+    (void)p->begin_accumulate();
+  }
+  parameter* pa[] = {&a};
+  parameter* pb[] = {&b};
+  parameter* pc[] = {&c};
+  sgd opt(pa, sgd_options{.lr = 0.5f});
+  opt.add_param_group(pb, sgd_options{.lr = 0.25f});
+  lr_scheduler sched(opt, step_schedule{.step_size = 1, .gamma = 0.5});
+  EXPECT_EQ(sched.last_step(), 0);
+  std::vector<double> ea(start.begin(), start.end()), eb = ea;
+  for (int step = 0; step < 3; ++step) {
+    opt.step(s);
+    sched.step();
+    for (std::size_t i = 0; i < 3; ++i) {
+      ea[i] -= 0.5 * std::pow(0.5, step) * g[i];
+      eb[i] -= 0.25 * std::pow(0.5, step) * g[i];
+    }
+  }
+  EXPECT_EQ(sched.last_step(), 3);
+  EXPECT_EQ(opt.options(0).lr, 0.5f / 8);
+  EXPECT_EQ(opt.options(1).lr, 0.25f / 8);
+  const auto got_a = read(a.value(), s), got_b = read(b.value(), s);
+  for (std::size_t i = 0; i < 3; ++i) {
+    EXPECT_EQ(got_a[i], static_cast<float>(ea[i])) << i;  // every rate and value is an exact binary fraction
+    EXPECT_EQ(got_b[i], static_cast<float>(eb[i])) << i;
+  }
+  opt.add_param_group(pc, sgd_options{.lr = 2.0f});
+  sched.step();
+  EXPECT_EQ(sched.base_lr(2), 2.0f);
+  EXPECT_EQ(opt.options(2).lr, 2.0f / 16);
+  EXPECT_EQ(opt.options(0).lr, 0.5f / 16);
 }
 
 TEST(optimizer, a_group_added_after_some_steps_starts_at_its_own_first_step) {

@@ -1,7 +1,8 @@
 // mlp_train — the sample users start from: an MLP trained on Fashion-MNIST with lockstep.
 //
 //   mlp_train [--data DIR] [--devices SPEC] [--mode single|dp|ddp] [--epochs N] [--batch N] [--lr X]
-//             [--momentum X] [--hidden 256,256] [--optimizer sgd|adamw] [--seed N] [--workers N] [--json] ...
+//             [--lr-schedule cosine|constant] [--momentum X] [--hidden 256,256] [--optimizer sgd|adamw]
+//             [--seed N] [--workers N] [--json] ...
 //
 //   single  one device: the first of --devices (default: the first GPU, or host:0 when there is none)
 //   dp      data_parallel over --devices (PyTorch's nn.DataParallel): one process, the model on the first
@@ -24,6 +25,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstdio>
 #include <cstdlib>
@@ -82,6 +84,15 @@ class any_optimizer {
     }
     sgd_ ? sgd_->step(s, in) : adamw_->step(s, in);
     if (scaler_) scaler_->update(s);
+    if (sgd_schedule_) sgd_schedule_->step();
+    if (adamw_schedule_) adamw_schedule_->step();
+  }
+  /// Under --lr-schedule cosine, the rate anneals from --lr to 0 over `total_steps` (the run's steps).
+  void schedule(const mlp_options& o, std::int64_t total_steps) {
+    if (o.lr_schedule != "cosine" || total_steps < 1) return;
+    const cosine_schedule cosine{.total_steps = total_steps};
+    if (sgd_) sgd_schedule_.emplace(*sgd_, cosine);
+    if (adamw_) adamw_schedule_.emplace(*adamw_, cosine);
   }
   void zero_grad() { sgd_ ? sgd_->zero_grad() : adamw_->zero_grad(); }
   [[nodiscard]] std::optional<loss_scaler_telemetry> scaler_state(stream_ref s) const {
@@ -93,6 +104,8 @@ class any_optimizer {
   std::vector<parameter*> params_;
   std::optional<sgd> sgd_;
   std::optional<adamw> adamw_;
+  std::optional<lr_scheduler<sgd, cosine_schedule>> sgd_schedule_;
+  std::optional<lr_scheduler<adamw, cosine_schedule>> adamw_schedule_;
   std::optional<loss_scaler> scaler_;
 };
 
@@ -163,6 +176,12 @@ double evaluate(graph& model, const mnist_dataset& test, context& ctx, const mlp
 
 bool step_limit_reached(const mlp_options& o, std::int64_t step) { return o.max_steps > 0 && step >= o.max_steps; }
 
+/// The steps of the whole run: every epoch's batches, or --max-steps if that comes first.
+std::int64_t total_steps(const mlp_options& o, std::size_t batches_per_epoch) {
+  const std::int64_t all = static_cast<std::int64_t>(o.epochs) * static_cast<std::int64_t>(batches_per_epoch);
+  return o.max_steps > 0 ? std::min(all, o.max_steps) : all;
+}
+
 // The epoch loop of every mode: epochs up to the step limit, per-epoch training time, progress lines.
 // `step(batch)` queues one training step and returns the number of samples it covered (the global batch);
 // `read_loss()` reads the last loss (a host synchronization: only when a progress line is due);
@@ -207,6 +226,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   data_loader loader(data.train, random_sampler(data.train.size(), o.seed), compute,
                      data_loader_options{.batch_size = static_cast<std::size_t>(o.batch), .workers = o.workers,
                                          .input_type = o.precision});
+  optimizer.schedule(o, total_steps(o, loader.batches_per_epoch()));
   progress show(o, loader.batches_per_epoch(), true);
   timeline time(dev);
   run_result r;
@@ -247,6 +267,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
                      data_loader_options{.batch_size = static_cast<std::size_t>(o.batch), .workers = o.workers,
                                          .device_count_hint = static_cast<int>(devices.size()),
                                          .input_type = o.precision});
+  optimizer.schedule(o, total_steps(o, loader.batches_per_epoch()));
   progress show(o, loader.batches_per_epoch(), true);
   run_result r;
   dp.reset_report();
@@ -288,6 +309,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   data_loader loader(data.train,
                      distributed_sampler(data.train.size(), rank, world, sample_order::shuffled, o.seed, tail_policy::pad),
                      compute, data_loader_options{.batch_size = local_batch, .workers = o.workers, .input_type = o.precision});
+  optimizer.schedule(o, total_steps(o, loader.batches_per_epoch()));
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
   ddp.reset_report();
@@ -439,6 +461,8 @@ int run(const mlp_options& o) {
   j["batch"] = o.batch;
   j["hidden"] = o.hidden;
   j["optimizer"] = o.optimizer;
+  j["lr"] = o.lr;
+  j["lr_schedule"] = o.lr_schedule;
   j["precision"] = std::string(name_of(o.precision));
   j["mode"] = processes ? "ddp-mpi" : o.mode;
   j["final_loss"] = r.final_loss;

@@ -26,6 +26,7 @@ struct mlp_options {
   float weight_decay = 0.0f;
   std::vector<std::int64_t> hidden = {256, 256};
   std::string optimizer = "sgd";
+  std::string lr_schedule = "cosine";
   std::uint64_t seed = 0;
   int workers = 0;
   lockstep::dtype precision = lockstep::dtype::f32;
@@ -45,6 +46,7 @@ inline constexpr const char* usage_text =
     "  --epochs N            epochs (default 5)\n"
     "  --batch N             global batch size (default 128)\n"
     "  --lr X                learning rate (default 0.05)\n"
+    "  --lr-schedule S       cosine (default: from --lr down to 0 over the run, stepped every batch) or constant\n"
     "  --momentum X          SGD momentum (default 0.9)\n"
     "  --weight-decay X      weight decay (default 0)\n"
     "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
@@ -134,6 +136,11 @@ inline mlp_options parse_options(int argc, char** argv) {
       o.optimizer = value();
       if (o.optimizer != "sgd" && o.optimizer != "adamw") {
         throw usage_error("--optimizer must be sgd or adamw, got '" + o.optimizer + "'");
+      }
+    } else if (flag == "--lr-schedule") {
+      o.lr_schedule = value();
+      if (o.lr_schedule != "cosine" && o.lr_schedule != "constant") {
+        throw usage_error("--lr-schedule must be cosine or constant, got '" + o.lr_schedule + "'");
       }
     } else if (flag == "--precision") {
       const std::string_view p = value();
