@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # Builds and runs the sample training (examples/mlp_train) with its defaults: a 784-256-256-10 MLP on
-# Fashion-MNIST (Debian's dataset-fashion-mnist), 5 epochs, batch 128, SGD lr 0.05 momentum 0.9 — on the GPUs
-# when there are any, else on host virtual devices. Arguments are passed to the sample (try --help).
+# Fashion-MNIST (Debian's dataset-fashion-mnist), 5 epochs, batch 128, SGD momentum 0.9 with lr 0.05 annealed
+# to 0 along a cosine — on the GPUs when there are any, else on host virtual devices. Arguments are passed to
+# the sample (try --help).
 #
 # Environment: LOCKSTEP_JOBS (parallel build jobs), LOCKSTEP_BUILD_ROOT (default: ./build).
 set -euo pipefail

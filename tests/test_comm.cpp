@@ -279,54 +279,53 @@ TEST_P(clique, all_reduce_of_buffers_larger_than_the_last_level_cache) {
 
 // The f32 reduction's store paths on small buffers, each against the cached block loop (streaming=false):
 // outputs aligned to 32 bytes take the AVX2 line loop where the CPU has it, to 16 bytes the SSE2 loop, and
-// anything else the block loop with streaming copies. Same bits in every case, NaNs of a max included, for
-// every op, 1 to 3 inputs, 1 or 2 outputs and lengths around the 16-float line.
+// anything else the block loop with streaming copies; with none or one of the outputs written through the
+// cache. Same bits in every case, NaNs of a max included, nothing written outside the outputs, for every op,
+// 1 to 3 inputs, 1 or 2 outputs and lengths around the 16-float line.
 TEST(host_clique_reduce_range, every_store_path_gives_the_bits_of_the_block_loop) {
-  namespace hc = detail::host_comm;
+  constexpr float untouched = 1e30f;  // no result is 1e30
+  // Runs the reduction into m fresh outputs, 64-byte aligned then shifted by `misalign` floats; returns each
+  // output's n values followed by the number of elements written in its whole allocation.
+  auto reduce = [&](reduce_op op, const std::vector<const void*>& in, int m, std::size_t n, std::size_t misalign,
+                    bool streaming, int cached) {
+    std::vector<std::vector<float>> storage(static_cast<std::size_t>(m), std::vector<float>(n + 32, untouched));
+    std::vector<void*> out;
+    for (auto& v : storage) {
+      const auto address = reinterpret_cast<std::uintptr_t>(v.data());
+      out.push_back(v.data() + ((64 - address % 64) % 64) / sizeof(float) + misalign);
+    }
+    detail::host_comm::reduce_range(dtype::f32, op, in.data(), static_cast<int>(in.size()), out.data(), m, n,
+                                    streaming, cached);
+    std::vector<std::vector<float>> result;
+    for (std::size_t j = 0; j < storage.size(); ++j) {
+      const auto* first = static_cast<const float*>(out[j]);
+      result.emplace_back(first, first + n);
+      result.back().push_back(static_cast<float>(
+          std::count_if(storage[j].begin(), storage[j].end(), [&](float x) { return x != untouched; })));
+    }
+    return result;
+  };
   for (reduce_op op : all_ops) {
-    for (int k = 1; k <= 3; ++k) {
-      for (int m = 1; m <= 2; ++m) {
-        for (std::size_t n : {std::size_t{0}, std::size_t{1}, std::size_t{15}, std::size_t{16}, std::size_t{17},
-                              std::size_t{47}, std::size_t{4096 + 19}}) {
-          for (std::size_t misalign : {std::size_t{0}, std::size_t{4}, std::size_t{1}}) {  // in floats
-            std::vector<std::vector<float>> in(static_cast<std::size_t>(k), std::vector<float>(n));
-            std::vector<const void*> in_ptrs;
-            for (int r = 0; r < k; ++r) {
-              for (std::size_t i = 0; i < n; ++i) {
-                in[static_cast<std::size_t>(r)][i] = static_cast<float>((i * 7 + static_cast<std::size_t>(r) * 13) % 29) - 14.5f;
+    for (std::size_t k = 1; k <= 3; ++k) {
+      for (std::size_t n : {0, 1, 15, 16, 17, 47, 4096 + 19}) {
+        std::vector<std::vector<float>> inputs(k, std::vector<float>(n));
+        std::vector<const void*> in;
+        for (std::size_t r = 0; r < k; ++r) {
+          for (std::size_t i = 0; i < n; ++i) inputs[r][i] = static_cast<float>((i * 7 + r * 13) % 29) - 14.5f;
+          if (n > 5) inputs[r][(r * 5 + 3) % n] = std::numeric_limits<float>::quiet_NaN();
+          in.push_back(inputs[r].data());
+        }
+        for (int m = 1; m <= 2; ++m) {
+          for (std::size_t misalign : {0, 4, 1}) {  // in floats
+            const auto expected = reduce(op, in, m, n, misalign, false, -1);
+            for (int cached : {-1, m - 1}) {
+              const auto actual = reduce(op, in, m, n, misalign, true, cached);
+              for (std::size_t j = 0; j < expected.size(); ++j) {
+                ASSERT_EQ(std::memcmp(expected[j].data(), actual[j].data(), expected[j].size() * sizeof(float)), 0)
+                    << "op " << name_of(op) << " inputs " << k << " output " << j << " of " << m << " n " << n
+                    << " misaligned by " << misalign << " floats, cached output " << cached;
+                ASSERT_EQ(expected[j].back(), static_cast<float>(n));
               }
-              if (n > 5) in[static_cast<std::size_t>(r)][(static_cast<std::size_t>(r) * 5 + 3) % n] = std::numeric_limits<float>::quiet_NaN();
-              in_ptrs.push_back(in[static_cast<std::size_t>(r)].data());
-            }
-            // 64-byte aligned storage, then shifted by `misalign` floats.
-            std::vector<std::vector<float>> expected(static_cast<std::size_t>(m)), actual(static_cast<std::size_t>(m));
-            std::vector<void*> expected_ptrs, actual_ptrs;
-            for (int j = 0; j < m; ++j) {
-              auto& e = expected[static_cast<std::size_t>(j)];
-              auto& a = actual[static_cast<std::size_t>(j)];
-              e.assign(n + 32, 1e30f);
-              a.assign(n + 32, 1e30f);
-              auto at = [&](std::vector<float>& v) {
-                const auto address = reinterpret_cast<std::uintptr_t>(v.data());
-                return v.data() + ((64 - address % 64) % 64) / sizeof(float) + misalign;
-              };
-              expected_ptrs.push_back(at(e));
-              actual_ptrs.push_back(at(a));
-            }
-            hc::reduce_range(dtype::f32, op, in_ptrs.data(), k, expected_ptrs.data(), m, n, false);
-            hc::reduce_range(dtype::f32, op, in_ptrs.data(), k, actual_ptrs.data(), m, n, true);
-            for (int j = 0; j < m; ++j) {
-              const auto where = [&] {
-                return ::testing::Message() << "op " << name_of(op) << " inputs " << k << " output " << j << " of "
-                                            << m << " n " << n << " misaligned by " << misalign << " floats";
-              };
-              const auto written = [](const std::vector<float>& v) {  // no result is 1e30
-                return std::count_if(v.begin(), v.end(), [](float x) { return x != 1e30f; });
-              };
-              const auto u = static_cast<std::size_t>(j);
-              ASSERT_EQ(std::memcmp(expected_ptrs[u], actual_ptrs[u], n * sizeof(float)), 0) << where();
-              ASSERT_EQ(written(expected[u]), static_cast<std::ptrdiff_t>(n)) << where();
-              ASSERT_EQ(written(actual[u]), static_cast<std::ptrdiff_t>(n)) << where();
             }
           }
         }

@@ -11,6 +11,7 @@
 #pragma once
 
 #include <cmath>
+#include <cstddef>
 #include <cstdint>
 #include <numbers>
 #include <utility>
@@ -51,7 +52,7 @@ struct cosine_schedule {
   }
 };
 
-/// gamma^(step / step_size): the rate divided by 1/gamma every `step_size` steps (PyTorch's StepLR).
+/// gamma^floor(step / step_size): the rate multiplied by gamma every `step_size` steps (PyTorch's StepLR).
 struct step_schedule {
   std::int64_t step_size = 0;
   double gamma = 0.1;
@@ -70,7 +71,8 @@ struct step_schedule {
 /// Applies `Schedule` to every parameter group of `Optimizer` (sgd, adamw, or anything with group_count()
 /// and options(i).lr): group i's rate at step t is base_i x schedule(t), base_i being its rate when the
 /// scheduler first saw it (at construction, or at the first step() after the group was added).
-/// The constructor sets step 0's rates; call step() once after each optimizer step.
+/// The constructor sets step 0's rates; call step() once after each optimizer step. A step the loss scaler
+/// skips (an overflow) still advances the schedule, as in PyTorch.
 template <class Optimizer, class Schedule>
 class lr_scheduler {
  public:
