@@ -167,24 +167,27 @@ def torch_child(spec):
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
 
-def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum):
+def run_sample(binary, hidden, batch, lr, momentum, extra):
+    """Runs the sample with --json and the recipe's options, plus `extra`; returns its JSON summary."""
     args = [binary, "--json", "--hidden", ",".join(map(str, hidden)), "--batch", str(batch), "--lr", str(lr),
-            "--momentum", str(momentum), "--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000",
-            "--eval-batch", "10000", "--lr-schedule", "constant"]
-    if mode == "single":
-        args += ["--devices", "host:0"]
-    else:
-        args += ["--mode", "ddp", "--devices", "host:0,host:1"]
+            "--momentum", str(momentum)] + extra
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return json.loads(out)["samples_per_second"]
+    return json.loads(out)
+
+
+def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum):
+    extra = ["--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000", "--eval-batch", "10000",
+             "--lr-schedule", "constant"]
+    if mode == "single":
+        extra += ["--devices", "host:0"]
+    else:
+        extra += ["--mode", "ddp", "--devices", "host:0,host:1"]
+    return run_sample(binary, hidden, batch, lr, momentum, extra)["samples_per_second"]
 
 
 def lockstep_accuracy(binary, hidden, batch, epochs, lr, momentum, schedule, seed):
-    args = [binary, "--json", "--hidden", ",".join(map(str, hidden)), "--batch", str(batch), "--lr", str(lr),
-            "--momentum", str(momentum), "--epochs", str(epochs), "--lr-schedule", schedule, "--seed", str(seed),
-            "--devices", "host:0"]
-    out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
-    return json.loads(out)["test_accuracy"]
+    extra = ["--epochs", str(epochs), "--lr-schedule", schedule, "--seed", str(seed), "--devices", "host:0"]
+    return run_sample(binary, hidden, batch, lr, momentum, extra)["test_accuracy"]
 
 
 def torch_run(spec, pin):

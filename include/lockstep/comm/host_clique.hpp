@@ -46,6 +46,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/device/device_set.hpp"
+#include "lockstep/kernels/host_loop.hpp"  // host_has_avx2
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
 
@@ -185,13 +186,14 @@ inline __m128 combine4(__m128 a, __m128 b) noexcept {
 /// the compiler does not emit non-temporal stores from plain C++; it is 10-15% faster than the block loop
 /// followed by copy_streaming (16 MiB out of place on 2 ranks). Outputs must be 16-byte aligned and must not
 /// alias an input (in place, a streaming store would evict the line the next load reads: 5x slower).
-/// outputs[cached] (when 0 <= cached < m) is written with ordinary stores: see stream_outputs.
+/// outputs[cached] (when 0 <= cached < m) is written with ordinary stores: see stream_outputs. Elements before
+/// `first` (a multiple of 4) are left alone.
 template <reduce_op Op>
 void reduce_range_streaming(const float* const* inputs, int k, float* const* outputs, int m, std::size_t n,
-                            int cached) noexcept {
+                            int cached, std::size_t first = 0) noexcept {
   const __m128 divisor = _mm_set1_ps(static_cast<float>(k));
   const std::size_t n4 = n - n % 4;
-  std::size_t i = 0;
+  std::size_t i = first;
   for (; i < n4; i += 4) {
     __m128 v = _mm_loadu_ps(inputs[0] + i);
     for (int r = 1; r < k; ++r) v = combine4<Op>(v, _mm_loadu_ps(inputs[r] + i));
@@ -220,15 +222,7 @@ void reduce_range_streaming(const float* const* inputs, int k, float* const* out
   _mm_sfence();
 }
 
-#if defined(__x86_64__) && defined(__GNUC__)
-inline bool has_avx2() noexcept {
-  static const bool yes = [] {
-    __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") != 0;
-  }();
-  return yes;
-}
-
+#if LOCKSTEP_HOST_AVX2_CLONES
 /// a op b on eight floats (max NaN-propagating, as combine()).
 template <reduce_op Op>
 __attribute__((target("avx2"))) inline __m256 combine8(__m256 a, __m256 b) noexcept {
@@ -269,11 +263,7 @@ __attribute__((target("avx2"))) void reduce_range_streaming_avx2(const float* co
       }
     }
   }
-  std::array<float*, max_ranks> tails{};
-  std::array<const float*, max_ranks> tail_inputs{};
-  for (int r = 0; r < k; ++r) tail_inputs[static_cast<std::size_t>(r)] = inputs[r] + lines;
-  for (int j = 0; j < m; ++j) tails[static_cast<std::size_t>(j)] = outputs[j] + lines;
-  reduce_range_streaming<Op>(tail_inputs.data(), k, tails.data(), m, n - lines, cached);  // fences
+  reduce_range_streaming<Op>(inputs, k, outputs, m, n, cached, lines);  // the last partial line, and the fence
 }
 #endif
 #endif
@@ -289,8 +279,8 @@ void reduce_range(const T* const* inputs, int k, T* const* outputs, int m, std::
       for (int r = 0; r < k && one_pass; ++r) one_pass = outputs[j] != inputs[r];
     }
     if (one_pass) {
-#if defined(__x86_64__) && defined(__GNUC__)
-      bool aligned32 = has_avx2();
+#if LOCKSTEP_HOST_AVX2_CLONES
+      bool aligned32 = host_has_avx2();
       for (int j = 0; j < m && aligned32; ++j) aligned32 = reinterpret_cast<std::uintptr_t>(outputs[j]) % 32 == 0;
       if (aligned32) return reduce_range_streaming_avx2<Op>(inputs, k, outputs, m, n, cached);
 #endif
