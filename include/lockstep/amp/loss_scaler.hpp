@@ -153,6 +153,9 @@ class loss_scaler {
     unscaled_ = false;
   }
 
+  /// The device state (a kernels::scaler_state), for checkpoints.
+  [[nodiscard]] device_span<std::uint8_t> state_bytes() noexcept { return state_.span(); }
+
   /// The state, copied from the device; synchronizes `s`.
   [[nodiscard]] loss_scaler_telemetry read(stream_ref s) const {
     const auto bytes = to_vector(device_span<const std::uint8_t>(state_.span()), s);

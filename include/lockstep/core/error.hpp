@@ -87,6 +87,13 @@ class data_error : public error {
   using error::error;
 };
 
+/// The operating system refused a file operation (no space left, a read-only directory, a missing file).
+/// `code()` is the errno value; the message names the operation, the path and strerror's text.
+class io_error : public error {
+ public:
+  using error::error;
+};
+
 /// A numerical problem the caller asked to be told about (a non-finite loss, a diverged run).
 class numeric_error : public error {
  public:

@@ -94,6 +94,19 @@ class lr_scheduler {
   /// Group `index`'s base rate.
   [[nodiscard]] float base_lr(std::size_t index = 0) const { return base_.at(index); }
   [[nodiscard]] const Schedule& schedule() const noexcept { return schedule_; }
+  /// The base rates of the groups seen so far.
+  [[nodiscard]] const std::vector<float>& base_lrs() const noexcept { return base_; }
+
+  /// Continues a run: sets the step and the groups' base rates (as saved by a checkpoint) and applies the
+  /// step's rates. Throws precondition_error unless step >= 0 and there is one base rate per group.
+  void restore(std::int64_t step, std::vector<float> base_lrs) {
+    LOCKSTEP_EXPECTS(step >= 0, "lr_scheduler::restore: step must be >= 0, got ", step);
+    LOCKSTEP_EXPECTS(base_lrs.size() == optimizer_->group_count(), "lr_scheduler::restore: ", base_lrs.size(),
+                     " base rates for an optimizer of ", optimizer_->group_count(), " groups");
+    step_ = step;
+    base_ = std::move(base_lrs);
+    apply();
+  }
 
  private:
   void apply() {

@@ -68,6 +68,42 @@ class optimizer_core {
     return g.state.at(index).at(static_cast<std::size_t>(which)).view();
   }
 
+  /// Allocates what a first step would (zeroed state for the groups whose options need it, step counters at
+  /// zero) without stepping, in stream order on `s`; no-op for what exists. Checkpoint loading writes into it.
+  /// A zero step count keeps the next step a first step, so this changes no update.
+  void materialize_state(stream_ref s) {
+    LOCKSTEP_EXPECTS(dev_.has_value(), "an optimizer without parameters has no state");
+    LOCKSTEP_EXPECTS(s.get_device() == *dev_, "optimizer step or state on a stream of ", s.get_device().str(),
+                     " for parameters on ", dev_->str());
+    if (counted_groups_ < groups_.size()) grow_counters(s);
+    for (auto& g : groups_) {
+      if (!g.state.empty() || !group_needs_state(g.options)) continue;
+      g.state.resize(g.params.size());
+      for (std::size_t i = 0; i < g.params.size(); ++i) {
+        for (auto& t : g.state[i]) {
+          t.ensure(g.params[i]->dims(), dtype::f32, s);
+          fill_zero(t.template span<float>(), s);
+        }
+      }
+    }
+  }
+
+  /// Whether a group with `options` keeps state tensors (SGD: with momentum; AdamW: always).
+  [[nodiscard]] static bool group_needs_state(const Options& options) noexcept {
+    if constexpr (requires { options.momentum; }) {
+      return options.momentum != 0.0f;
+    } else {
+      return true;
+    }
+  }
+
+  /// The device step counters, one kernels::optimizer_counters per group (empty before the first step or
+  /// materialize_state).
+  [[nodiscard]] device_span<std::uint8_t> step_counters() const noexcept {
+    if (counters_.empty()) return {};
+    return counters_.template span<std::uint8_t>().first(counted_groups_ * sizeof(kernels::optimizer_counters));
+  }
+
   /// Steps applied so far to group `group_index` (the first by default); synchronizes `s`. (The counts live on
   /// the device: a skipped step does not count.)
   [[nodiscard]] std::int64_t steps_taken(stream_ref s, std::size_t group_index = 0) const {
@@ -89,24 +125,11 @@ class optimizer_core {
   /// Allocates zeroed state (for groups whose options need it) and step counters on a group's first step,
   /// materializes gradients nobody wrote, and advances the device step counts (unless skipped). Returns the
   /// counters, one per group.
-  template <class NeedsState>
-  kernels::optimizer_counters* prepare(stream_ref s, step_inputs in, float beta1, float beta2, NeedsState needs_state) {
+  kernels::optimizer_counters* prepare(stream_ref s, step_inputs in, float beta1, float beta2) {
     LOCKSTEP_EXPECTS(dev_.has_value(), "an optimizer without parameters cannot step");
-    LOCKSTEP_EXPECTS(s.get_device() == *dev_, "optimizer step on a stream of ", s.get_device().str(),
-                     " for parameters on ", dev_->str());
-    if (counted_groups_ < groups_.size()) grow_counters(s);
-    for (auto& g : groups_) {
-      if (g.state.empty() && needs_state(g.options)) {
-        g.state.resize(g.params.size());
-        for (std::size_t i = 0; i < g.params.size(); ++i) {
-          for (auto& t : g.state[i]) {
-            t.ensure(g.params[i]->dims(), dtype::f32, s);
-            fill_zero(t.template span<float>(), s);
-          }
-        }
-      }
+    materialize_state(s);
+    for (auto& g : groups_)
       for (parameter* p : g.params) p->materialize_grad(s);
-    }
     auto* counters = reinterpret_cast<kernels::optimizer_counters*>(counters_.data());
     launch_elementwise(groups_.size(), kernels::prepare_step_op{counters, in, beta1, beta2}, s, "optimizer step counts");
     return counters;

@@ -40,7 +40,7 @@ class sgd : public detail::optimizer_core<sgd_options, 1> {
   /// Updates every parameter in stream order on `s` (a stream of the parameters' device): one launch per
   /// group and gradient dtype, plus one for the step count. Never waits for the device.
   void step(stream_ref s, step_inputs in = {}) {
-    const auto* counters = prepare(s, in, 0.0f, 0.0f, [](const sgd_options& o) { return o.momentum != 0.0f; });
+    const auto* counters = prepare(s, in, 0.0f, 0.0f);
     for_each_batch<4>([&](dtype t, std::span<const tensor_group<4>> groups, const sgd_options& o, std::size_t g) {
       dispatch_floating(t, "sgd", [&]<class T>() {
         launch_multi_tensor<4>(groups,

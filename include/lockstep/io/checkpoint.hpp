@@ -1,0 +1,939 @@
+// lockstep/io/checkpoint.hpp — saving and loading models and whole training runs.
+//
+//   save_model(file, parameters_of(model), s)        one safetensors file of the fp32 master values, with
+//   load_model(file, parameters_of(model), s)        PyTorch's names ("0.weight", "fc1.bias"): torch reads it
+//
+//   checkpoint_state st(parameters_of(model));       what a run needs to continue exactly: the model, and
+//   st.optimizer(opt).scaler(scaler).schedule(sched); the optimizer, loss scaler and schedule it names
+//   st.position = {.step = step, .epoch = e, ...};   where the loop stands (data order, dropout stream)
+//   checkpointer saver(root, {.keep_last = 3});
+//   saver.save(st, s [, comm]);                      root/step-000000000100/{model,training}.safetensors
+//   saver.save_async(st, s [, comm]);                + manifest.json; asynchronously: written by a thread
+//   load_checkpoint(root, st, s);                    the newest complete checkpoint, onto s's device
+//
+// Writes are atomic: files go into a temporary directory beside the final one, are synced, and the directory
+// is renamed into place; a crash at any point leaves the earlier checkpoints intact, and older ones are removed
+// (keep_last) only once the new one is complete. Loads are all or nothing: both files are read, their
+// checksums (CRC-32, in the manifest) and every tensor's name, dtype and shape are checked, and only then is
+// anything of the model, optimizer, scaler or schedule changed; any fault throws and leaves them as they were.
+//
+// Every value goes through host staging memory (pinned_buffer) on the stream of the device that holds it, in
+// stream order: nothing passes through another device. A checkpoint written by N ranks loads on M: the state
+// it holds is the replicated state of data parallelism, and `run_position::epoch_samples` counts samples of the
+// epoch's global order, which distributed_sampler::set_start resumes on any number of ranks.
+#pragma once
+
+#include <zlib.h>
+
+#include <algorithm>
+#include <atomic>
+#include <cstdint>
+#include <cstring>
+#include <exception>
+#include <filesystem>
+#include <functional>
+#include <iostream>
+#include <map>
+#include <memory>
+#include <optional>
+#include <set>
+#include <span>
+#include <string>
+#include <thread>
+#include <utility>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "lockstep/amp/loss_scaler.hpp"
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/config.hpp"
+#include "lockstep/io/file.hpp"
+#include "lockstep/io/safetensors.hpp"
+#include "lockstep/io/sha256.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/lr_schedule.hpp"
+#include "lockstep/optim/sgd.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/pinned_buffer.hpp"
+#include "lockstep/runtime/stream.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+/// The version of the checkpoint layout this header writes (and the newest it reads).
+inline constexpr int checkpoint_format_version = 1;
+
+/// Where a training loop stands: what it needs, beyond the model and optimizer, to continue exactly.
+struct run_position {
+  std::int64_t step = 0;              ///< optimizer steps taken in the run
+  std::uint64_t epoch = 0;            ///< the epoch in progress (or the next one, when epoch_samples is 0)
+  std::uint64_t epoch_samples = 0;    ///< entries of that epoch's global sample order already trained on
+  std::uint64_t data_seed = 0;        ///< the sampler's shuffling seed
+  std::uint64_t dropout_seed = 0;     ///< context::seed()
+  std::uint64_t dropout_step = 0;     ///< context::step() of the next step
+  int world_size = 1;                 ///< ranks of the run that wrote it (informational: any number may resume)
+  dtype precision = dtype::f32;       ///< the compute precision of the run that wrote it
+};
+
+/// Whether a checkpoint's files are flushed to the storage device before it is published.
+enum class durability : std::uint8_t {
+  fsync,       ///< fsync the files and directories: a power loss keeps the checkpoint (the default)
+  page_cache,  ///< leave it to the page cache: survives a crash of the process, not of the machine
+};
+
+struct checkpoint_options {
+  /// Keep the newest `keep_last` checkpoints under the root and remove older ones once a new one is complete;
+  /// 0 keeps every one.
+  std::size_t keep_last = 0;
+  lockstep::durability durability = durability::fsync;
+  /// Called with the temporary directory once its files are written and synced, before it is renamed into
+  /// place. Tests use it to kill a process at the worst moment; it may throw to abandon the save.
+  std::function<void(const std::filesystem::path&)> before_publish = {};
+};
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+inline constexpr const char* model_file_name = "model.safetensors";
+inline constexpr const char* training_file_name = "training.safetensors";
+inline constexpr const char* manifest_file_name = "manifest.json";
+inline constexpr const char* module_prefix = "module.";
+
+inline std::vector<std::int64_t> dims_of(const shape& s) {
+  std::vector<std::int64_t> out;
+  for (int i = 0; i < s.rank(); ++i) out.push_back(s[i]);
+  return out;
+}
+
+/// CRC-32 (zlib's) of `data`.
+inline std::uint32_t crc32_of(std::span<const std::byte> data) noexcept {
+  return static_cast<std::uint32_t>(
+      ::crc32_z(0L, reinterpret_cast<const Bytef*>(data.data()), static_cast<z_size_t>(data.size())));
+}
+
+/// The tensors of one file being saved: each from device memory (copied into staging in stream order) or from
+/// host bytes (copied into staging at once).
+class file_writer {
+ public:
+  void add_device(std::string name, const tensor_view& source) {
+    entries_.push_back(entry{{std::move(name), source.type(), dims_of(source.dims()), nullptr}, source, {}});
+  }
+  void add_host(std::string name, dtype type, std::vector<std::int64_t> shape, std::vector<std::byte> bytes) {
+    entries_.push_back(entry{{std::move(name), type, std::move(shape), nullptr}, {}, std::move(bytes)});
+  }
+  [[nodiscard]] std::size_t data_bytes() const noexcept {
+    std::size_t n = 0;
+    for (const auto& e : entries_) n += e.meta.size_bytes();
+    return n;
+  }
+  /// Queues the copies of every tensor into `staging` (data_bytes() bytes) on `s`, and returns the header.
+  std::string stage(std::byte* staging, stream_ref s, std::map<std::string, std::string> metadata) {
+    std::vector<safetensors_source> sources;
+    std::size_t at = 0;
+    for (auto& e : entries_) {
+      const std::size_t n = e.meta.size_bytes();
+      if (!e.device.empty()) {
+        LOCKSTEP_EXPECTS(e.device.get_device() == s.get_device(), "checkpoint: tensor '", e.meta.name, "' is on ",
+                         e.device.get_device().str(), " but the save runs on a stream of ", s.get_device().str(),
+                         "; save with a stream of the device that holds the model");
+        copy(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(staging + at), n),
+             device_span<const std::uint8_t>(e.device.bytes()), s);
+      } else if (n > 0) {
+        std::memcpy(staging + at, e.host.data(), n);
+      }
+      e.meta.data = staging + at;
+      sources.push_back(e.meta);
+      at += n;
+    }
+    return safetensors_header_bytes(sources, std::move(metadata));
+  }
+
+ private:
+  struct entry {
+    safetensors_source meta;
+    tensor_view device;
+    std::vector<std::byte> host;
+  };
+  std::vector<entry> entries_;
+};
+
+/// A safetensors file read whole into host staging memory and validated.
+struct loaded_file {
+  std::filesystem::path path;
+  pinned_buffer<std::byte> bytes;
+  std::uint64_t size = 0;
+  safetensors_header header;
+  std::set<std::string> consumed;
+  bool module_prefix_stripped = false;
+
+  [[nodiscard]] std::span<const std::byte> data_of(const safetensors_tensor& t) const {
+    return std::span<const std::byte>(bytes.data() + header.data_offset + t.begin, t.size_bytes());
+  }
+};
+
+/// Reads `path` whole into pinned memory; when `expected` has a size and CRC-32 (from a manifest), checks both
+/// before parsing. Throws io_error (cannot read) or data_error (corrupt).
+inline loaded_file read_safetensors_file(const std::filesystem::path& path, const nlohmann::json* expected) {
+  loaded_file f;
+  f.path = path;
+  posix_file in(path, O_RDONLY);
+  f.size = in.size();
+  if (expected != nullptr) {
+    const auto want = expected->at("bytes").get<std::uint64_t>();
+    if (f.size != want) {
+      throw data_error(concat(path.string(), ": the file has ", f.size, " bytes but the manifest says ", want,
+                              " (truncated or replaced)"));
+    }
+  }
+  f.bytes = pinned_buffer<std::byte>(f.size);
+  in.read_all(std::span<std::byte>(f.bytes.data(), f.size));
+  if (expected != nullptr) {
+    const auto want = expected->at("crc32").get<std::uint32_t>();
+    const std::uint32_t got = crc32_of(std::span<const std::byte>(f.bytes.data(), f.size));
+    if (got != want) {
+      throw data_error(concat(path.string(), ": checksum mismatch (CRC-32 ", got, ", the manifest says ", want,
+                              "): the file is corrupt"));
+    }
+  }
+  f.header = parse_safetensors_header(std::span<const std::byte>(f.bytes.data(), f.size), f.size, path.string());
+  return f;
+}
+
+/// The tensor `name` of `f`, checked for dtype and shape; for a model file, a name with DataParallel's
+/// "module." prefix is accepted too. Marks it consumed. Throws data_error naming the file and the tensor.
+inline const safetensors_tensor& expect_tensor(loaded_file& f, const std::string& name, dtype type,
+                                               const std::vector<std::int64_t>& shape, bool allow_module_prefix) {
+  const safetensors_tensor* t = f.header.find(name);
+  if (t == nullptr && allow_module_prefix) {
+    t = f.header.find(module_prefix + name);
+    if (t != nullptr) f.module_prefix_stripped = true;
+  }
+  if (t == nullptr) {
+    throw data_error(concat(f.path.string(), ": tensor '", name, "' is missing (the file has ", f.header.tensors.size(),
+                            " tensors; the model or optimizer being loaded differs from the one saved)"));
+  }
+  if (t->type != type) {
+    throw data_error(concat(f.path.string(), ": tensor '", name, "' has dtype ", safetensors_dtype_name(t->type),
+                            ", expected ", safetensors_dtype_name(type)));
+  }
+  if (t->shape != shape) {
+    throw data_error(concat(f.path.string(), ": tensor '", name, "' has shape ", shape_text(t->shape), ", expected ",
+                            shape_text(shape)));
+  }
+  f.consumed.insert(t->name);
+  return *t;
+}
+
+/// Checks that `f` holds exactly the master values of `params` (F32, their shapes; "module." prefixes accepted)
+/// and returns each parameter's tensor, in order. Throws data_error naming the first fault.
+inline std::vector<const safetensors_tensor*> expect_model(loaded_file& f, const parameter_list& params);
+
+/// Writes validated master values into `params` (refreshing working copies) in stream order on `s`.
+inline void apply_model(const loaded_file& f, const std::vector<const safetensors_tensor*>& tensors,
+                        const parameter_list& params, stream_ref s);
+
+/// Throws data_error naming the first tensor of `f` that nothing expected.
+inline void expect_no_extra_tensors(const loaded_file& f) {
+  for (const auto& t : f.header.tensors) {
+    if (!f.consumed.contains(t.name)) {
+      throw data_error(concat(f.path.string(), ": tensor '", t.name, "' is not part of what is being loaded (",
+                              f.header.tensors.size() - f.consumed.size(), " unexpected tensors; a different model?)"));
+    }
+  }
+}
+
+/// Copies a validated tensor's bytes to device memory in stream order on `s` (the file must outlive the copy).
+inline void copy_to_device(const loaded_file& f, const safetensors_tensor& t, const tensor_view& dst, stream_ref s) {
+  const auto src = f.data_of(t);
+  copy(dst.bytes(), std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(src.data()), src.size()), s);
+}
+
+inline std::vector<const safetensors_tensor*> expect_model(loaded_file& f, const parameter_list& params) {
+  std::vector<const safetensors_tensor*> out;
+  for (const auto& p : params) out.push_back(&expect_tensor(f, p.name, dtype::f32, dims_of(p.param->dims()), true));
+  expect_no_extra_tensors(f);
+  if (f.module_prefix_stripped) {
+    std::clog << "lockstep: " << f.path.string() << ": tensor names carry DataParallel's 'module.' prefix; "
+              << "loaded without it\n";
+  }
+  return out;
+}
+
+inline void apply_model(const loaded_file& f, const std::vector<const safetensors_tensor*>& tensors,
+                        const parameter_list& params, stream_ref s) {
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    copy_to_device(f, *tensors[i], params[i].param->value(), s);
+    params[i].param->refresh_working_copy(s);
+  }
+}
+
+/// A small host tensor's bytes.
+template <class T>
+std::vector<std::byte> host_bytes(std::span<const T> values) {
+  std::vector<std::byte> out(values.size_bytes());
+  if (!out.empty()) std::memcpy(out.data(), values.data(), out.size());
+  return out;
+}
+template <class T>
+std::vector<T> host_values(const loaded_file& f, const safetensors_tensor& t) {
+  std::vector<T> out(t.size_bytes() / sizeof(T));
+  if (!out.empty()) std::memcpy(out.data(), f.data_of(t).data(), t.size_bytes());
+  return out;
+}
+
+/// The bytes of `span` on the host; synchronizes `s`.
+inline std::vector<std::uint8_t> read_device(device_span<std::uint8_t> span, stream_ref s) {
+  return to_vector(device_span<const std::uint8_t>(span), s);
+}
+
+/// One part of a checkpoint besides the model: what it adds on save, checks and restores on load.
+struct checkpoint_part {
+  std::function<void(file_writer& training, nlohmann::json& manifest, stream_ref s)> save;
+  std::function<void(loaded_file& training, const nlohmann::json& manifest)> validate;
+  std::function<void(loaded_file& training, const nlohmann::json& manifest, stream_ref s)> apply;
+};
+
+inline nlohmann::json options_json(const sgd_options& o) {
+  return {{"lr", o.lr}, {"momentum", o.momentum}, {"dampening", o.dampening}, {"weight_decay", o.weight_decay},
+          {"nesterov", o.nesterov == nesterov::yes}};
+}
+inline nlohmann::json options_json(const adamw_options& o) {
+  return {{"lr", o.lr}, {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}};
+}
+inline void restore_options(sgd_options& o, const nlohmann::json& j) {
+  o.lr = j.at("lr").get<float>();
+  o.momentum = j.at("momentum").get<float>();
+  o.dampening = j.at("dampening").get<float>();
+  o.weight_decay = j.at("weight_decay").get<float>();
+  o.nesterov = j.at("nesterov").get<bool>() ? nesterov::yes : nesterov::no;
+}
+inline void restore_options(adamw_options& o, const nlohmann::json& j) {
+  o.lr = j.at("lr").get<float>();
+  o.beta1 = j.at("beta1").get<float>();
+  o.beta2 = j.at("beta2").get<float>();
+  o.eps = j.at("eps").get<float>();
+  o.weight_decay = j.at("weight_decay").get<float>();
+}
+
+/// PyTorch's names of an optimizer's state tensors.
+inline const char* state_name(bool adam, int which) {
+  if (!adam) return "momentum_buffer";
+  return which == 0 ? "exp_avg" : "exp_avg_sq";
+}
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// What a training checkpoint holds: the model's parameters (by reference) and, once named, the optimizer,
+/// loss scaler and learning-rate schedule, plus the loop's position and the program's own JSON entries. The
+/// referenced objects must outlive it. Saving reads them; loading writes them (all or nothing).
+class checkpoint_state {
+ public:
+  /// The model's parameters, in checkpoint order, with the names the files use.
+  explicit checkpoint_state(parameter_list model) : model_(std::move(model)) {
+    std::set<std::string> names;
+    for (const auto& p : model_) {
+      LOCKSTEP_EXPECTS(names.insert(p.name).second, "checkpoint_state: two parameters are named '", p.name, "'");
+    }
+  }
+
+  /// The optimizer whose state (momentum or moments, step counts, options) the checkpoint holds. Its parameters
+  /// must be the model's.
+  template <class Optimizer>
+    requires(std::same_as<Optimizer, sgd> || std::same_as<Optimizer, adamw>)
+  checkpoint_state& optimizer(Optimizer& opt) {
+    constexpr bool adam = std::same_as<Optimizer, adamw>;
+    constexpr int state_count = adam ? 2 : 1;
+    std::map<const parameter*, std::string> names;
+    for (const auto& p : model_) names[p.param] = p.name;
+    for (std::size_t g = 0; g < opt.group_count(); ++g)
+      for (const parameter* p : opt.params(g))
+        LOCKSTEP_EXPECTS(names.contains(p), "checkpoint_state::optimizer: parameter '", p->name(),
+                         "' of the optimizer is not one of the model's");
+    const char* kind = adam ? "adamw" : "sgd";
+    // The state tensors of every group that has them: (group, index, which, name).
+    auto each_state = [&opt, names](auto&& f) {
+      for (std::size_t g = 0; g < opt.group_count(); ++g) {
+        if (!Optimizer::group_needs_state(opt.options(g))) continue;
+        for (std::size_t i = 0; i < opt.params(g).size(); ++i)
+          for (int k = 0; k < state_count; ++k)
+            f(g, i, k, "optimizer.state." + names.at(opt.params(g)[i]) + "." + detail::state_name(adam, k));
+      }
+    };
+    auto group_names = [&opt, names](std::size_t g) {
+      std::vector<std::string> out;
+      for (const parameter* p : opt.params(g)) out.push_back(names.at(p));
+      return out;
+    };
+    const auto groups = [&opt] { return static_cast<std::int64_t>(opt.group_count()); };
+    detail::checkpoint_part part;
+    part.save = [&opt, each_state, group_names, groups, kind](detail::file_writer& w, nlohmann::json& m, stream_ref s) {
+      opt.materialize_state(s);  // zeroes before the first step: the same updates, and a uniform layout
+      each_state([&](std::size_t g, std::size_t i, int k, std::string name) { w.add_device(std::move(name), opt.state(g, i, k)); });
+      const auto raw = detail::read_device(opt.step_counters(), s);
+      std::vector<kernels::optimizer_counters> c(opt.group_count());
+      std::memcpy(c.data(), raw.data(), c.size() * sizeof c[0]);
+      std::vector<std::int64_t> steps;
+      std::vector<float> bc1, bc2;
+      for (const auto& x : c) {
+        steps.push_back(x.step);
+        bc1.push_back(x.bias_correction1);
+        bc2.push_back(x.bias_correction2);
+      }
+      w.add_host("optimizer.step", dtype::i64, {groups()}, detail::host_bytes(std::span<const std::int64_t>(steps)));
+      w.add_host("optimizer.bias_correction1", dtype::f32, {groups()}, detail::host_bytes(std::span<const float>(bc1)));
+      w.add_host("optimizer.bias_correction2", dtype::f32, {groups()}, detail::host_bytes(std::span<const float>(bc2)));
+      nlohmann::json gs = nlohmann::json::array();
+      for (std::size_t g = 0; g < opt.group_count(); ++g) {
+        nlohmann::json j = detail::options_json(opt.options(g));
+        j["params"] = group_names(g);
+        gs.push_back(std::move(j));
+      }
+      m["optimizer"] = {{"kind", kind}, {"groups", std::move(gs)}};
+    };
+    part.validate = [&opt, each_state, group_names, groups, kind](detail::loaded_file& f, const nlohmann::json& m) {
+      if (!m.contains("optimizer")) throw data_error("the checkpoint holds no optimizer, but one was given to load");
+      const auto& o = m.at("optimizer");
+      const std::string saved = o.at("kind").get<std::string>();
+      if (saved != kind) {
+        throw data_error(detail::concat("the checkpoint's optimizer is ", saved, ", this run's is ", kind));
+      }
+      const auto& gs = o.at("groups");
+      if (gs.size() != opt.group_count()) {
+        throw data_error(detail::concat("the checkpoint's optimizer has ", gs.size(), " parameter groups, this run's ",
+                                        opt.group_count()));
+      }
+      for (std::size_t g = 0; g < opt.group_count(); ++g) {
+        if (gs[g].at("params").get<std::vector<std::string>>() != group_names(g)) {
+          throw data_error(detail::concat("parameter group ", g, " of the checkpoint's optimizer holds other parameters "
+                                          "than this run's"));
+        }
+        std::remove_cvref_t<decltype(opt.options(g))> probe{};
+        detail::restore_options(probe, gs[g]);  // throws (json) when a field is missing
+      }
+      each_state([&](std::size_t g, std::size_t i, int, const std::string& name) {
+        detail::expect_tensor(f, name, dtype::f32, detail::dims_of(opt.params(g)[i]->dims()), false);
+      });
+      detail::expect_tensor(f, "optimizer.step", dtype::i64, {groups()}, false);
+      detail::expect_tensor(f, "optimizer.bias_correction1", dtype::f32, {groups()}, false);
+      detail::expect_tensor(f, "optimizer.bias_correction2", dtype::f32, {groups()}, false);
+    };
+    part.apply = [&opt, each_state](detail::loaded_file& f, const nlohmann::json& m, stream_ref s) {
+      opt.materialize_state(s);
+      each_state([&](std::size_t g, std::size_t i, int k, const std::string& name) {
+        detail::copy_to_device(f, *f.header.find(name), opt.state(g, i, k), s);
+      });
+      const auto steps = detail::host_values<std::int64_t>(f, *f.header.find("optimizer.step"));
+      const auto bc1 = detail::host_values<float>(f, *f.header.find("optimizer.bias_correction1"));
+      const auto bc2 = detail::host_values<float>(f, *f.header.find("optimizer.bias_correction2"));
+      std::vector<kernels::optimizer_counters> c(steps.size());
+      for (std::size_t g = 0; g < c.size(); ++g) c[g] = {steps[g], bc1[g], bc2[g]};
+      const auto counters = opt.step_counters();
+      copy(counters, std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(c.data()), counters.size()), s);
+      s.synchronize();  // `c` is a local
+      const auto& gs = m.at("optimizer").at("groups");
+      for (std::size_t g = 0; g < opt.group_count(); ++g) detail::restore_options(opt.options(g), gs[g]);
+    };
+    parts_["optimizer"] = std::move(part);
+    return *this;
+  }
+
+  /// The loss scaler whose scale, growth tracker and counts the checkpoint holds.
+  checkpoint_state& scaler(loss_scaler& sc) {
+    static const std::pair<const char*, dtype> fields[] = {
+        {"scaler.scale", dtype::f32},          {"scaler.inv_scale", dtype::f32},    {"scaler.growth_tracker", dtype::i32},
+        {"scaler.steps", dtype::i64},          {"scaler.skipped_steps", dtype::i64}, {"scaler.last_overflow_step", dtype::i64}};
+    detail::checkpoint_part part;
+    part.save = [&sc](detail::file_writer& w, nlohmann::json& m, stream_ref s) {
+      const auto raw = detail::read_device(sc.state_bytes(), s);
+      kernels::scaler_state st{};
+      std::memcpy(&st, raw.data(), sizeof st);
+      auto one = [&](const char* name, dtype t, const void* v) {
+        std::vector<std::byte> b(size_of(t));
+        std::memcpy(b.data(), v, b.size());
+        w.add_host(name, t, {}, std::move(b));
+      };
+      one("scaler.scale", dtype::f32, &st.scale);
+      one("scaler.inv_scale", dtype::f32, &st.inv_scale);
+      one("scaler.growth_tracker", dtype::i32, &st.growth_tracker);
+      one("scaler.steps", dtype::i64, &st.steps);
+      one("scaler.skipped_steps", dtype::i64, &st.skipped_steps);
+      one("scaler.last_overflow_step", dtype::i64, &st.last_overflow_step);
+      m["scaler"] = {{"dynamic", sc.options().dynamic}, {"growth_interval", sc.options().growth_interval}};
+    };
+    part.validate = [](detail::loaded_file& f, const nlohmann::json& m) {
+      if (!m.contains("scaler")) {
+        throw data_error("the checkpoint holds no loss scaler, but one was given to load (an f32 checkpoint into an "
+                         "f16/bf16 run?)");
+      }
+      for (const auto& [name, type] : fields) detail::expect_tensor(f, name, type, {}, false);
+    };
+    part.apply = [&sc](detail::loaded_file& f, const nlohmann::json&, stream_ref s) {
+      kernels::scaler_state st{};
+      auto one = [&](const char* name, void* v) { std::memcpy(v, f.data_of(*f.header.find(name)).data(), f.header.find(name)->size_bytes()); };
+      one("scaler.scale", &st.scale);
+      one("scaler.inv_scale", &st.inv_scale);
+      one("scaler.growth_tracker", &st.growth_tracker);
+      one("scaler.steps", &st.steps);
+      one("scaler.skipped_steps", &st.skipped_steps);
+      one("scaler.last_overflow_step", &st.last_overflow_step);
+      copy(sc.state_bytes(), std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&st), sizeof st), s);
+      s.synchronize();  // `st` is a local
+    };
+    parts_["scaler"] = std::move(part);
+    return *this;
+  }
+
+  /// The learning-rate schedule whose step and base rates the checkpoint holds.
+  template <class Optimizer, class Schedule>
+  checkpoint_state& schedule(lr_scheduler<Optimizer, Schedule>& sched) {
+    detail::checkpoint_part part;
+    part.save = [&sched](detail::file_writer&, nlohmann::json& m, stream_ref) {
+      m["schedule"] = {{"step", sched.last_step()}, {"base_lrs", sched.base_lrs()}};
+    };
+    part.validate = [](detail::loaded_file&, const nlohmann::json& m) {
+      if (!m.contains("schedule")) throw data_error("the checkpoint holds no learning-rate schedule, but one was given to load");
+      (void)m.at("schedule").at("step").get<std::int64_t>();
+      (void)m.at("schedule").at("base_lrs").get<std::vector<float>>();
+    };
+    part.apply = [&sched](detail::loaded_file&, const nlohmann::json& m, stream_ref) {
+      sched.restore(m.at("schedule").at("step").get<std::int64_t>(),
+                    m.at("schedule").at("base_lrs").get<std::vector<float>>());
+    };
+    parts_["schedule"] = std::move(part);
+    return *this;
+  }
+
+  /// The loop's position: set it before saving; load_checkpoint sets it.
+  run_position position;
+  /// The program's own entries, saved in the manifest and restored by load_checkpoint.
+  nlohmann::json user = nlohmann::json::object();
+
+  [[nodiscard]] const parameter_list& model() const noexcept { return model_; }
+  [[nodiscard]] const std::map<std::string, detail::checkpoint_part>& parts() const noexcept { return parts_; }
+
+ private:
+  parameter_list model_;
+  std::map<std::string, detail::checkpoint_part> parts_;
+};
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+inline nlohmann::json position_json(const run_position& p) {
+  return {{"step", p.step},
+          {"epoch", p.epoch},
+          {"epoch_samples", p.epoch_samples},
+          {"data_seed", p.data_seed},
+          {"dropout_seed", p.dropout_seed},
+          {"dropout_step", p.dropout_step},
+          {"world_size", p.world_size},
+          {"precision", std::string(name_of(p.precision))}};
+}
+
+inline run_position position_from_json(const nlohmann::json& j) {
+  run_position p;
+  p.step = j.at("step").get<std::int64_t>();
+  p.epoch = j.at("epoch").get<std::uint64_t>();
+  p.epoch_samples = j.at("epoch_samples").get<std::uint64_t>();
+  p.data_seed = j.at("data_seed").get<std::uint64_t>();
+  p.dropout_seed = j.at("dropout_seed").get<std::uint64_t>();
+  p.dropout_step = j.at("dropout_step").get<std::uint64_t>();
+  p.world_size = j.at("world_size").get<int>();
+  const auto precision = j.at("precision").get<std::string>();
+  bool known = false;
+  for (dtype t : {dtype::f32, dtype::f16, dtype::bf16}) {
+    if (name_of(t) == precision) {
+      p.precision = t;
+      known = true;
+    }
+  }
+  if (!known) throw data_error(concat("unknown precision '", precision, "'"));
+  return p;
+}
+
+/// A checkpoint staged in host memory, ready to be written by any thread.
+struct staged_checkpoint {
+  std::int64_t step = 0;
+  pinned_buffer<std::byte> data;   // the model file's data, then the training file's
+  std::size_t model_bytes = 0;
+  std::size_t training_bytes = 0;
+  std::string model_header;
+  std::string training_header;
+  nlohmann::json manifest;
+  std::optional<event> copied;     // recorded after the staging copies
+};
+
+/// "step-000000000100".
+inline std::string checkpoint_dir_name(std::int64_t step) {
+  char name[32];
+  std::snprintf(name, sizeof name, "step-%012lld", static_cast<long long>(step));
+  return name;
+}
+
+/// The step of a directory name "step-<digits>", or -1.
+inline std::int64_t step_of_dir_name(const std::string& name) {
+  if (name.size() <= 5 || name.compare(0, 5, "step-") != 0) return -1;
+  std::int64_t v = 0;
+  for (std::size_t i = 5; i < name.size(); ++i) {
+    if (name[i] < '0' || name[i] > '9' || v > (INT64_MAX - 9) / 10) return -1;
+    v = v * 10 + (name[i] - '0');
+  }
+  return v;
+}
+
+/// Copies everything `st` saves into host staging on `s` (reusing `reuse` when large enough); returns once the
+/// copies are queued (small state is read at once, which synchronizes `s`).
+inline staged_checkpoint stage_checkpoint(checkpoint_state& st, stream_ref s, pinned_buffer<std::byte> reuse) {
+  staged_checkpoint out;
+  out.step = st.position.step;
+  file_writer model, training;
+  for (const auto& p : st.model()) model.add_device(p.name, p.param->value());
+  nlohmann::json manifest;
+  for (const auto& [name, part] : st.parts()) part.save(training, manifest, s);
+  out.model_bytes = model.data_bytes();
+  out.training_bytes = training.data_bytes();
+  const std::size_t total = out.model_bytes + out.training_bytes;
+  out.data = reuse.size() >= total ? std::move(reuse) : pinned_buffer<std::byte>(total);
+  const std::map<std::string, std::string> meta{{"lockstep.version", concat(LOCKSTEP_VERSION_MAJOR, '.', LOCKSTEP_VERSION_MINOR, '.', LOCKSTEP_VERSION_PATCH)},
+                                                {"lockstep.step", std::to_string(st.position.step)}};
+  out.model_header = model.stage(out.data.data(), s, meta);
+  out.training_header = training.stage(out.data.data() + out.model_bytes, s, meta);
+  manifest["format"] = "lockstep-checkpoint";
+  manifest["version"] = checkpoint_format_version;
+  manifest["lockstep_version"] = meta.at("lockstep.version");
+  manifest["position"] = position_json(st.position);
+  manifest["user"] = st.user;
+  out.manifest = std::move(manifest);
+  out.copied.emplace(s.get_device());
+  out.copied->record(s);
+  return out;
+}
+
+/// Writes one file of a staged checkpoint; returns its manifest entry (size and CRC-32).
+inline nlohmann::json write_staged_file(const std::filesystem::path& path, const std::string& header,
+                                        std::span<const std::byte> data, durability d) {
+  posix_file out(path, O_WRONLY | O_CREAT | O_TRUNC);
+  out.write_all(std::as_bytes(std::span(header)));
+  out.write_all(data);
+  if (d == durability::fsync) out.sync();
+  out.close();
+  std::uint32_t crc = crc32_of(std::as_bytes(std::span(header)));
+  crc = static_cast<std::uint32_t>(::crc32_z(crc, reinterpret_cast<const Bytef*>(data.data()), static_cast<z_size_t>(data.size())));
+  return {{"bytes", header.size() + data.size()}, {"crc32", crc}};
+}
+
+/// Removes what earlier saves left behind when they died before publishing (".step-*" under `root`).
+inline void remove_leftovers(const std::filesystem::path& root) {
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    const std::string name = e.path().filename().string();
+    if (name.rfind(".step-", 0) == 0) std::filesystem::remove_all(e.path(), ec);
+  }
+}
+
+/// The complete checkpoints under `root` (step-N directories holding a manifest), oldest first.
+inline std::vector<std::pair<std::int64_t, std::filesystem::path>> complete_checkpoints(const std::filesystem::path& root) {
+  std::vector<std::pair<std::int64_t, std::filesystem::path>> out;
+  std::error_code ec;
+  for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
+    const std::int64_t step = step_of_dir_name(e.path().filename().string());
+    if (step >= 0 && std::filesystem::exists(e.path() / manifest_file_name, ec)) out.emplace_back(step, e.path());
+  }
+  std::sort(out.begin(), out.end());
+  return out;
+}
+
+/// Writes a staged checkpoint under `root` atomically; returns its directory.
+inline std::filesystem::path write_checkpoint(const std::filesystem::path& root, staged_checkpoint& c,
+                                              const checkpoint_options& o) {
+  make_directories(root);
+  remove_leftovers(root);
+  const std::string name = checkpoint_dir_name(c.step);
+  const std::filesystem::path tmp = root / ("." + name + ".tmp." + std::to_string(::getpid()));
+  const std::filesystem::path final_dir = root / name;
+  if (::mkdir(tmp.c_str(), 0755) != 0) throw_io(errno, "creating the directory", tmp);
+  try {
+    c.copied->synchronize();
+    const std::span<const std::byte> all(c.data.data(), c.data.size());
+    nlohmann::json manifest = c.manifest;
+    manifest["files"][model_file_name] =
+        write_staged_file(tmp / model_file_name, c.model_header, all.first(c.model_bytes), o.durability);
+    manifest["files"][training_file_name] = write_staged_file(
+        tmp / training_file_name, c.training_header, all.subspan(c.model_bytes, c.training_bytes), o.durability);
+    {
+      const std::string text = manifest.dump(1) + "\n";
+      posix_file out(tmp / manifest_file_name, O_WRONLY | O_CREAT | O_TRUNC);
+      out.write_all(std::as_bytes(std::span(text)));
+      if (o.durability == durability::fsync) out.sync();
+      out.close();
+    }
+    if (o.durability == durability::fsync) sync_directory(tmp);
+    if (o.before_publish) o.before_publish(tmp);
+    std::error_code ec;
+    if (std::filesystem::exists(final_dir, ec)) {
+      const std::filesystem::path old = root / ("." + name + ".old." + std::to_string(::getpid()));
+      rename_path(final_dir, old);
+      rename_path(tmp, final_dir);
+      std::filesystem::remove_all(old, ec);
+    } else {
+      rename_path(tmp, final_dir);
+    }
+    if (o.durability == durability::fsync) sync_directory(root);
+  } catch (...) {
+    std::error_code ec;
+    std::filesystem::remove_all(tmp, ec);
+    throw;
+  }
+  if (o.keep_last > 0) {
+    auto all = complete_checkpoints(root);
+    std::error_code ec;
+    for (std::size_t i = 0; i + o.keep_last < all.size(); ++i) std::filesystem::remove_all(all[i].second, ec);
+  }
+  return final_dir;
+}
+
+/// Rank 0's outcome (0 or an error message) told to every rank: the barrier after a distributed save.
+inline void agree_on_save(communicator_ref comm, stream_ref s, const std::string& error_on_root) {
+  constexpr std::size_t bytes = 1024;
+  std::vector<std::uint8_t> message(bytes, 0);
+  if (comm.rank() == 0 && !error_on_root.empty()) {
+    message[0] = 1;
+    std::memcpy(message.data() + 1, error_on_root.data(), std::min(error_on_root.size(), bytes - 2));
+  }
+  auto buffer = to_device(message, s);
+  comm.broadcast(buffer.span(), 0, s);
+  comm.synchronize(s);
+  const auto got = to_vector(device_span<const std::uint8_t>(buffer.span()), s);
+  if (got[0] != 0 && comm.rank() != 0) {
+    throw io_error(concat("rank 0 could not write the checkpoint: ", reinterpret_cast<const char*>(got.data() + 1)));
+  }
+}
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// Writes checkpoints of one run under a root directory, synchronously or in the background.
+class checkpointer {
+ public:
+  explicit checkpointer(std::filesystem::path root, checkpoint_options options = {})
+      : root_(std::move(root)), options_(std::move(options)) {}
+  checkpointer(const checkpointer&) = delete;
+  checkpointer& operator=(const checkpointer&) = delete;
+  /// Waits for a background write; its error, if any, is printed to std::clog (a destructor cannot throw:
+  /// call wait() to handle it).
+  ~checkpointer() {
+    if (!writer_.joinable()) return;
+    writer_.join();
+    if (failure_) {
+      try {
+        std::rethrow_exception(failure_);
+      } catch (const std::exception& e) {
+        std::clog << "lockstep: an asynchronous checkpoint save failed: " << e.what() << "\n";
+      }
+    }
+  }
+
+  [[nodiscard]] const std::filesystem::path& root() const noexcept { return root_; }
+
+  /// Saves `state` as root/step-<position.step> and returns that directory, once it is complete. With a
+  /// communicator of several ranks every rank calls it with the same position: rank 0 writes (its state is
+  /// every rank's, under data parallelism) and no rank returns before the checkpoint is complete; when rank 0
+  /// fails, every rank throws. Waits for an earlier save_async first. Throws io_error (disk full, read-only
+  /// directory...) or precondition_error; a failed save leaves earlier checkpoints as they were.
+  std::filesystem::path save(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks = std::nullopt) {
+    save_async(state, s, ranks);
+    auto path = wait();
+    return path.value_or(root_ / detail::checkpoint_dir_name(state.position.step));
+  }
+
+  /// Starts a save: the state is copied into host staging memory in stream order on `s` (small state, such as
+  /// step counts, is read at once, which waits for `s`), and a background thread writes it while training
+  /// goes on. Waits for the previous save first, throwing its error. Every rank of `ranks` calls it.
+  void save_async(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks = std::nullopt) {
+    wait();
+    ranks_ = ranks && ranks->size() > 1 ? ranks : std::nullopt;
+    stream_ = s;
+    pending_ = true;
+    if (ranks_ && ranks_->rank() != 0) return;
+    try {
+      staged_.emplace(detail::stage_checkpoint(state, s, std::move(spare_)));
+    } catch (...) {
+      failure_ = std::current_exception();
+      return;
+    }
+    writer_ = std::thread([this] {
+      try {
+        written_ = detail::write_checkpoint(root_, *staged_, options_);
+      } catch (...) {
+        failure_ = std::current_exception();
+      }
+    });
+  }
+
+  /// Waits for the save in progress (every rank of a distributed save calls it) and returns its directory
+  /// (nullopt when none was in progress, and on ranks other than 0). Throws what the save threw.
+  std::optional<std::filesystem::path> wait() {
+    if (!pending_) return std::nullopt;
+    pending_ = false;
+    if (writer_.joinable()) writer_.join();
+    if (staged_) {
+      spare_ = std::move(staged_->data);  // reused by the next save
+      staged_.reset();
+    }
+    std::string message;
+    if (failure_) {
+      try {
+        std::rethrow_exception(failure_);
+      } catch (const std::exception& e) {
+        message = e.what();
+      } catch (...) {
+        message = "unknown error";
+      }
+    }
+    if (ranks_) detail::agree_on_save(*ranks_, *stream_, message);
+    if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
+    return std::exchange(written_, std::nullopt);
+  }
+
+ private:
+  std::filesystem::path root_;
+  checkpoint_options options_;
+  std::optional<communicator_ref> ranks_;
+  std::optional<stream_ref> stream_;
+  bool pending_ = false;
+  std::optional<detail::staged_checkpoint> staged_;
+  pinned_buffer<std::byte> spare_;
+  std::thread writer_;
+  std::exception_ptr failure_;
+  std::optional<std::filesystem::path> written_;
+};
+
+/// The newest complete checkpoint under `root` (a step-N directory with a manifest), or nullopt.
+inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesystem::path& root) {
+  auto all = detail::complete_checkpoints(root);
+  if (all.empty()) return std::nullopt;
+  return all.back().second;
+}
+
+/// Loads a checkpoint into `state` onto the device of `s`: `where` is a checkpoint directory, or a root whose
+/// newest complete checkpoint is taken. Reads and checks everything first (checksums, every tensor's name,
+/// dtype and shape, the optimizer's kind and groups), then writes the model's master values (and refreshes
+/// their f16/bf16 working copies), the optimizer, scaler and schedule, and sets `state.position` and
+/// `state.user`. Throws data_error (corrupt or different content) or io_error, leaving every object as it was.
+/// Synchronizes `s`. Returns the directory loaded.
+inline std::filesystem::path load_checkpoint(const std::filesystem::path& where, checkpoint_state& state, stream_ref s) {
+  std::filesystem::path dir = where;
+  std::error_code ec;
+  if (!std::filesystem::exists(where / detail::manifest_file_name, ec)) {
+    if (!std::filesystem::is_directory(where, ec)) {
+      throw io_error(detail::concat("loading a checkpoint: ", where.string(), " does not exist"), ENOENT);
+    }
+    auto latest = latest_checkpoint(where);
+    if (!latest) {
+      throw data_error(detail::concat(where.string(), ": no checkpoint here (neither a manifest.json nor a step-N "
+                                      "directory holding one)"));
+    }
+    dir = *latest;
+  }
+  nlohmann::json manifest;
+  {
+    const auto path = dir / detail::manifest_file_name;
+    detail::posix_file in(path, O_RDONLY);
+    std::string text(in.size(), '\0');
+    in.read_all(std::as_writable_bytes(std::span(text)));
+    try {
+      manifest = nlohmann::json::parse(text);
+    } catch (const nlohmann::json::exception& e) {
+      throw data_error(detail::concat(path.string(), ": not valid JSON (", e.what(), ")"));
+    }
+    if (!manifest.is_object() || manifest.value("format", "") != "lockstep-checkpoint") {
+      throw data_error(detail::concat(path.string(), ": not a lockstep checkpoint manifest"));
+    }
+    if (manifest.value("version", 0) > checkpoint_format_version) {
+      throw data_error(detail::concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
+                                      ", newer than this lockstep's ", checkpoint_format_version));
+    }
+  }
+  try {
+    const auto& files = manifest.at("files");
+    detail::loaded_file model = detail::read_safetensors_file(dir / detail::model_file_name, &files.at(detail::model_file_name));
+    detail::loaded_file training =
+        detail::read_safetensors_file(dir / detail::training_file_name, &files.at(detail::training_file_name));
+    // ---- validate everything
+    const auto model_tensors = detail::expect_model(model, state.model());
+    for (const auto& [name, part] : state.parts()) {
+      try {
+        part.validate(training, manifest);
+      } catch (const nlohmann::json::exception& e) {
+        throw data_error(detail::concat("the manifest's ", name, " entry is malformed (", e.what(), ")"));
+      }
+    }
+    detail::expect_no_extra_tensors(training);
+    const run_position position = detail::position_from_json(manifest.at("position"));
+    // ---- apply
+    detail::apply_model(model, model_tensors, state.model(), s);
+    for (const auto& [name, part] : state.parts()) part.apply(training, manifest, s);
+    s.synchronize();
+    state.position = position;
+    state.user = manifest.value("user", nlohmann::json::object());
+  } catch (const nlohmann::json::exception& e) {
+    throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, ": malformed (", e.what(), ")"));
+  } catch (const data_error& e) {
+    throw data_error(detail::concat("loading checkpoint ", dir.string(), ": ", e.what()));
+  }
+  return dir;
+}
+
+/// Writes the fp32 master values of `params` to `file` (safetensors, PyTorch's names) atomically: a temporary
+/// file beside it, synced, then renamed. Copies through host staging in stream order on `s`, a stream of the
+/// parameters' device, and synchronizes it.
+inline void save_model(const std::filesystem::path& file, const parameter_list& params, stream_ref s,
+                       durability d = durability::fsync) {
+  detail::file_writer w;
+  for (const auto& p : params) w.add_device(p.name, p.param->value());
+  pinned_buffer<std::byte> staging(w.data_bytes());
+  const std::string header = w.stage(staging.data(), s, {});
+  s.synchronize();
+  const auto dir = file.has_parent_path() ? file.parent_path() : std::filesystem::path(".");
+  detail::make_directories(dir);
+  const auto tmp = dir / ("." + file.filename().string() + ".tmp." + std::to_string(::getpid()));
+  try {
+    (void)detail::write_staged_file(tmp, header, std::span<const std::byte>(staging.data(), staging.size()), d);
+    detail::rename_path(tmp, file);
+    if (d == durability::fsync) detail::sync_directory(dir);
+  } catch (...) {
+    std::error_code ec;
+    std::filesystem::remove(tmp, ec);
+    throw;
+  }
+}
+
+/// Loads fp32 master values from a safetensors file (lockstep's, or PyTorch's: a "module." prefix is stripped
+/// with a notice on std::clog) into `params`, refreshing f16/bf16 working copies, in stream order on `s`,
+/// which it synchronizes. Every name, dtype (F32) and shape is checked before any value changes; a missing,
+/// extra or mismatched tensor throws data_error naming it.
+inline void load_model(const std::filesystem::path& file, const parameter_list& params, stream_ref s) {
+  detail::loaded_file f = detail::read_safetensors_file(file, nullptr);
+  const auto tensors = detail::expect_model(f, params);
+  detail::apply_model(f, tensors, params, s);
+  s.synchronize();
+}
+
+/// SHA-256 of the fp32 master values of `params`, in order, as 64 hex digits: the bytes of the model file's
+/// data section, so `weights_sha256` of two runs is equal exactly when their weights are. Synchronizes `s`.
+inline std::string weights_sha256(const parameter_list& params, stream_ref s) {
+  sha256 h;
+  for (const auto& p : params) {
+    const auto bytes = to_vector(device_span<const std::uint8_t>(p.param->value().bytes()), s);
+    h.update(std::as_bytes(std::span(bytes)));
+  }
+  return h.hex_digest();
+}
+
+LOCKSTEP_ABI_END

@@ -1,0 +1,563 @@
+// Tests of io/: SHA-256 against FIPS vectors; the safetensors reader's every rule; save_model/load_model on
+// both backends and in every precision; training checkpoints that resume bit for bit (SGD, AdamW, loss scaler,
+// schedule); loads that fail leaving the model, optimizer and scaler untouched; writes that survive a kill
+// before the rename, a file-size limit and a read-only directory with the previous checkpoint intact.
+#include <gtest/gtest.h>
+
+#include <signal.h>
+#include <spawn.h>
+#include <sys/resource.h>
+#include <sys/wait.h>
+
+#include <cstdio>
+#include <filesystem>
+#include <fstream>
+#include <optional>
+#include <random>
+
+#include "lockstep/amp/loss_scaler.hpp"
+#include "io_common.hpp"
+#include "lockstep/nn/sequential.hpp"
+#include "test_support.hpp"
+
+extern char** environ;
+
+using namespace lockstep;
+using namespace lockstep_test;
+using namespace parallel_test;
+using namespace io_test;
+namespace fs = std::filesystem;
+
+namespace {
+
+// A fresh directory per test, removed afterwards.
+class scratch {
+ public:
+  scratch() {
+    const auto* info = ::testing::UnitTest::GetInstance()->current_test_info();
+    std::string name = std::string(info->test_suite_name()) + "." + info->name();
+    for (char& c : name)
+      if (c == '/') c = '_';
+    dir_ = fs::temp_directory_path() / ("lockstep_test_io." + std::to_string(::getpid()) + "." + name);
+    fs::remove_all(dir_);
+    fs::create_directories(dir_);
+  }
+  ~scratch() {
+    std::error_code ec;
+    fs::permissions(dir_, fs::perms::all, ec);
+    fs::remove_all(dir_, ec);
+  }
+  [[nodiscard]] const fs::path& path() const { return dir_; }
+
+ private:
+  fs::path dir_;
+};
+
+std::vector<std::byte> file_bytes(const fs::path& p) {
+  std::ifstream in(p, std::ios::binary);
+  std::vector<char> v((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  std::vector<std::byte> out(v.size());
+  std::memcpy(out.data(), v.data(), v.size());
+  return out;
+}
+void write_bytes(const fs::path& p, std::span<const std::byte> b) {
+  std::ofstream out(p, std::ios::binary | std::ios::trunc);
+  out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
+}
+
+// ---- SHA-256 ---------------------------------------------------------------------------------------------------
+
+std::string sha_of(std::string_view text) {
+  sha256 h;
+  h.update(std::as_bytes(std::span(text.data(), text.size())));
+  return h.hex_digest();
+}
+
+TEST(sha256, matches_the_fips_180_vectors) {
+  EXPECT_EQ(sha_of(""), "e3b0c44298fc1c149afbf4c8996fb92427ae41e4649b934ca495991b7852b855");
+  EXPECT_EQ(sha_of("abc"), "ba7816bf8f01cfea414140de5dae2223b00361a396177a9cb410ff61f20015ad");
+  EXPECT_EQ(sha_of("abcdbcdecdefdefgefghfghighijhijkijkljklmklmnlmnomnopnopq"),
+            "248d6a61d20638b8e5c026930c3e6039a33ce45964ff2167f6ecedd419db06c1");
+  // a million 'a', fed in uneven pieces (exercises the partial-block path)
+  sha256 h;
+  const std::string a(1000, 'a');
+  std::size_t fed = 0;
+  for (std::size_t piece = 1; fed < 1'000'000; piece = piece % 997 + 1) {
+    const std::size_t n = std::min(piece, 1'000'000 - fed);
+    h.update(std::as_bytes(std::span(a.data(), n)));
+    fed += n;
+  }
+  EXPECT_EQ(h.hex_digest(), "cdc76e5c9914fb9281a1c7e284d73e67f1809a48a497200e046d39ccc7112cd0");
+}
+
+// ---- safetensors ------------------------------------------------------------------------------------------------
+
+// A file of the given header text (padded by nothing) and `data_bytes` zero bytes.
+std::vector<std::byte> raw_file(const std::string& header, std::size_t data_bytes) {
+  std::vector<std::byte> f(8 + header.size() + data_bytes, std::byte{0});
+  for (int i = 0; i < 8; ++i) f[static_cast<std::size_t>(i)] = static_cast<std::byte>((header.size() >> (8 * i)) & 0xff);
+  std::memcpy(f.data() + 8, header.data(), header.size());
+  return f;
+}
+
+std::string parse_error(const std::vector<std::byte>& f) {
+  return message_of<data_error>([&] { (void)parse_safetensors_header(f, f.size(), "x.safetensors"); });
+}
+
+TEST(safetensors, writes_what_it_reads_with_aligned_data_and_the_pt_format) {
+  const std::vector<float> w{1, 2, 3, 4, 5, 6};
+  const std::vector<std::int64_t> n{7};
+  const std::vector<safetensors_source> src{{"fc1.weight", dtype::f32, {2, 3}, std::as_bytes(std::span(w)).data()},
+                                            {"count", dtype::i64, {}, std::as_bytes(std::span(n)).data()},
+                                            {"empty", dtype::bf16, {0, 4}, nullptr}};
+  const std::string header = safetensors_header_bytes(src, {{"lockstep.step", "3"}});
+  EXPECT_EQ(header.size() % 8, 0u);
+  std::vector<std::byte> file(header.size() + 32);
+  std::memcpy(file.data(), header.data(), header.size());
+  std::memcpy(file.data() + header.size(), w.data(), 24);
+  std::memcpy(file.data() + header.size() + 24, n.data(), 8);
+  const auto h = parse_safetensors_header(file, file.size(), "t");
+  ASSERT_EQ(h.tensors.size(), 3u);
+  EXPECT_EQ(h.data_offset, header.size());
+  EXPECT_EQ(h.metadata.at("format"), "pt");
+  EXPECT_EQ(h.metadata.at("lockstep.step"), "3");
+  const auto* t = h.find("fc1.weight");
+  ASSERT_NE(t, nullptr);
+  EXPECT_EQ(t->type, dtype::f32);
+  EXPECT_EQ(t->shape, (std::vector<std::int64_t>{2, 3}));
+  EXPECT_EQ(t->begin, 0u);
+  EXPECT_EQ(t->end, 24u);
+  EXPECT_EQ(h.find("count")->shape, std::vector<std::int64_t>{});
+  EXPECT_EQ(h.find("empty")->size_bytes(), 0u);
+}
+
+TEST(safetensors, rejects_every_violation_with_the_file_the_tensor_and_the_rule) {
+  const std::string a = R"("a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]})";
+  const auto valid = raw_file("{" + a + "}   ", 8);  // padded with spaces: valid
+  EXPECT_EQ(parse_safetensors_header(valid, valid.size(), "ok").find("a")->size_bytes(), 8u);
+
+  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "}", 4)), "truncated");
+  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "}", 12)), "trailing bytes");
+  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "," + a + "}", 8)), "tensor 'a' appears twice");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", 8)),
+                  "dtype 'F64', which lockstep does not read");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8)),
+                  "tensor 'a' of shape [3] and dtype F32 needs 12 bytes");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},)"
+                                       R"("b":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})",
+                                       12)),
+                  "tensor 'b' [4, 12) overlaps");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[4,12]}})", 12)),
+                  "gap of 4 bytes before tensor 'a'");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[-2],"data_offsets":[0,8]}})", 8)),
+                  "non-negative integer");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[2]}})", 8)), "needs data_offsets");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":1}})", 8)),
+                  "__metadata__ entry 'k' must be a string");
+  EXPECT_CONTAINS(parse_error(raw_file(" {}", 0)), "does not start with '{'");
+  EXPECT_CONTAINS(parse_error(raw_file("{\"a\":", 0)), "not valid JSON");
+  EXPECT_CONTAINS(parse_error(raw_file(R"({"a":1})", 0)), "x.safetensors: not a valid safetensors file: tensor 'a' must map to an object");
+  const auto empty = raw_file("{}", 0);  // no tensors at all is a valid file
+  EXPECT_TRUE(parse_safetensors_header(empty, empty.size(), "e").tensors.empty());
+  // a header length over the limit, and one longer than the file
+  std::vector<std::byte> big(16, std::byte{0});
+  big[3] = std::byte{0x10};  // 0x10000000 = 268 MB
+  EXPECT_CONTAINS(parse_error(big), "over the limit of 100000000");
+  std::vector<std::byte> short_file(16, std::byte{0});
+  short_file[0] = std::byte{100};
+  EXPECT_CONTAINS(parse_error(short_file), "only 8 bytes follow it");
+  EXPECT_CONTAINS(parse_error(std::vector<std::byte>(5)), "fewer than the 8");
+}
+
+// ---- save_model / load_model ------------------------------------------------------------------------------------
+
+class model_io : public backend_and_dtype {};
+
+INSTANTIATE_TEST_SUITE_P(all, model_io,
+                         ::testing::Combine(::testing::Values(device_kind::host, device_kind::cuda),
+                                            ::testing::Values(dtype::f32, dtype::f16, dtype::bf16)),
+                         param_name);
+
+TEST_P(model_io, round_trips_the_master_values_and_refreshes_the_working_copies) {
+  scratch dir;
+  stream s(dev());
+  context ctx(s, type());
+  graph a = make_model(ctx);
+  const auto file = dir.path() / "model.safetensors";
+  save_model(file, parameters_of(a), s);
+  // a different initialization, then the load
+  context ctx2(s, type());
+  initializer other(123);
+  graph b(shape{features});
+  b.add("fc1", linear(features, 32, ctx2, other), "input");
+  b.add("relu1", relu(), "fc1");
+  b.add("fc2", linear(32, 16, ctx2, other), "relu1");
+  b.add("relu2", relu(), "fc2");
+  b.add("out", linear(16, classes, ctx2, other), "relu2");
+  ASSERT_NE(weights_sha256(parameters_of(a), s), weights_sha256(parameters_of(b), s));
+  load_model(file, parameters_of(b), s);
+  EXPECT_EQ(weights_sha256(parameters_of(a), s), weights_sha256(parameters_of(b), s));
+  const auto pa = parameters_of(a), pb = parameters_of(b);
+  for (std::size_t i = 0; i < pa.size(); ++i) {
+    EXPECT_EQ(pa[i].name, pb[i].name);
+    const auto wa = pa[i].param->compute_value(), wb = pb[i].param->compute_value();
+    EXPECT_EQ(to_vector(device_span<const std::uint8_t>(wa.bytes()), s), to_vector(device_span<const std::uint8_t>(wb.bytes()), s))
+        << pa[i].name << ": the working copy was not refreshed";
+  }
+  // names and the SHA-256 of the data section are PyTorch's and sha256sum's
+  const auto bytes = file_bytes(file);
+  const auto h = parse_safetensors_header(bytes, bytes.size(), "m");
+  EXPECT_NE(h.find("fc1.weight"), nullptr);
+  EXPECT_NE(h.find("out.bias"), nullptr);
+  sha256 data;
+  data.update(std::span(bytes).subspan(h.data_offset));
+  EXPECT_EQ(data.hex_digest(), weights_sha256(parameters_of(a), s));
+}
+
+TEST(model_io, a_sequential_uses_pytorch_indices_and_a_module_prefix_is_accepted) {
+  scratch dir;
+  stream s(device{device_kind::host, 0});
+  context ctx(s);
+  initializer init(1);
+  sequential m(linear(4, 3, ctx, init), relu(), linear(3, 2, ctx, init));
+  const auto file = dir.path() / "seq.safetensors";
+  save_model(file, parameters_of(m), s);
+  const auto bytes = file_bytes(file);
+  const auto h = parse_safetensors_header(bytes, bytes.size(), "m");
+  std::vector<std::string> names;
+  for (const auto& t : h.tensors) names.push_back(t.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0.weight", "0.bias", "2.weight", "2.bias"}));
+
+  // The same values under DataParallel's names ("module.0.weight"), as a PyTorch user saves them.
+  std::vector<safetensors_source> src;
+  for (const auto& t : h.tensors) src.push_back({"module." + t.name, t.type, t.shape, bytes.data() + h.data_offset + t.begin});
+  const std::string header = safetensors_header_bytes(src);
+  std::vector<std::byte> prefixed(header.size() + bytes.size() - h.data_offset);
+  std::memcpy(prefixed.data(), header.data(), header.size());
+  std::memcpy(prefixed.data() + header.size(), bytes.data() + h.data_offset, bytes.size() - h.data_offset);
+  write_bytes(dir.path() / "module.safetensors", prefixed);
+  initializer other(9);
+  sequential m2(linear(4, 3, ctx, other), relu(), linear(3, 2, ctx, other));
+  load_model(dir.path() / "module.safetensors", parameters_of(m2), s);
+  EXPECT_EQ(weights_sha256(parameters_of(m), s), weights_sha256(parameters_of(m2), s));
+}
+
+TEST(model_io, a_mismatched_file_throws_and_changes_nothing) {
+  scratch dir;
+  stream s(device{device_kind::host, 0});
+  context ctx(s);
+  initializer init(1);
+  sequential small(linear(4, 3, ctx, init), relu(), linear(3, 2, ctx, init));
+  sequential wider(linear(4, 5, ctx, init), relu(), linear(5, 2, ctx, init));
+  sequential shorter(linear(4, 3, ctx, init));
+  save_model(dir.path() / "small.safetensors", parameters_of(small), s);
+  const std::string before = weights_sha256(parameters_of(wider), s);
+  EXPECT_CONTAINS(message_of<data_error>([&] { load_model(dir.path() / "small.safetensors", parameters_of(wider), s); }),
+                  "tensor '0.weight' has shape [3, 4], expected [5, 4]");
+  EXPECT_EQ(weights_sha256(parameters_of(wider), s), before);
+  EXPECT_CONTAINS(message_of<data_error>([&] { load_model(dir.path() / "small.safetensors", parameters_of(shorter), s); }),
+                  "tensor '2.weight' is not part of what is being loaded");
+  EXPECT_CONTAINS(message_of<io_error>([&] { load_model(dir.path() / "none.safetensors", parameters_of(small), s); }),
+                  "No such file or directory");
+}
+
+// ---- training checkpoints ------------------------------------------------------------------------------------
+
+class checkpoint_resume : public ::testing::TestWithParam<std::tuple<device_kind, dtype, bool>> {
+ protected:
+  void SetUp() override {
+    if (kind() == device_kind::cuda && !cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  }
+  device_kind kind() const { return std::get<0>(GetParam()); }
+  device dev() const { return device{kind(), 0}; }
+  dtype precision() const { return std::get<1>(GetParam()); }
+  bool adam() const { return std::get<2>(GetParam()); }
+};
+
+INSTANTIATE_TEST_SUITE_P(all, checkpoint_resume,
+                         ::testing::Combine(::testing::Values(device_kind::host, device_kind::cuda),
+                                            ::testing::Values(dtype::f32, dtype::f16, dtype::bf16), ::testing::Bool()),
+                         [](const auto& p) {
+                           return std::string(name_of(std::get<0>(p.param))) + "_" +
+                                  std::string(name_of(std::get<1>(p.param))) + (std::get<2>(p.param) ? "_adamw" : "_sgd");
+                         });
+
+TEST_P(checkpoint_resume, continues_bit_for_bit) {
+  scratch dir;
+  run straight(dev(), precision(), adam());
+  straight.train(10);
+
+  run first(dev(), precision(), adam());
+  first.train(4);
+  checkpointer saver(dir.path());
+  auto st = first.state();
+  st.position.epoch = 1;
+  st.position.epoch_samples = 96;
+  st.user["note"] = "hello";
+  const fs::path written = saver.save(st, first.s);
+  EXPECT_EQ(written, dir.path() / "step-000000000004");
+  EXPECT_TRUE(fs::exists(written / "model.safetensors"));
+  EXPECT_TRUE(fs::exists(written / "training.safetensors"));
+  EXPECT_TRUE(fs::exists(written / "manifest.json"));
+
+  run resumed(dev(), precision(), adam());
+  resumed.train(1);  // a different state, fully replaced by the load
+  auto rs = resumed.state();
+  EXPECT_EQ(load_checkpoint(dir.path(), rs, resumed.s), written);
+  EXPECT_EQ(resumed.fingerprint(), first.fingerprint());
+  EXPECT_EQ(rs.position.step, 4);
+  EXPECT_EQ(rs.position.epoch, 1u);
+  EXPECT_EQ(rs.position.epoch_samples, 96u);
+  EXPECT_EQ(rs.position.precision, precision());
+  EXPECT_EQ(rs.user["note"], "hello");
+  resumed.step = rs.position.step;
+  resumed.train(6);
+  EXPECT_EQ(resumed.fingerprint(), straight.fingerprint());
+  EXPECT_EQ(weights_sha256(parameters_of(resumed.model), resumed.s), weights_sha256(parameters_of(straight.model), straight.s));
+}
+
+TEST(checkpoint, a_save_before_the_first_step_resumes_as_a_first_step) {
+  scratch dir;
+  const device d{device_kind::host, 0};
+  run straight(d, dtype::f32, false);
+  straight.train(3);
+  run fresh(d, dtype::f32, false);
+  checkpointer saver(dir.path());
+  auto st = fresh.state();
+  saver.save(st, fresh.s);
+  run resumed(d, dtype::f32, false);
+  auto rs = resumed.state();
+  load_checkpoint(dir.path(), rs, resumed.s);
+  resumed.train(3);
+  EXPECT_EQ(resumed.fingerprint(), straight.fingerprint());
+}
+
+// Each way a load can fail leaves the model, the optimizer (state, counts, rate) and the scaler bit for bit.
+TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
+  scratch dir;
+  const device d{device_kind::host, 0};
+  run origin(d, dtype::f16, true);
+  origin.train(3);
+  checkpointer saver(dir.path());
+  auto st = origin.state();
+  const fs::path good = saver.save(st, origin.s);
+
+  run target(d, dtype::f16, true);
+  target.train(2);
+  const auto before = target.fingerprint();
+  auto attempt = [&](const fs::path& where) {
+    auto ts = target.state();
+    std::string m = message_of<data_error>([&] { load_checkpoint(where, ts, target.s); });
+    EXPECT_EQ(target.fingerprint(), before) << "after: " << m;
+    return m;
+  };
+  auto variant = [&](const std::string& name, auto&& change) {
+    const fs::path v = dir.path() / name;
+    fs::copy(good, v);
+    change(v);
+    return v;
+  };
+  const auto training = [](const fs::path& v) { return v / "training.safetensors"; };
+
+  // a flipped byte in the data: the checksum
+  EXPECT_CONTAINS(attempt(variant("flipped", [&](const fs::path& v) {
+                    auto b = file_bytes(v / "model.safetensors");
+                    b[b.size() - 3] ^= std::byte{0x40};
+                    write_bytes(v / "model.safetensors", b);
+                  })),
+                  "checksum mismatch");
+  // a truncated file
+  EXPECT_CONTAINS(attempt(variant("truncated", [&](const fs::path& v) {
+                    auto b = file_bytes(training(v));
+                    b.resize(b.size() - 5);
+                    write_bytes(training(v), b);
+                  })),
+                  "truncated or replaced");
+  // Rewrites the training file through `edit` (of its tensors) and fixes the manifest's size and checksum, as
+  // a file written by another program would be: the structural checks must catch it.
+  auto rewrite = [&](const std::string& name, auto&& edit) {
+    return variant(name, [&](const fs::path& v) {
+      const auto b = file_bytes(training(v));
+      const auto h = parse_safetensors_header(b, b.size(), "t");
+      std::vector<safetensors_source> src;
+      std::vector<std::vector<std::byte>> keep;
+      for (const auto& t : h.tensors) src.push_back({t.name, t.type, t.shape, b.data() + h.data_offset + t.begin});
+      edit(src, keep);
+      const std::string header = safetensors_header_bytes(src);
+      std::vector<std::byte> out(header.size());
+      std::memcpy(out.data(), header.data(), header.size());
+      for (const auto& t : src) out.insert(out.end(), t.data, t.data + t.size_bytes());
+      write_bytes(training(v), out);
+      std::ifstream in(v / "manifest.json");
+      auto m = nlohmann::json::parse(in);
+      m["files"]["training.safetensors"]["bytes"] = out.size();
+      m["files"]["training.safetensors"]["crc32"] = detail::crc32_of(out);
+      std::ofstream(v / "manifest.json") << m.dump();
+    });
+  };
+  EXPECT_CONTAINS(attempt(rewrite("missing", [](auto& src, auto&) {
+                    src.erase(std::find_if(src.begin(), src.end(), [](const auto& t) { return t.name == "optimizer.state.fc2.bias.exp_avg"; }));
+                  })),
+                  "tensor 'optimizer.state.fc2.bias.exp_avg' is missing");
+  EXPECT_CONTAINS(attempt(rewrite("extra", [](auto& src, auto& keep) {
+                    keep.emplace_back(8);
+                    src.push_back({"stray", dtype::f32, {2}, keep.back().data()});
+                  })),
+                  "tensor 'stray' is not part of what is being loaded");
+  EXPECT_CONTAINS(attempt(rewrite("dtype", [](auto& src, auto&) {
+                    for (auto& t : src)
+                      if (t.name == "scaler.steps") t.type = dtype::f32, t.shape = {2};  // 8 bytes, the wrong type
+                  })),
+                  "tensor 'scaler.steps' has dtype F32, expected I64");
+  EXPECT_CONTAINS(attempt(rewrite("shape", [](auto& src, auto&) {
+                    for (auto& t : src)
+                      if (t.name == "optimizer.state.out.weight.exp_avg_sq") t.shape = {16, 10};
+                  })),
+                  "tensor 'optimizer.state.out.weight.exp_avg_sq' has shape [16, 10], expected [10, 16]");
+  // a header over the format's limit
+  EXPECT_CONTAINS(attempt(variant("huge_header", [&](const fs::path& v) {
+                    auto b = file_bytes(training(v));
+                    b[3] = std::byte{0x10};
+                    write_bytes(training(v), b);
+                    std::ifstream in(v / "manifest.json");
+                    auto m = nlohmann::json::parse(in);
+                    m["files"]["training.safetensors"]["crc32"] = detail::crc32_of(b);
+                    std::ofstream(v / "manifest.json") << m.dump();
+                  })),
+                  "over the limit of 100000000");
+  // another optimizer, and no scaler where one is expected
+  {
+    run sgd_run(d, dtype::f16, false);
+    auto ss = sgd_run.state();
+    const auto b = sgd_run.fingerprint();
+    EXPECT_CONTAINS(message_of<data_error>([&] { load_checkpoint(good, ss, sgd_run.s); }),
+                    "the checkpoint's optimizer is adamw, this run's is sgd");
+    EXPECT_EQ(sgd_run.fingerprint(), b);
+  }
+  {
+    run f32_run(d, dtype::f32, true);
+    checkpointer other(dir.path() / "f32");
+    auto fs32 = f32_run.state();
+    const fs::path f32_dir = other.save(fs32, f32_run.s);
+    auto ts = target.state();
+    EXPECT_CONTAINS(message_of<data_error>([&] { load_checkpoint(f32_dir, ts, target.s); }), "holds no loss scaler");
+    EXPECT_EQ(target.fingerprint(), before);
+  }
+  // and the good one still loads
+  auto ts = target.state();
+  load_checkpoint(good, ts, target.s);
+  EXPECT_EQ(target.fingerprint(), origin.fingerprint());
+}
+
+TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_complete) {
+  scratch dir;
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  checkpointer saver(dir.path(), {.keep_last = 2});
+  for (int i = 0; i < 4; ++i) {
+    r.train(1);
+    auto st = r.state();
+    saver.save(st, r.s);
+  }
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-000000000003", "step-000000000004"}));
+  EXPECT_EQ(latest_checkpoint(dir.path()), dir.path() / "step-000000000004");
+  // a save whose publication fails keeps the newest two as they were
+  checkpointer failing(dir.path(), {.keep_last = 1, .before_publish = [](const fs::path&) { throw io_error("injected"); }});
+  r.train(1);
+  auto st = r.state();
+  EXPECT_CONTAINS(message_of<io_error>([&] { failing.save(st, r.s); }), "injected");
+  names.clear();
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-000000000003", "step-000000000004"}));
+}
+
+TEST(checkpoint, an_asynchronous_save_stages_in_stream_order_while_training_goes_on) {
+  scratch dir;
+  const device d{device_kind::host, 0};
+  run r(d, dtype::f32, true);
+  r.train(2);
+  const auto at_save = r.fingerprint();
+  checkpointer saver(dir.path());
+  auto st = r.state();
+  saver.save_async(st, r.s);
+  r.train(3);  // queued behind the staging copies: the checkpoint holds step 2's values
+  const auto path = saver.wait();
+  ASSERT_TRUE(path.has_value());
+  EXPECT_EQ(*path, dir.path() / "step-000000000002");
+  EXPECT_FALSE(saver.wait().has_value());
+  run back(d, dtype::f32, true);
+  auto bs = back.state();
+  load_checkpoint(*path, bs, back.s);
+  EXPECT_EQ(back.fingerprint(), at_save);
+  // a second asynchronous save waits for the first; an error surfaces at wait()
+  checkpointer failing(dir.path(), {.before_publish = [](const fs::path&) { throw io_error("disk on fire"); }});
+  auto st2 = r.state();
+  failing.save_async(st2, r.s);
+  EXPECT_CONTAINS(message_of<io_error>([&] { (void)failing.wait(); }), "disk on fire");
+}
+
+// ---- faults of the file system, in a child process (tests/io_fault_child.cpp) ------------------------------------
+
+// Runs the child with `args`; returns its exit status (or 128 + signal) and what it printed.
+std::pair<int, std::string> run_child(const std::vector<std::string>& args) {
+  const std::string exe = std::string(LOCKSTEP_BINARY_DIR) + "/tests/io_fault_child";
+  const fs::path out = fs::temp_directory_path() / ("lockstep_io_child." + std::to_string(::getpid()) + ".txt");
+  std::vector<std::string> all{exe};
+  all.insert(all.end(), args.begin(), args.end());
+  std::vector<char*> argv;
+  for (auto& a : all) argv.push_back(a.data());
+  argv.push_back(nullptr);
+  posix_spawn_file_actions_t actions;
+  posix_spawn_file_actions_init(&actions);
+  posix_spawn_file_actions_addopen(&actions, 1, out.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0644);
+  posix_spawn_file_actions_adddup2(&actions, 1, 2);
+  pid_t pid = 0;
+  const int rc = posix_spawn(&pid, exe.c_str(), &actions, nullptr, argv.data(), environ);
+  posix_spawn_file_actions_destroy(&actions);
+  EXPECT_EQ(rc, 0) << "could not start " << exe;
+  int status = 0;
+  ::waitpid(pid, &status, 0);
+  std::ifstream in(out);
+  std::string text((std::istreambuf_iterator<char>(in)), std::istreambuf_iterator<char>());
+  fs::remove(out);
+  return {WIFEXITED(status) ? WEXITSTATUS(status) : 128 + WTERMSIG(status), text};
+}
+
+// The child's first save (step 1) is complete; its second (step 2) meets `fault`. Afterwards step 1 must load
+// exactly as the child saved it, and no partial step 2 may be visible.
+void expect_previous_checkpoint_survives(const std::string& fault, int expected_status, const std::string& expected_text) {
+  scratch dir;
+  const auto [status, text] = run_child({fault, dir.path().string()});
+  EXPECT_EQ(status, expected_status) << text;
+  EXPECT_CONTAINS(text, expected_text);
+  ASSERT_EQ(latest_checkpoint(dir.path()), dir.path() / "step-000000000001") << text;
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    const auto name = e.path().filename().string();
+    EXPECT_TRUE(name == "step-000000000001" || name.rfind(".step-", 0) == 0) << name;
+  }
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  r.train(1);  // the child trained one step before its first save
+  const auto expected = r.fingerprint();
+  run loaded(device{device_kind::host, 0}, dtype::f32, false);
+  auto st = loaded.state();
+  load_checkpoint(dir.path(), st, loaded.s);
+  EXPECT_EQ(loaded.fingerprint(), expected);
+}
+
+TEST(checkpoint_faults, a_kill_between_the_data_write_and_the_rename_leaves_the_previous_checkpoint) {
+  expect_previous_checkpoint_survives("kill", 128 + SIGKILL, "");
+}
+
+TEST(checkpoint_faults, a_full_disk_is_an_error_and_leaves_the_previous_checkpoint) {
+  // RLIMIT_FSIZE stands in for a full disk: the write fails part-way, as with ENOSPC
+  expect_previous_checkpoint_survives("fsize", 3, "File too large");
+}
+
+TEST(checkpoint_faults, a_read_only_directory_is_an_error_and_leaves_the_previous_checkpoint) {
+  expect_previous_checkpoint_survives("readonly", 3, "Permission denied");
+}
+
+}  // namespace
