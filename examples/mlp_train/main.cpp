@@ -15,6 +15,8 @@
 #include <lockstep/lockstep.hpp>
 #include <lockstep/amp/loss_scaler.hpp>
 #include <lockstep/comm/run_on_devices.hpp>
+#include <lockstep/io/checkpoint.hpp>
+#include <lockstep/io/preemption.hpp>
 #include <lockstep/parallel/data_parallel.hpp>
 #include <lockstep/parallel/distributed_data_parallel.hpp>
 #if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
@@ -40,6 +42,9 @@ namespace {
 
 using namespace lockstep;
 using clock_type = std::chrono::steady_clock;
+
+// SIGTERM/SIGINT become "save and stop" while a run saves checkpoints (set by run()).
+const preemption_guard* active_preemption = nullptr;
 
 // The model: input -> [linear -> relu] x hidden -> linear(10), as a graph (the depth is a run-time option).
 graph build_mlp(std::int64_t inputs, const std::vector<std::int64_t>& hidden, std::int64_t classes, context& ctx,
@@ -95,6 +100,13 @@ class any_optimizer {
     if (adamw_) adamw_schedule_.emplace(*adamw_, cosine);
   }
   void zero_grad() { sgd_ ? sgd_->zero_grad() : adamw_->zero_grad(); }
+  /// Names the optimizer, its schedule and the scaler in a checkpoint.
+  void add_to(checkpoint_state& st) {
+    sgd_ ? (void)st.optimizer(*sgd_) : (void)st.optimizer(*adamw_);
+    if (sgd_schedule_) st.schedule(*sgd_schedule_);
+    if (adamw_schedule_) st.schedule(*adamw_schedule_);
+    if (scaler_) st.scaler(*scaler_);
+  }
   [[nodiscard]] std::optional<loss_scaler_telemetry> scaler_state(stream_ref s) const {
     if (!scaler_) return std::nullopt;
     return scaler_->read(s);
@@ -117,6 +129,11 @@ struct datasets {
 
 struct run_result {
   double accuracy = 0;
+  std::int64_t correct = 0;
+  std::int64_t tested = 0;
+  std::string weights_sha256;
+  std::string checkpoint;  // the last checkpoint written
+  std::string stopped;     // why the run ended early ("SIGTERM", "--stop-after"), or empty
   double train_seconds = 0;
   std::int64_t samples = 0;
   std::int64_t steps = 0;
@@ -159,8 +176,8 @@ std::string memory_in_use(const std::vector<device>& devices) {
   return s;
 }
 
-// Fraction of the test set classified correctly, evaluated on ctx's device.
-double evaluate(graph& model, const mnist_dataset& test, context& ctx, const mlp_options& o) {
+// The test set's correct answers, evaluated on ctx's device; sets r.accuracy, r.correct, r.tested.
+void evaluate(graph& model, const mnist_dataset& test, context& ctx, const mlp_options& o, run_result& r) {
   data_loader loader(test, sequential_sampler(test.size()), ctx.stream(),
                      data_loader_options{.batch_size = static_cast<std::size_t>(o.eval_batch),
                                          .workers = o.workers,
@@ -171,10 +188,95 @@ double evaluate(graph& model, const mnist_dataset& test, context& ctx, const mlp
   loader.start_epoch(0);
   while (auto b = loader.next()) acc.add(model.forward(b->input, ctx), b->target, ctx);
   ctx.set_mode(before);
-  return static_cast<double>(acc.correct(ctx.stream())) / static_cast<double>(acc.rows());
+  r.correct = static_cast<std::int64_t>(acc.correct(ctx.stream()));
+  r.tested = static_cast<std::int64_t>(acc.rows());
+  r.accuracy = static_cast<double>(r.correct) / static_cast<double>(r.tested);
 }
 
-bool step_limit_reached(const mlp_options& o, std::int64_t step) { return o.max_steps > 0 && step >= o.max_steps; }
+bool step_limit_reached(const mlp_options& o, std::int64_t step) {
+  return (o.max_steps > 0 && step >= o.max_steps) || (o.stop_after > 0 && step >= o.stop_after);
+}
+
+// What --save, --resume, --load-model and SIGTERM ask of one rank's run (every rank has one; with a
+// communicator, rank 0 writes and the others join). The checkpoint holds the model, the optimizer, its schedule
+// and the scaler, the loop's position, and the options that must not change across a resume.
+class run_checkpoints {
+ public:
+  run_checkpoints(const mlp_options& o, graph& model, any_optimizer& optimizer, stream_ref s,
+                  std::optional<communicator_ref> comm, const preemption_guard* preemption)
+      : o_(o), state_(parameters_of(model)), s_(s), comm_(comm), preemption_(preemption) {
+    optimizer.add_to(state_);
+    state_.position.data_seed = o.seed;
+    state_.position.dropout_seed = o.seed;
+    state_.position.world_size = comm ? comm->size() : 1;
+    state_.position.precision = o.precision;
+    if (!o.save.empty()) {
+      saver_.emplace(o.save, checkpoint_options{.keep_last = static_cast<std::size_t>(o.keep_last)});
+    }
+  }
+
+  /// Loads --load-model or --resume; returns where the loop starts.
+  run_position start() {
+    if (!o_.load_model.empty()) load_model(o_.load_model, state_.model(), s_);
+    if (o_.resume.empty()) return state_.position;
+    const auto dir = load_checkpoint(o_.resume, state_, s_);
+    for (const char* key : {"hidden", "optimizer", "precision", "batch", "seed", "lr_schedule"}) {
+      if (state_.user.value(key, nlohmann::json()) != options_json()[key]) {
+        throw precondition_error(detail::concat("--resume ", dir.string(), ": the checkpoint was written with --",
+                                        key == std::string("lr_schedule") ? "lr-schedule" : key, " ",
+                                        state_.user.value(key, nlohmann::json()).dump(), ", this run has ",
+                                        options_json()[key].dump(), "; resume with the options of the run that saved it"));
+      }
+    }
+    if (!o_.json && (!comm_ || comm_->rank() == 0)) {
+      std::printf("resumed from %s at step %lld (epoch %llu, %llu samples into it)\n", dir.string().c_str(),
+                  static_cast<long long>(state_.position.step), static_cast<unsigned long long>(state_.position.epoch + 1),
+                  static_cast<unsigned long long>(state_.position.epoch_samples));
+    }
+    return state_.position;
+  }
+
+  /// Saves at `at` when `due` (every rank calls it at the same steps). Returns the directory written.
+  void save(const run_position& at, run_result& r) {
+    if (!saver_) return;
+    state_.position.step = at.step;
+    state_.position.epoch = at.epoch;
+    state_.position.epoch_samples = at.epoch_samples;
+    state_.position.dropout_step = static_cast<std::uint64_t>(at.step);
+    state_.user = options_json();
+    r.checkpoint = saver_->save(state_, s_, comm_).string();
+    last_saved_ = at.step;
+  }
+  [[nodiscard]] bool saved_at(std::int64_t step) const { return last_saved_ == step; }
+  [[nodiscard]] bool save_due(std::int64_t step) const { return saver_ && o_.save_every > 0 && step % o_.save_every == 0; }
+
+  /// Whether SIGTERM or SIGINT asked the run to stop; with several ranks, agreed every 10 steps (a collective).
+  [[nodiscard]] bool stop_requested(std::int64_t step) const {
+    if (preemption_ == nullptr) return false;
+    if (comm_ && comm_->size() > 1) return step % 10 == 0 && preemption_->requested(comm_, s_);
+    return preemption_->requested();
+  }
+  [[nodiscard]] std::string signal_name() const {
+    return preemption_ != nullptr && preemption_->signal() == SIGINT ? "SIGINT" : "SIGTERM";
+  }
+
+  [[nodiscard]] std::string weights_sha256() const { return lockstep::weights_sha256(state_.model(), s_); }
+
+ private:
+  [[nodiscard]] nlohmann::json options_json() const {
+    return {{"hidden", o_.hidden}, {"optimizer", o_.optimizer}, {"precision", std::string(name_of(o_.precision))},
+            {"batch", o_.batch},   {"seed", o_.seed},           {"lr_schedule", o_.lr_schedule},
+            {"epochs", o_.epochs}, {"mode", o_.mode}};
+  }
+
+  const mlp_options& o_;
+  checkpoint_state state_;
+  stream_ref s_;
+  std::optional<communicator_ref> comm_;
+  const preemption_guard* preemption_;
+  std::optional<checkpointer> saver_;
+  std::int64_t last_saved_ = -1;
+};
 
 /// The steps of the whole run: every epoch's batches, or --max-steps if that comes first.
 std::int64_t total_steps(const mlp_options& o, std::size_t batches_per_epoch) {
@@ -182,36 +284,56 @@ std::int64_t total_steps(const mlp_options& o, std::size_t batches_per_epoch) {
   return o.max_steps > 0 ? std::min(all, o.max_steps) : all;
 }
 
-// The epoch loop of every mode: epochs up to the step limit, per-epoch training time, progress lines.
+// The epoch loop of every mode: epochs up to the step limit, per-epoch training time, progress lines, and the
+// checkpoints: it starts where --resume left off, saves every --save-every steps, stops at the next step
+// boundary after SIGTERM/SIGINT, and saves at the end.
 // `step(batch)` queues one training step and returns the number of samples it covered (the global batch);
 // `read_loss()` reads the last loss (a host synchronization: only when a progress line is due);
 // `wait()` waits for the epoch's work; `memory()` gives the figures of the progress line.
 template <class Loader, class Step, class ReadLoss, class Wait, class Memory>
-void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result& r, Step&& step, ReadLoss&& read_loss,
-                Wait&& wait, Memory&& memory) {
-  for (int epoch = 0; epoch < o.epochs && !step_limit_reached(o, r.steps); ++epoch) {
+void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result& r, run_checkpoints& ck, Step&& step,
+                ReadLoss&& read_loss, Wait&& wait, Memory&& memory) {
+  const run_position start = ck.start();
+  r.steps = start.step;
+  run_position at = start;  // after the last step taken
+  for (auto epoch = static_cast<int>(start.epoch); epoch < o.epochs && !step_limit_reached(o, r.steps) && r.stopped.empty();
+       ++epoch) {
     const auto t0 = clock_type::now();
-    loader.start_epoch(static_cast<std::uint64_t>(epoch));
+    const std::size_t skip = static_cast<std::uint64_t>(epoch) == start.epoch ? start.epoch_samples : 0;
+    loader.start_epoch(static_cast<std::uint64_t>(epoch), skip);
+    at = run_position{.step = r.steps, .epoch = static_cast<std::uint64_t>(epoch), .epoch_samples = skip};
     std::int64_t epoch_samples = 0;
     std::size_t epoch_step = 0;
+    bool epoch_done = true;
     while (auto b = loader.next()) {
-      if (step_limit_reached(o, r.steps)) break;
+      if (step_limit_reached(o, r.steps) || !r.stopped.empty()) {
+        epoch_done = false;
+        break;
+      }
       const std::int64_t samples = step(*b);
       r.samples += samples;
       epoch_samples += samples;
       ++r.steps;
+      at.step = r.steps;
+      at.epoch_samples += static_cast<std::uint64_t>(samples);
       if (show.due(++epoch_step)) {
         r.final_loss = read_loss();
         show.line(epoch, epoch_step, r.final_loss,
                   static_cast<double>(epoch_samples) / std::chrono::duration<double>(clock_type::now() - t0).count(),
                   memory());
       }
+      if (ck.save_due(r.steps)) ck.save(at, r);
+      if (ck.stop_requested(r.steps)) r.stopped = ck.signal_name();
     }
+    if (epoch_done) at = {.step = r.steps, .epoch = at.epoch + 1};  // the whole epoch was trained on
     wait();
     r.train_seconds += std::chrono::duration<double>(clock_type::now() - t0).count();
     show.end_epoch();
   }
-  r.final_loss = read_loss();
+  if (r.stopped.empty() && o.stop_after > 0 && r.steps >= o.stop_after) r.stopped = "--stop-after";
+  if (!ck.saved_at(r.steps)) ck.save(at, r);
+  r.final_loss = o.epochs > 0 ? read_loss() : 0.0f;
+  r.weights_sha256 = ck.weights_sha256();
 }
 
 // ---- one device ------------------------------------------------------------------------------------------------
@@ -230,9 +352,10 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   progress show(o, loader.batches_per_epoch(), true);
   timeline time(dev);
   run_result r;
+  run_checkpoints ck(o, model, optimizer, compute, std::nullopt, active_preemption);
   reset_memory_stats(dev);
   run_epochs(
-      o, loader, show, r,
+      o, loader, show, r, ck,
       [&](const auto& b) {
         ctx.set_step(static_cast<std::uint64_t>(r.steps));
         time.begin(phase::compute, compute);
@@ -247,7 +370,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
       [&] { return memory_in_use({dev}); });
   r.scaler = optimizer.scaler_state(compute);
   r.devices.push_back(time.report());
-  r.accuracy = evaluate(model, data.test, ctx, o);
+  if (r.stopped.empty() || r.stopped == "--stop-after") evaluate(model, data.test, ctx, o, r);
   return r;
 }
 
@@ -270,9 +393,10 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
   optimizer.schedule(o, total_steps(o, loader.batches_per_epoch()));
   progress show(o, loader.batches_per_epoch(), true);
   run_result r;
+  run_checkpoints ck(o, model, optimizer, s0, std::nullopt, active_preemption);
   dp.reset_report();
   run_epochs(
-      o, loader, show, r,
+      o, loader, show, r, ck,
       [&](const auto& b) {
         dp.set_step(static_cast<std::uint64_t>(r.steps));
         optimizer.zero_grad();
@@ -289,7 +413,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
       [&] { return memory_in_use(devices.devices()); });
   r.scaler = optimizer.scaler_state(s0);
   r.devices = dp.report();
-  r.accuracy = evaluate(model, data.test, dp.replica_context(0), o);
+  if (r.stopped.empty() || r.stopped == "--stop-after") evaluate(model, data.test, dp.replica_context(0), o, r);
   return r;
 }
 
@@ -312,9 +436,10 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   optimizer.schedule(o, total_steps(o, loader.batches_per_epoch()));
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
+  run_checkpoints ck(o, model, optimizer, compute, comm, active_preemption);
   ddp.reset_report();
   run_epochs(
-      o, loader, show, r,
+      o, loader, show, r, ck,
       [&](const auto& b) {
         ctx.set_step(static_cast<std::uint64_t>(r.steps));
         optimizer.zero_grad();
@@ -329,7 +454,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
       [&] { return memory_in_use({ctx.get_device()}); });
   r.scaler = optimizer.scaler_state(compute);
   r.devices.push_back(ddp.report());
-  if (rank == 0) r.accuracy = evaluate(model, data.test, ctx, o);
+  if (rank == 0 && (r.stopped.empty() || r.stopped == "--stop-after")) evaluate(model, data.test, ctx, o, r);
   return r;
 }
 
@@ -405,6 +530,11 @@ int run(const mlp_options& o) {
   std::optional<mpi_session> session;
   if (processes) session.emplace();
 #endif
+  std::optional<preemption_guard> guard;
+  if (!o.save.empty()) {
+    guard.emplace();
+    active_preemption = &*guard;
+  }
   const device_selection selection =
       o.devices.empty() ? default_devices() : device_selection{device_set(o.devices), "--devices " + o.devices};
   datasets data{load_fashion_mnist(o.data, mnist_split::train), load_fashion_mnist(o.data, mnist_split::test), 0};
@@ -432,9 +562,12 @@ int run(const mlp_options& o) {
   if (world_rank != 0) return 0;
   for (std::size_t i = 0; i < r.devices.size(); ++i) device_names.push_back(device_label(r.devices[i], i, processes));
 
-  const double throughput = static_cast<double>(r.samples) / r.train_seconds;
+  const double throughput = r.train_seconds > 0 ? static_cast<double>(r.samples) / r.train_seconds : 0.0;
   if (!o.json) {
-    std::printf("\ntest accuracy      %.4f\n", r.accuracy);
+    if (!r.stopped.empty()) std::printf("\nstopped by %s at step %lld\n", r.stopped.c_str(), static_cast<long long>(r.steps));
+    if (!r.checkpoint.empty()) std::printf("\ncheckpoint         %s (resume with --resume %s)\n", r.checkpoint.c_str(), o.save.c_str());
+    if (r.tested > 0) std::printf("\ntest accuracy      %.4f (%lld of %lld)\n", r.accuracy, static_cast<long long>(r.correct), static_cast<long long>(r.tested));
+    std::printf("weights sha256     %s\n", r.weights_sha256.c_str());
     std::printf("training seconds   %.2f\n", r.train_seconds);
     std::printf("samples per second %.0f\n", throughput);
     std::printf("final loss         %.4f\n", r.final_loss);
@@ -454,6 +587,11 @@ int run(const mlp_options& o) {
   }
   nlohmann::json j;
   j["test_accuracy"] = r.accuracy;
+  j["test_correct"] = r.correct;
+  j["test_samples"] = r.tested;
+  j["weights_sha256"] = r.weights_sha256;
+  if (!r.checkpoint.empty()) j["checkpoint"] = r.checkpoint;
+  if (!r.stopped.empty()) j["stopped"] = r.stopped;
   j["train_seconds"] = r.train_seconds;
   j["samples_per_second"] = throughput;
   j["epochs"] = o.epochs;

@@ -33,6 +33,12 @@ struct mlp_options {
   std::int64_t max_steps = 0;  // 0: no limit
   int print_every = 50;
   std::int64_t eval_batch = 1000;
+  std::string save;             // checkpoint root; empty: no checkpoints
+  std::int64_t save_every = 0;  // steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
+  int keep_last = 3;
+  std::string resume;           // a checkpoint, or a root whose newest checkpoint is taken
+  std::int64_t stop_after = 0;  // end the run after this many steps, the schedule still spanning --epochs
+  std::string load_model;       // initial weights (safetensors)
   bool json = false;
   bool help = false;
 };
@@ -57,6 +63,17 @@ inline constexpr const char* usage_text =
     "  --max-steps N         stop after N training steps (default: no limit)\n"
     "  --print-every N       progress every N steps (default 50)\n"
     "  --eval-batch N        batch size of the test evaluation (default 1000)\n"
+    "  --save DIR            write checkpoints under DIR (DIR/step-N/: model.safetensors, training.safetensors,\n"
+    "                        manifest.json) at the end of the run, every --save-every steps, and on SIGTERM or\n"
+    "                        SIGINT (then the run stops at the next step boundary)\n"
+    "  --save-every N        also save every N steps (default: only at the end)\n"
+    "  --keep-last K         keep the newest K checkpoints under DIR, 0 for all (default 3)\n"
+    "  --resume DIR          continue the run saved in DIR (a step-N directory, or a --save DIR: its newest)\n"
+    "                        with the same model, optimizer, precision, batch, seed and schedule options\n"
+    "  --stop-after N        end the run after its Nth step (saving with --save), as a pre-empted job would;\n"
+    "                        unlike --max-steps, the learning-rate schedule still spans --epochs\n"
+    "  --load-model FILE     start from the weights of a safetensors file (lockstep's or PyTorch's);\n"
+    "                        with --epochs 0, only evaluate them\n"
     "  --json                print one JSON line with the results instead of text\n"
     "  --help                this text\n";
 
@@ -110,7 +127,7 @@ inline mlp_options parse_options(int argc, char** argv) {
       }
     } else if (flag == "--epochs") {
       o.epochs = parse_number<int>(flag, value());
-      if (o.epochs < 1) throw usage_error("--epochs must be at least 1");
+      if (o.epochs < 0) throw usage_error("--epochs must be at least 1 (or 0 with --load-model: evaluate only)");
     } else if (flag == "--batch") {
       o.batch = parse_number<std::int64_t>(flag, value());
       if (o.batch < 1) throw usage_error("--batch must be at least 1");
@@ -165,9 +182,34 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--eval-batch") {
       o.eval_batch = parse_number<std::int64_t>(flag, value());
       if (o.eval_batch < 1) throw usage_error("--eval-batch must be at least 1");
+    } else if (flag == "--save") {
+      o.save = value();
+      if (o.save.empty()) throw usage_error("--save needs a directory");
+    } else if (flag == "--save-every") {
+      o.save_every = parse_number<std::int64_t>(flag, value());
+      if (o.save_every < 1) throw usage_error("--save-every must be at least 1");
+    } else if (flag == "--keep-last") {
+      o.keep_last = parse_number<int>(flag, value());
+      if (o.keep_last < 0) throw usage_error("--keep-last must be >= 0 (0 keeps every checkpoint)");
+    } else if (flag == "--resume") {
+      o.resume = value();
+      if (o.resume.empty()) throw usage_error("--resume needs a directory");
+    } else if (flag == "--stop-after") {
+      o.stop_after = parse_number<std::int64_t>(flag, value());
+      if (o.stop_after < 1) throw usage_error("--stop-after must be at least 1");
+    } else if (flag == "--load-model") {
+      o.load_model = value();
+      if (o.load_model.empty()) throw usage_error("--load-model needs a file");
     } else {
       throw usage_error("unknown option '" + std::string(flag) + "'");
     }
+  }
+  if (o.epochs == 0 && o.load_model.empty()) {
+    throw usage_error("--epochs 0 trains nothing: give --load-model FILE to evaluate a saved model");
+  }
+  if (o.save_every > 0 && o.save.empty()) throw usage_error("--save-every needs --save DIR");
+  if (!o.resume.empty() && !o.load_model.empty()) {
+    throw usage_error("--resume and --load-model both set the weights: give one of them");
   }
   return o;
 }

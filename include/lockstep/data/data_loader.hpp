@@ -291,14 +291,26 @@ class data_loader {
   /// is cancelled first: its workers stop within one sample and are waited for; the batch last returned by
   /// next() is released. Throws precondition_error when the sampler yields an index outside the dataset (naming
   /// its position and value); the loader then has no epoch in progress.
-  void start_epoch(std::uint64_t epoch) {
+  ///
+  /// `skip` resumes an epoch: the first `skip` entries of the epoch's global order are left out (a
+  /// distributed_sampler splits what is left over its ranks, so a run may resume on another number of ranks;
+  /// other samplers drop them from the front). Batches are then counted from the resumed position.
+  void start_epoch(std::uint64_t epoch, std::size_t skip = 0) {
     release_held();
     {
       std::unique_lock lock(mutex_);
       cancel_locked(lock, phase::idle);
     }
     sampler_.set_epoch(epoch);
-    std::vector<std::size_t> order = sampler_.indices();
+    std::vector<std::size_t> order;
+    if constexpr (requires { sampler_.set_start(skip); }) {
+      sampler_.set_start(skip);
+      order = sampler_.indices();
+      sampler_.set_start(0);
+    } else {
+      order = sampler_.indices();
+      order.erase(order.begin(), order.begin() + static_cast<std::ptrdiff_t>(std::min(skip, order.size())));
+    }
     for (std::size_t i = 0; i < order.size(); ++i) {
       LOCKSTEP_EXPECTS(order[i] < dataset_size_, "data_loader: the sampler's index ", order[i], " at position ", i,
                        " of epoch ", epoch, " is out of range for a dataset of ", dataset_size_,

@@ -155,15 +155,24 @@ class distributed_sampler {
     LOCKSTEP_EXPECTS(rank >= 0 && rank < world_size, "distributed_sampler: rank ", rank,
                      " is out of range for world_size ", world_size, "; ranks are 0 to ", world_size - 1);
     LOCKSTEP_EXPECTS(n >= 1, "distributed_sampler: the dataset must hold at least one sample, got n = ", n);
-    const auto world = static_cast<std::size_t>(world_size);
-    per_rank_ = tail == tail_policy::pad ? (n + world - 1) / world : n / world;
   }
 
   /// Indices this rank visits per epoch: ceil(n / world_size) with `pad`, floor(n / world_size) with `drop`
-  /// (0 when n < world_size).
-  [[nodiscard]] std::size_t size() const noexcept { return per_rank_; }
+  /// (0 when n < world_size); after set_start(first), the same of the n - first entries left.
+  [[nodiscard]] std::size_t size() const noexcept {
+    const std::size_t left = start_ < n_ ? n_ - start_ : 0;
+    const auto world = static_cast<std::size_t>(world_size_);
+    return tail_ == tail_policy::pad ? (left + world - 1) / world : left / world;
+  }
   /// Entries of the padded or truncated order over all ranks: size() * world_size.
-  [[nodiscard]] std::size_t total_size() const noexcept { return per_rank_ * static_cast<std::size_t>(world_size_); }
+  [[nodiscard]] std::size_t total_size() const noexcept { return size() * static_cast<std::size_t>(world_size_); }
+  /// Resumes an epoch: indices() leaves out the first `first` entries of the epoch's order (the samples a run,
+  /// of any number of ranks, trained on before it stopped) and splits the rest over this run's ranks, padded
+  /// or truncated as usual. 0 (the default) is the whole epoch. It stays until changed: set it back to 0
+  /// before the next epoch.
+  void set_start(std::size_t first) noexcept { start_ = first; }
+  /// The entries left out by set_start.
+  [[nodiscard]] std::size_t start() const noexcept { return start_; }
   /// Selects the epoch; every rank must set the same one to get a consistent split.
   void set_epoch(std::uint64_t epoch) noexcept { epoch_ = epoch; }
   /// The current epoch.
@@ -190,10 +199,13 @@ class distributed_sampler {
     }
     const auto world = static_cast<std::size_t>(world_size_);
     const std::size_t total = total_size();
+    const std::size_t first = start_ < n_ ? start_ : n_;
+    const std::size_t left = n_ - first;
     std::vector<std::size_t> mine;
-    mine.reserve(per_rank_);
+    mine.reserve(size());
     // Entry k of the padded order is order[k % n]: PyTorch pads with indices * ceil(padding / n), cut to size.
-    for (std::size_t k = static_cast<std::size_t>(rank_); k < total; k += world) mine.push_back(order[k % n_]);
+    // A resumed epoch pads the same way from the start of what is left.
+    for (std::size_t k = static_cast<std::size_t>(rank_); k < total; k += world) mine.push_back(order[first + k % left]);
     return mine;
   }
 
@@ -204,7 +216,7 @@ class distributed_sampler {
   sample_order order_;
   std::uint64_t seed_;
   tail_policy tail_;
-  std::size_t per_rank_ = 0;
+  std::size_t start_ = 0;
   std::uint64_t epoch_ = 0;
 };
 
