@@ -8,7 +8,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ ccache pkg-config
   libgtest-dev libbenchmark-dev
-  libopenblas-dev zlib1g-dev nlohmann-json3-dev
+  libopenblas-dev zlib1g-dev nlohmann-json3-dev libxxhash-dev
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
 )

@@ -391,7 +391,7 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
       std::ifstream in(v / "manifest.json");
       auto m = nlohmann::json::parse(in);
       m["files"]["training.safetensors"]["bytes"] = out.size();
-      m["files"]["training.safetensors"]["crc32"] = detail::crc32_of(out);
+      m["files"]["training.safetensors"]["xxh3_64"] = detail::checksum_of(out);
       std::ofstream(v / "manifest.json") << m.dump();
     });
   };
@@ -421,7 +421,7 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
                     write_bytes(training(v), b);
                     std::ifstream in(v / "manifest.json");
                     auto m = nlohmann::json::parse(in);
-                    m["files"]["training.safetensors"]["crc32"] = detail::crc32_of(b);
+                    m["files"]["training.safetensors"]["xxh3_64"] = detail::checksum_of(b);
                     std::ofstream(v / "manifest.json") << m.dump();
                   })),
                   "over the limit of 100000000");
@@ -472,6 +472,16 @@ TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_c
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step-000000000003", "step-000000000004"}));
+  // a new run from step 0 into the same root: its checkpoint stays, and counts as the newest
+  run again(device{device_kind::host, 0}, dtype::f32, false);
+  again.train(1);
+  auto st2 = again.state();
+  checkpointer restart(dir.path(), {.keep_last = 2});
+  EXPECT_EQ(restart.save(st2, again.s), dir.path() / "step-000000000001");
+  names.clear();
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{"step-000000000001", "step-000000000004"}));
 }
 
 TEST(checkpoint, an_asynchronous_save_stages_in_stream_order_while_training_goes_on) {

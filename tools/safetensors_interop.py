@@ -133,7 +133,7 @@ def to_input(images):
 def check_scaling():
     import numpy as np
     import torch
-    got = to_input(torch.arange(256, dtype=torch.uint8)).numpy()
+    got = to_input(torch.arange(256).to(torch.uint8)).numpy()
     want = np.arange(256, dtype=np.float32) / np.float32(255.0)  # correctly rounded, as in mnist_dataset::fetch
     if not np.array_equal(got.view(np.uint32), want.view(np.uint32)):
         raise Failure("PyTorch's x.float().div_(255.0) differs from the float32 division pixel / 255.0f")
@@ -281,9 +281,11 @@ def main():
         hidden = [int(h) for h in a.hidden.split(",")]
     except ValueError:
         p.error(f"--hidden {a.hidden}: give widths like 256,256")
+    if a.steps < 1 or a.tolerance < 0:
+        p.error("--steps must be at least 1 and --tolerance at least 0")
     try:
-        import numpy  # noqa: F401
         import torch
+        import numpy  # noqa: F401
     except ImportError as e:
         # Debian's python3-torch belongs to the system interpreter, which may not be the first python3 on PATH.
         if os.path.realpath(sys.executable) != os.path.realpath(cp.TORCH_PYTHON) and \

@@ -17,13 +17,18 @@
 // checksums (CRC-32, in the manifest) and every tensor's name, dtype and shape are checked, and only then is
 // anything of the model, optimizer, scaler or schedule changed; any fault throws and leaves them as they were.
 //
-// Every value goes through host staging memory (pinned_buffer) on the stream of the device that holds it, in
-// stream order: nothing passes through another device. A checkpoint written by N ranks loads on M: the state
+// Values are copied in stream order on the stream of the device that holds them into host staging memory
+// (pinned_buffer), or, when a synchronous save runs on a host device, written straight from that device's memory:
+// nothing passes through another device. Files are read by mapping them (no copy into a staging buffer) and
+// checked with a 64-bit XXH3 hash of every byte, which runs at memory speed. A checkpoint written by N ranks loads on M: the state
 // it holds is the replicated state of data parallelism, and `run_position::epoch_samples` counts samples of the
 // epoch's global order, which distributed_sampler::set_start resumes on any number of ranks.
 #pragma once
 
-#include <zlib.h>
+// xxHash (Debian: libxxhash-dev) as header-only code: no library to link, and no clash with a program that links
+// libxxhash itself (its inline mode gives every function internal linkage and a private name).
+#define XXH_INLINE_ALL
+#include <xxhash.h>
 
 #include <algorithm>
 #include <atomic>
@@ -107,14 +112,36 @@ inline std::vector<std::int64_t> dims_of(const shape& s) {
   return out;
 }
 
-/// CRC-32 (zlib's) of `data`.
-inline std::uint32_t crc32_of(std::span<const std::byte> data) noexcept {
-  return static_cast<std::uint32_t>(
-      ::crc32_z(0L, reinterpret_cast<const Bytef*>(data.data()), static_cast<z_size_t>(data.size())));
+/// XXH3-64 of a sequence of byte ranges, as 16 hex digits: the checksum a manifest keeps of each file.
+class content_hash {
+ public:
+  content_hash() noexcept { XXH3_64bits_reset(&state_); }
+  void update(std::span<const std::byte> data) noexcept { XXH3_64bits_update(&state_, data.data(), data.size()); }
+  [[nodiscard]] std::string hex() const {
+    char text[17];
+    std::snprintf(text, sizeof text, "%016llx", static_cast<unsigned long long>(XXH3_64bits_digest(&state_)));
+    return text;
+  }
+
+ private:
+  XXH3_state_t state_;
+};
+
+/// The XXH3-64 checksum of `data` (16 hex digits).
+inline std::string checksum_of(std::span<const std::byte> data) {
+  content_hash h;
+  h.update(data);
+  return h.hex();
 }
 
-/// The tensors of one file being saved: each from device memory (copied into staging in stream order) or from
-/// host bytes (copied into staging at once).
+/// How a save gets device values to the file writer.
+enum class staging : std::uint8_t {
+  snapshot,  ///< copied into host staging memory in stream order: training may go on and change them
+  direct,    ///< host devices only: written from the device's own memory, which must not change until written
+};
+
+/// The tensors of one file being saved: each from device memory or from host bytes. stage() decides where the
+/// file's bytes come from; the writer then owns or points at them until the file is written.
 class file_writer {
  public:
   void add_device(std::string name, const tensor_view& source) {
@@ -123,32 +150,44 @@ class file_writer {
   void add_host(std::string name, dtype type, std::vector<std::int64_t> shape, std::vector<std::byte> bytes) {
     entries_.push_back(entry{{std::move(name), type, std::move(shape), nullptr}, {}, std::move(bytes)});
   }
-  [[nodiscard]] std::size_t data_bytes() const noexcept {
+  /// Bytes of device tensors a snapshot copies.
+  [[nodiscard]] std::size_t device_bytes() const noexcept {
     std::size_t n = 0;
-    for (const auto& e : entries_) n += e.meta.size_bytes();
+    for (const auto& e : entries_)
+      if (!e.device.empty()) n += e.meta.size_bytes();
     return n;
   }
-  /// Queues the copies of every tensor into `staging` (data_bytes() bytes) on `s`, and returns the header.
-  std::string stage(std::byte* staging, stream_ref s, std::map<std::string, std::string> metadata) {
+  /// Gets every tensor's bytes ready on `s`: device tensors are copied into `staging` (device_bytes() bytes) in
+  /// stream order, or, with staging::direct on a host device, used where they are. Builds the header.
+  void stage(std::byte* staging_memory, staging how, stream_ref s, const std::map<std::string, std::string>& metadata) {
     std::vector<safetensors_source> sources;
+    pieces_.clear();
     std::size_t at = 0;
     for (auto& e : entries_) {
       const std::size_t n = e.meta.size_bytes();
+      const std::byte* data = reinterpret_cast<const std::byte*>(e.host.data());
       if (!e.device.empty()) {
         LOCKSTEP_EXPECTS(e.device.get_device() == s.get_device(), "checkpoint: tensor '", e.meta.name, "' is on ",
                          e.device.get_device().str(), " but the save runs on a stream of ", s.get_device().str(),
                          "; save with a stream of the device that holds the model");
-        copy(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(staging + at), n),
-             device_span<const std::uint8_t>(e.device.bytes()), s);
-      } else if (n > 0) {
-        std::memcpy(staging + at, e.host.data(), n);
+        if (how == staging::direct && s.get_device().is_host()) {
+          data = static_cast<const std::byte*>(e.device.data());
+        } else {
+          copy(std::span<std::uint8_t>(reinterpret_cast<std::uint8_t*>(staging_memory + at), n),
+               device_span<const std::uint8_t>(e.device.bytes()), s);
+          data = staging_memory + at;
+          at += n;
+        }
       }
-      e.meta.data = staging + at;
+      e.meta.data = data;
       sources.push_back(e.meta);
-      at += n;
+      if (n > 0) pieces_.emplace_back(data, n);
     }
-    return safetensors_header_bytes(sources, std::move(metadata));
+    header_ = safetensors_header_bytes(sources, metadata);
   }
+  /// The file: its header, then the pieces of its data in order (valid once the staging copies have run).
+  [[nodiscard]] const std::string& header() const noexcept { return header_; }
+  [[nodiscard]] const std::vector<std::span<const std::byte>>& pieces() const noexcept { return pieces_; }
 
  private:
   struct entry {
@@ -157,29 +196,31 @@ class file_writer {
     std::vector<std::byte> host;
   };
   std::vector<entry> entries_;
+  std::string header_;
+  std::vector<std::span<const std::byte>> pieces_;
 };
 
-/// A safetensors file read whole into host staging memory and validated.
+/// A safetensors file mapped into memory and validated.
 struct loaded_file {
   std::filesystem::path path;
-  pinned_buffer<std::byte> bytes;
+  mapped_file map;
   std::uint64_t size = 0;
   safetensors_header header;
   std::set<std::string> consumed;
   bool module_prefix_stripped = false;
 
   [[nodiscard]] std::span<const std::byte> data_of(const safetensors_tensor& t) const {
-    return std::span<const std::byte>(bytes.data() + header.data_offset + t.begin, t.size_bytes());
+    return map.bytes().subspan(header.data_offset + t.begin, t.size_bytes());
   }
 };
 
-/// Reads `path` whole into pinned memory; when `expected` has a size and CRC-32 (from a manifest), checks both
-/// before parsing. Throws io_error (cannot read) or data_error (corrupt).
+/// Maps `path`; when `expected` has a size and checksum (from a manifest), checks both before parsing. Throws
+/// io_error (cannot read) or data_error (corrupt).
 inline loaded_file read_safetensors_file(const std::filesystem::path& path, const nlohmann::json* expected) {
   loaded_file f;
   f.path = path;
-  posix_file in(path, O_RDONLY);
-  f.size = in.size();
+  f.map = mapped_file(path);
+  f.size = f.map.size();
   if (expected != nullptr) {
     const auto want = expected->at("bytes").get<std::uint64_t>();
     if (f.size != want) {
@@ -187,17 +228,15 @@ inline loaded_file read_safetensors_file(const std::filesystem::path& path, cons
                               " (truncated or replaced)"));
     }
   }
-  f.bytes = pinned_buffer<std::byte>(f.size);
-  in.read_all(std::span<std::byte>(f.bytes.data(), f.size));
   if (expected != nullptr) {
-    const auto want = expected->at("crc32").get<std::uint32_t>();
-    const std::uint32_t got = crc32_of(std::span<const std::byte>(f.bytes.data(), f.size));
+    const auto want = expected->at("xxh3_64").get<std::string>();
+    const std::string got = checksum_of(f.map.bytes());
     if (got != want) {
-      throw data_error(concat(path.string(), ": checksum mismatch (CRC-32 ", got, ", the manifest says ", want,
+      throw data_error(concat(path.string(), ": checksum mismatch (XXH3-64 ", got, ", the manifest says ", want,
                               "): the file is corrupt"));
     }
   }
-  f.header = parse_safetensors_header(std::span<const std::byte>(f.bytes.data(), f.size), f.size, path.string());
+  f.header = parse_safetensors_header(f.map.bytes(), f.size, path.string());
   return f;
 }
 
@@ -556,16 +595,15 @@ inline run_position position_from_json(const nlohmann::json& j) {
   return p;
 }
 
-/// A checkpoint staged in host memory, ready to be written by any thread.
+/// A checkpoint staged for writing by any thread: its files' headers and data (in staging memory, or, for a
+/// direct save, the device memory itself), and its manifest.
 struct staged_checkpoint {
   std::int64_t step = 0;
-  pinned_buffer<std::byte> data;   // the model file's data, then the training file's
-  std::size_t model_bytes = 0;
-  std::size_t training_bytes = 0;
-  std::string model_header;
-  std::string training_header;
+  pinned_buffer<std::byte> staging;  // the snapshot of device values
+  file_writer model;
+  file_writer training;
   nlohmann::json manifest;
-  std::optional<event> copied;     // recorded after the staging copies
+  std::optional<event> copied;       // recorded after the staging copies
 };
 
 /// "step-000000000100".
@@ -586,45 +624,50 @@ inline std::int64_t step_of_dir_name(const std::string& name) {
   return v;
 }
 
-/// Copies everything `st` saves into host staging on `s` (reusing `reuse` when large enough); returns once the
-/// copies are queued (small state is read at once, which synchronizes `s`).
-inline staged_checkpoint stage_checkpoint(checkpoint_state& st, stream_ref s, pinned_buffer<std::byte> reuse) {
-  staged_checkpoint out;
-  out.step = st.position.step;
-  file_writer model, training;
-  for (const auto& p : st.model()) model.add_device(p.name, p.param->value());
+/// Gets everything `st` saves ready on `s` (see staging; a snapshot reuses `reuse` when it is large enough);
+/// returns once the copies are queued (small state is read at once, which synchronizes `s`).
+inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st, stream_ref s, staging how,
+                                                           pinned_buffer<std::byte> reuse) {
+  auto out = std::make_unique<staged_checkpoint>();
+  out->step = st.position.step;
+  for (const auto& p : st.model()) out->model.add_device(p.name, p.param->value());
   nlohmann::json manifest;
-  for (const auto& [name, part] : st.parts()) part.save(training, manifest, s);
-  out.model_bytes = model.data_bytes();
-  out.training_bytes = training.data_bytes();
-  const std::size_t total = out.model_bytes + out.training_bytes;
-  out.data = reuse.size() >= total ? std::move(reuse) : pinned_buffer<std::byte>(total);
-  const std::map<std::string, std::string> meta{{"lockstep.version", concat(LOCKSTEP_VERSION_MAJOR, '.', LOCKSTEP_VERSION_MINOR, '.', LOCKSTEP_VERSION_PATCH)},
-                                                {"lockstep.step", std::to_string(st.position.step)}};
-  out.model_header = model.stage(out.data.data(), s, meta);
-  out.training_header = training.stage(out.data.data() + out.model_bytes, s, meta);
+  for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s);
+  const bool direct = how == staging::direct && s.get_device().is_host();
+  const std::size_t snapshot = direct ? 0 : out->model.device_bytes() + out->training.device_bytes();
+  out->staging = reuse.size() >= snapshot ? std::move(reuse) : pinned_buffer<std::byte>(snapshot);
+  const std::map<std::string, std::string> meta{
+      {"lockstep.version", concat(LOCKSTEP_VERSION_MAJOR, '.', LOCKSTEP_VERSION_MINOR, '.', LOCKSTEP_VERSION_PATCH)},
+      {"lockstep.step", std::to_string(st.position.step)}};
+  out->model.stage(out->staging.data(), how, s, meta);
+  out->training.stage(out->staging.data() + out->model.device_bytes(), how, s, meta);
   manifest["format"] = "lockstep-checkpoint";
   manifest["version"] = checkpoint_format_version;
   manifest["lockstep_version"] = meta.at("lockstep.version");
   manifest["position"] = position_json(st.position);
   manifest["user"] = st.user;
-  out.manifest = std::move(manifest);
-  out.copied.emplace(s.get_device());
-  out.copied->record(s);
+  out->manifest = std::move(manifest);
+  out->copied.emplace(s.get_device());
+  out->copied->record(s);
   return out;
 }
 
-/// Writes one file of a staged checkpoint; returns its manifest entry (size and CRC-32).
-inline nlohmann::json write_staged_file(const std::filesystem::path& path, const std::string& header,
-                                        std::span<const std::byte> data, durability d) {
+/// Writes one staged file; returns its manifest entry (size and XXH3-64 checksum).
+inline nlohmann::json write_staged_file(const std::filesystem::path& path, const file_writer& f, durability d) {
   posix_file out(path, O_WRONLY | O_CREAT | O_TRUNC);
-  out.write_all(std::as_bytes(std::span(header)));
-  out.write_all(data);
+  content_hash hash;
+  const auto header = std::as_bytes(std::span(f.header()));
+  std::uint64_t bytes = header.size();
+  out.write_all(header);
+  hash.update(header);
+  for (const auto& piece : f.pieces()) {
+    out.write_all(piece);
+    hash.update(piece);
+    bytes += piece.size();
+  }
   if (d == durability::fsync) out.sync();
   out.close();
-  std::uint32_t crc = crc32_of(std::as_bytes(std::span(header)));
-  crc = static_cast<std::uint32_t>(::crc32_z(crc, reinterpret_cast<const Bytef*>(data.data()), static_cast<z_size_t>(data.size())));
-  return {{"bytes", header.size() + data.size()}, {"crc32", crc}};
+  return {{"bytes", bytes}, {"xxh3_64", hash.hex()}};
 }
 
 /// Removes what earlier saves left behind when they died before publishing (".step-*" under `root`).
@@ -659,12 +702,26 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
   if (::mkdir(tmp.c_str(), 0755) != 0) throw_io(errno, "creating the directory", tmp);
   try {
     c.copied->synchronize();
-    const std::span<const std::byte> all(c.data.data(), c.data.size());
     nlohmann::json manifest = c.manifest;
-    manifest["files"][model_file_name] =
-        write_staged_file(tmp / model_file_name, c.model_header, all.first(c.model_bytes), o.durability);
-    manifest["files"][training_file_name] = write_staged_file(
-        tmp / training_file_name, c.training_header, all.subspan(c.model_bytes, c.training_bytes), o.durability);
+    // The two files at once: writing to the page cache and hashing are both bound by one core's copy speed.
+    nlohmann::json training_entry;
+    std::exception_ptr training_failure;
+    std::thread training_writer([&] {
+      try {
+        training_entry = write_staged_file(tmp / training_file_name, c.training, o.durability);
+      } catch (...) {
+        training_failure = std::current_exception();
+      }
+    });
+    try {
+      manifest["files"][model_file_name] = write_staged_file(tmp / model_file_name, c.model, o.durability);
+    } catch (...) {
+      training_writer.join();
+      throw;
+    }
+    training_writer.join();
+    if (training_failure) std::rethrow_exception(training_failure);
+    manifest["files"][training_file_name] = std::move(training_entry);
     {
       const std::string text = manifest.dump(1) + "\n";
       posix_file out(tmp / manifest_file_name, O_WRONLY | O_CREAT | O_TRUNC);
@@ -689,10 +746,21 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     std::filesystem::remove_all(tmp, ec);
     throw;
   }
+  // keep_last counts the checkpoint just written and the newest others by step number. Checkpoints of later
+  // steps that stay (an earlier run that went further) get a warning: loading the root takes the latest step.
+  auto others = complete_checkpoints(root);
+  std::erase_if(others, [&](const auto& e) { return e.first == c.step; });
   if (o.keep_last > 0) {
-    auto all = complete_checkpoints(root);
     std::error_code ec;
-    for (std::size_t i = 0; i + o.keep_last < all.size(); ++i) std::filesystem::remove_all(all[i].second, ec);
+    while (others.size() > o.keep_last - 1) {
+      std::filesystem::remove_all(others.front().second, ec);
+      others.erase(others.begin());
+    }
+  }
+  if (!others.empty() && others.back().first > c.step) {
+    std::clog << "lockstep: " << root.string() << " holds " << others.back().second.filename().string()
+              << ", a later step than the checkpoint just written (" << name
+              << "); loading the root takes the latest step: remove it, or save each run under its own root\n";
   }
   return final_dir;
 }
@@ -747,7 +815,9 @@ class checkpointer {
   /// fails, every rank throws. Waits for an earlier save_async first. Throws io_error (disk full, read-only
   /// directory...) or precondition_error; a failed save leaves earlier checkpoints as they were.
   std::filesystem::path save(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks = std::nullopt) {
-    save_async(state, s, ranks);
+    // The caller waits, so nothing changes the values before they are written: a host device's memory is
+    // written as it is, without a snapshot.
+    start(state, s, ranks, detail::staging::direct);
     auto path = wait();
     return path.value_or(root_ / detail::checkpoint_dir_name(state.position.step));
   }
@@ -756,24 +826,7 @@ class checkpointer {
   /// step counts, is read at once, which waits for `s`), and a background thread writes it while training
   /// goes on. Waits for the previous save first, throwing its error. Every rank of `ranks` calls it.
   void save_async(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks = std::nullopt) {
-    wait();
-    ranks_ = ranks && ranks->size() > 1 ? ranks : std::nullopt;
-    stream_ = s;
-    pending_ = true;
-    if (ranks_ && ranks_->rank() != 0) return;
-    try {
-      staged_.emplace(detail::stage_checkpoint(state, s, std::move(spare_)));
-    } catch (...) {
-      failure_ = std::current_exception();
-      return;
-    }
-    writer_ = std::thread([this] {
-      try {
-        written_ = detail::write_checkpoint(root_, *staged_, options_);
-      } catch (...) {
-        failure_ = std::current_exception();
-      }
-    });
+    start(state, s, ranks, detail::staging::snapshot);
   }
 
   /// Waits for the save in progress (every rank of a distributed save calls it) and returns its directory
@@ -783,7 +836,7 @@ class checkpointer {
     pending_ = false;
     if (writer_.joinable()) writer_.join();
     if (staged_) {
-      spare_ = std::move(staged_->data);  // reused by the next save
+      spare_ = std::move(staged_->staging);  // reused by the next snapshot
       staged_.reset();
     }
     std::string message;
@@ -802,12 +855,33 @@ class checkpointer {
   }
 
  private:
+  void start(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks, detail::staging how) {
+    wait();
+    ranks_ = ranks && ranks->size() > 1 ? ranks : std::nullopt;
+    stream_ = s;
+    pending_ = true;
+    if (ranks_ && ranks_->rank() != 0) return;
+    try {
+      staged_ = detail::stage_checkpoint(state, s, how, std::move(spare_));
+    } catch (...) {
+      failure_ = std::current_exception();
+      return;
+    }
+    writer_ = std::thread([this] {
+      try {
+        written_ = detail::write_checkpoint(root_, *staged_, options_);
+      } catch (...) {
+        failure_ = std::current_exception();
+      }
+    });
+  }
+
   std::filesystem::path root_;
   checkpoint_options options_;
   std::optional<communicator_ref> ranks_;
   std::optional<stream_ref> stream_;
   bool pending_ = false;
-  std::optional<detail::staged_checkpoint> staged_;
+  std::unique_ptr<detail::staged_checkpoint> staged_;
   pinned_buffer<std::byte> spare_;
   std::thread writer_;
   std::exception_ptr failure_;
@@ -897,14 +971,14 @@ inline void save_model(const std::filesystem::path& file, const parameter_list& 
                        durability d = durability::fsync) {
   detail::file_writer w;
   for (const auto& p : params) w.add_device(p.name, p.param->value());
-  pinned_buffer<std::byte> staging(w.data_bytes());
-  const std::string header = w.stage(staging.data(), s, {});
+  pinned_buffer<std::byte> staging(s.get_device().is_host() ? 0 : w.device_bytes());
+  w.stage(staging.data(), detail::staging::direct, s, {});
   s.synchronize();
   const auto dir = file.has_parent_path() ? file.parent_path() : std::filesystem::path(".");
   detail::make_directories(dir);
   const auto tmp = dir / ("." + file.filename().string() + ".tmp." + std::to_string(::getpid()));
   try {
-    (void)detail::write_staged_file(tmp, header, std::span<const std::byte>(staging.data(), staging.size()), d);
+    (void)detail::write_staged_file(tmp, w, d);
     detail::rename_path(tmp, file);
     if (d == durability::fsync) detail::sync_directory(dir);
   } catch (...) {

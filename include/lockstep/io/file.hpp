@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -95,6 +96,43 @@ class posix_file {
   std::filesystem::path path_;
   int fd_ = -1;
   std::uint64_t written_ = 0;
+};
+
+/// A whole file mapped read-only (MAP_POPULATE: the page cache's pages are mapped up front, without a fault per
+/// page and without copying them). Move-only; unmapped by the destructor.
+class mapped_file {
+ public:
+  mapped_file() = default;
+  explicit mapped_file(const std::filesystem::path& path) {
+    posix_file f(path, O_RDONLY);
+    size_ = f.size();
+    if (size_ == 0) return;
+    void* p = ::mmap(nullptr, size_, PROT_READ, MAP_PRIVATE | MAP_POPULATE, f.fd(), 0);
+    if (p == MAP_FAILED) throw_io(errno, "mapping", path);
+    data_ = static_cast<const std::byte*>(p);
+  }
+  mapped_file(mapped_file&& other) noexcept
+      : data_(std::exchange(other.data_, nullptr)), size_(std::exchange(other.size_, 0)) {}
+  mapped_file& operator=(mapped_file&& other) noexcept {
+    if (this != &other) {
+      unmap();
+      data_ = std::exchange(other.data_, nullptr);
+      size_ = std::exchange(other.size_, 0);
+    }
+    return *this;
+  }
+  ~mapped_file() { unmap(); }
+
+  [[nodiscard]] std::span<const std::byte> bytes() const noexcept { return {data_, data_ ? size_ : 0}; }
+  [[nodiscard]] std::uint64_t size() const noexcept { return size_; }
+
+ private:
+  void unmap() noexcept {
+    if (data_ != nullptr) ::munmap(const_cast<std::byte*>(data_), size_);
+    data_ = nullptr;
+  }
+  const std::byte* data_ = nullptr;
+  std::uint64_t size_ = 0;
 };
 
 /// fsync of a directory: makes the names created, renamed or removed in it durable.
