@@ -11,7 +11,7 @@
 set -uo pipefail
 root=$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)
 cd "$root"
-bash scripts/setup.sh || exit 1
+bash scripts/setup.sh --torch || exit 1  # PyTorch: the checkpoint interop test (tools/safetensors_interop.py)
 
 jobs=${LOCKSTEP_JOBS:-$(nproc)}
 build_root=${LOCKSTEP_BUILD_ROOT:-$root/build}
