@@ -1,5 +1,5 @@
 // bench_checkpoint — how fast a training checkpoint is saved and loaded, and how long an asynchronous save
-// stalls training, on one device (host:0, or cuda:0 when --device cuda:0 is given and present).
+// stalls training, on host:0 (the files are the same from either backend; GPUs add their copies to pinned memory).
 //
 // The model is the sample's MLP (default 784-4096-4096-10: 20M parameters) with SGD momentum: a checkpoint of
 // about 160 MB (model.safetensors + training.safetensors). Rows:

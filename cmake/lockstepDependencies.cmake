@@ -36,6 +36,17 @@ if(NOT TARGET lockstep::openblas)
     INTERFACE_LINK_LIBRARIES "${OpenBLAS_LIBRARIES}")
 endif()
 
+# xxHash: io/checkpoint.hpp uses it as header-only code (XXH_INLINE_ALL), so only the header is needed.
+if(NOT TARGET lockstep::xxhash)
+  find_path(lockstep_xxhash_include_dir xxhash.h)
+  if(NOT lockstep_xxhash_include_dir)
+    message(FATAL_ERROR "lockstep needs xxhash.h for checkpoint checksums: install Debian's libxxhash-dev "
+                        "(scripts/setup.sh does) or point CMAKE_PREFIX_PATH at an xxHash install.")
+  endif()
+  add_library(lockstep::xxhash INTERFACE IMPORTED)
+  set_target_properties(lockstep::xxhash PROPERTIES INTERFACE_INCLUDE_DIRECTORIES "${lockstep_xxhash_include_dir}")
+endif()
+
 # lockstep_enable_cuda(): turns on the CUDA language for a project that wants lockstep's CUDA backend: nvcc
 # from /usr/local/cuda when none is configured, sm_80 and sm_90 unless CMAKE_CUDA_ARCHITECTURES is set, and
 # C++20 for CUDA sources. Sets lockstep_CUDA_LANGUAGE to TRUE when it could. CMake < 3.25.2 does not know
@@ -105,7 +116,7 @@ endif()
 # build-tree targets as $<BUILD_INTERFACE:...> (so they are not exported), and to the imported targets by the
 # installed package's config, on the consumer's machine, where CUDA may or may not exist.
 function(lockstep_attach_dependencies core mpi wrap)
-  set(libs Threads::Threads ZLIB::ZLIB nlohmann_json::nlohmann_json lockstep::openblas ${CMAKE_DL_LIBS})
+  set(libs Threads::Threads ZLIB::ZLIB nlohmann_json::nlohmann_json lockstep::openblas lockstep::xxhash ${CMAKE_DL_LIBS})
   if(LOCKSTEP_CUDA_FOUND)
     list(APPEND libs CUDA::cudart CUDA::cublas lockstep::nccl)
   endif()

@@ -4,7 +4,8 @@
 #      errors; GPU tests skip without a GPU;
 #   2. with g++ alone, AddressSanitizer and UndefinedBehaviorSanitizer: the host backend;
 #   3. with g++ and ThreadSanitizer: the stream, event and memory tests;
-#   4. `cmake --install` into a fresh prefix, then examples/consumer built against it and run.
+#   4. with clang: the libFuzzer targets of the parsers (tests/fuzz), each for LOCKSTEP_FUZZ_SECONDS (default 30);
+#   5. `cmake --install` into a fresh prefix, then examples/consumer built against it and run.
 # Prints each ctest summary and a final one; exits non-zero if anything failed.
 #
 # Environment: LOCKSTEP_JOBS (parallel build jobs, default: cores), LOCKSTEP_BUILD_ROOT (default: ./build).
@@ -55,10 +56,17 @@ fi
 stage "g++ build, AddressSanitizer + UndefinedBehaviorSanitizer (host backend)" \
   configure_build_test "$build_root/asan" "" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
   -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=address,undefined -DLOCKSTEP_BUILD_BENCHMARKS=OFF
-stage "g++ build, ThreadSanitizer (streams, events, memory, data loader, blas, host cliques)" \
-  configure_build_test "$build_root/tsan" "core|runtime|data|blas|comm" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
+stage "g++ build, ThreadSanitizer (streams, events, memory, data loader, blas, host cliques, checkpoints)" \
+  configure_build_test "$build_root/tsan" "core|runtime|data|blas|comm|io" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
   -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=thread -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF \
   -DLOCKSTEP_BUILD_TOOLS=OFF
+
+if command -v clang++ >/dev/null; then
+  stage "clang libFuzzer targets, AddressSanitizer + UndefinedBehaviorSanitizer (${LOCKSTEP_FUZZ_SECONDS:-30} s each)" \
+    configure_build_test "$build_root/fuzz" "fuzz" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
+    -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_FUZZ=ON -DLOCKSTEP_FUZZ_SECONDS="${LOCKSTEP_FUZZ_SECONDS:-30}" \
+    -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF
+fi
 
 consumer() {
   local prefix=$build_root/install

@@ -1,5 +1,5 @@
 #!/usr/bin/env bash
-# SIGTERM makes the sample save at the next step boundary and stop (exit 0, "stopped by SIGTERM"); resuming
+# SIGTERM makes the sample save at a step boundary (with several ranks within 10 steps) and stop (exit 0, "stopped by SIGTERM"); resuming
 # from that checkpoint ends bit for bit where the uninterrupted run ends, whatever step the signal came at.
 #   sample_sigterm.sh MLP_TRAIN OPTIONS...
 set -euo pipefail

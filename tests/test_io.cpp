@@ -472,7 +472,8 @@ TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_c
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{"step-000000000003", "step-000000000004"}));
-  // a new run from step 0 into the same root: its checkpoint stays, and counts as the newest
+  // a new run from step 0 into the same root: its checkpoint stays (with keep_last 2: it and step 4, which
+  // loading the root would still take, with a warning)
   run again(device{device_kind::host, 0}, dtype::f32, false);
   again.train(1);
   auto st2 = again.state();

@@ -121,6 +121,54 @@ class any_optimizer {
   std::optional<loss_scaler> scaler_;
 };
 
+// Counts, on the device, the steps whose loss is not finite and keeps the first one's number: a step never waits
+// for it. state = {steps with a non-finite loss, 2^24 - the first such step}, floats so that ranks can combine
+// them with a max all-reduce (steps are exact in a float up to 2^24).
+struct watch_loss_op {
+  const float* loss;
+  float* state;
+  float step;
+  LOCKSTEP_HD void operator()(std::size_t) const {
+    const float v = *loss;
+    if (v - v == 0.0f) return;  // finite: inf - inf and NaN - NaN are NaN
+    state[0] += 1.0f;
+    if (state[1] == 0.0f) state[1] = 16777216.0f - step;
+  }
+};
+
+// An f32 run whose loss stops being finite has diverged: it ends with an error naming the first such step (after
+// --max-bad-steps of them), found at the next progress line or the end of an epoch. f16/bf16 runs skip such steps
+// (the loss scaler) and report how many.
+class loss_watch {
+ public:
+  loss_watch(const mlp_options& o, stream_ref s)
+      : o_(o), s_(s), state_(to_device(std::vector<float>{0.0f, 0.0f}, s)) {}
+  /// After the loss of step `step` (1-based) is queued on the watch's stream.
+  void after_step(const tensor_view& loss, std::int64_t step) {
+    if (o_.precision != dtype::f32) return;
+    launch_elementwise(1, watch_loss_op{loss.as<float>(), state_.data(), static_cast<float>(step)}, s_, "loss watch");
+  }
+  /// Throws numeric_error when too many steps had a non-finite loss (on any rank of `ranks`: a collective).
+  void check(std::optional<communicator_ref> ranks = std::nullopt) {
+    if (o_.precision != dtype::f32) return;
+    if (ranks && ranks->size() > 1) {
+      ranks->all_reduce(state_.span(), reduce_op::max, s_);
+      ranks->synchronize(s_);
+    }
+    const auto v = to_vector(device_span<const float>(state_.span()), s_);
+    if (v[0] <= static_cast<float>(o_.max_bad_steps)) return;
+    throw numeric_error(detail::concat(
+        "the loss is not finite (NaN or infinity) from step ", static_cast<long long>(16777216.0f - v[1]), " on (",
+        static_cast<long long>(v[0]), " such steps so far): the run diverged. Lower --lr (now ", o_.lr,
+        "), or train in f16/bf16, which skip such steps, or give --max-bad-steps N to tolerate N of them"));
+  }
+
+ private:
+  const mlp_options& o_;
+  stream_ref s_;
+  device_buffer<float> state_;
+};
+
 struct datasets {
   mnist_dataset train;
   mnist_dataset test;
@@ -220,10 +268,15 @@ class run_checkpoints {
     if (!o_.load_model.empty()) load_model(o_.load_model, state_.model(), s_);
     if (o_.resume.empty()) return state_.position;
     const auto dir = load_checkpoint(o_.resume, state_, s_);
-    for (const char* key : {"hidden", "optimizer", "precision", "batch", "seed", "lr_schedule"}) {
+    // What shapes the model, the data order or the learning rates must be as it was (the schedule's length
+    // comes from --epochs and --max-steps).
+    for (const char* key : {"hidden", "optimizer", "precision", "batch", "seed", "lr_schedule", "epochs", "max_steps"}) {
       if (state_.user.value(key, nlohmann::json()) != options_json()[key]) {
         throw precondition_error(detail::concat("--resume ", dir.string(), ": the checkpoint was written with --",
-                                        key == std::string("lr_schedule") ? "lr-schedule" : key, " ",
+                                        key == std::string("lr_schedule") ? "lr-schedule"
+                                        : key == std::string("max_steps") ? "max-steps"
+                                                                          : key,
+                                        " ",
                                         state_.user.value(key, nlohmann::json()).dump(), ", this run has ",
                                         options_json()[key].dump(), "; resume with the options of the run that saved it"));
       }
@@ -236,7 +289,7 @@ class run_checkpoints {
     return state_.position;
   }
 
-  /// Saves at `at` when `due` (every rank calls it at the same steps). Returns the directory written.
+  /// Saves at `at` (every rank calls it at the same steps); r.checkpoint gets the directory written.
   void save(const run_position& at, run_result& r) {
     if (!saver_) return;
     state_.position.step = at.step;
@@ -250,7 +303,8 @@ class run_checkpoints {
   [[nodiscard]] bool saved_at(std::int64_t step) const { return last_saved_ == step; }
   [[nodiscard]] bool save_due(std::int64_t step) const { return saver_ && o_.save_every > 0 && step % o_.save_every == 0; }
 
-  /// Whether SIGTERM or SIGINT asked the run to stop; with several ranks, agreed every 10 steps (a collective).
+  /// Whether SIGTERM or SIGINT asked the run to stop: checked after every step, or with several ranks every 10
+  /// steps (the ranks agree with a collective, so they stop at the same step).
   [[nodiscard]] bool stop_requested(std::int64_t step) const {
     if (preemption_ == nullptr) return false;
     if (comm_ && comm_->size() > 1) return step % 10 == 0 && preemption_->requested(comm_, s_);
@@ -266,7 +320,7 @@ class run_checkpoints {
   [[nodiscard]] nlohmann::json options_json() const {
     return {{"hidden", o_.hidden}, {"optimizer", o_.optimizer}, {"precision", std::string(name_of(o_.precision))},
             {"batch", o_.batch},   {"seed", o_.seed},           {"lr_schedule", o_.lr_schedule},
-            {"epochs", o_.epochs}, {"mode", o_.mode}};
+            {"epochs", o_.epochs}, {"max_steps", o_.max_steps}, {"mode", o_.mode}};
   }
 
   const mlp_options& o_;
@@ -353,6 +407,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   timeline time(dev);
   run_result r;
   run_checkpoints ck(o, model, optimizer, compute, std::nullopt, active_preemption);
+  loss_watch watch(o, compute);
   reset_memory_stats(dev);
   run_epochs(
       o, loader, show, r, ck,
@@ -361,12 +416,17 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
         time.begin(phase::compute, compute);
         optimizer.zero_grad();
         loss.forward(model.forward(b.input, ctx), b.target, ctx);
+        watch.after_step(loss.loss(), r.steps + 1);
         model.backward(loss.backward(ctx), ctx, input_grad::not_required);
         optimizer.step(compute);
         time.end(compute);
         return b.rows;
       },
-      [&] { return loss.read_loss(compute); }, [&] { compute.synchronize(); },
+      [&] {
+        watch.check();
+        return loss.read_loss(compute);
+      },
+      [&] { compute.synchronize(); },
       [&] { return memory_in_use({dev}); });
   r.scaler = optimizer.scaler_state(compute);
   r.devices.push_back(time.report());
@@ -394,6 +454,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
   progress show(o, loader.batches_per_epoch(), true);
   run_result r;
   run_checkpoints ck(o, model, optimizer, s0, std::nullopt, active_preemption);
+  loss_watch watch(o, out.stream());
   dp.reset_report();
   run_epochs(
       o, loader, show, r, ck,
@@ -402,11 +463,15 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
         optimizer.zero_grad();
         // the labels are on device_ids[0], which is also the output device: the loss is computed there
         loss.forward(dp.forward(b.input), b.target, out);
+        watch.after_step(loss.loss(), r.steps + 1);
         dp.backward(loss.backward(out));
         optimizer.step(s0);
         return b.rows;
       },
-      [&] { return loss.read_loss(out.stream()); },
+      [&] {
+        watch.check();
+        return loss.read_loss(out.stream());
+      },
       [&] {
         for (const device d : devices) synchronize(d);
       },
@@ -429,7 +494,13 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   distributed_data_parallel ddp(model, ctx, comm, comm_stream);
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   softmax_cross_entropy loss(reduction::mean);
-  const auto local_batch = static_cast<std::size_t>(std::max<std::int64_t>(1, o.batch / world));
+  if (o.batch % world != 0) {
+    throw precondition_error(detail::concat(
+        "--batch ", o.batch, " does not split evenly over ", world, " ranks (DDP gives every rank the same number of ",
+        "rows); use a multiple of ", world, " such as ", (o.batch / world) * world > 0 ? (o.batch / world) * world : world,
+        " or ", (o.batch / world + 1) * world, ", or --mode dp, which splits a batch unevenly"));
+  }
+  const auto local_batch = static_cast<std::size_t>(o.batch / world);
   data_loader loader(data.train,
                      distributed_sampler(data.train.size(), rank, world, sample_order::shuffled, o.seed, tail_policy::pad),
                      compute, data_loader_options{.batch_size = local_batch, .workers = o.workers, .input_type = o.precision});
@@ -437,6 +508,8 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
   run_checkpoints ck(o, model, optimizer, compute, comm, active_preemption);
+  loss_watch watch(o, compute);
+  device_buffer<float> global_loss(1, compute);
   ddp.reset_report();
   run_epochs(
       o, loader, show, r, ck,
@@ -446,11 +519,19 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
         // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a
         // mean over the global batch and the gradients are summed over ranks
         loss.forward(ddp.forward(b.input), b.target, ctx, b.rows * world);
+        watch.after_step(loss.loss(), r.steps + 1);
         ddp.backward(loss.backward(ctx));
         optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
         return b.rows * world;
       },
-      [&] { return loss.read_loss(compute); }, [&] { comm.synchronize(compute); },
+      [&] {
+        // each rank's loss is its share of the global batch's mean: their sum is the global loss
+        watch.check(comm);
+        comm.all_reduce(loss.loss().data(), global_loss.data(), 1, dtype::f32, reduce_op::sum, compute);
+        comm.synchronize(compute);
+        return to_vector(device_span<const float>(global_loss.span()), compute)[0];
+      },
+      [&] { comm.synchronize(compute); },
       [&] { return memory_in_use({ctx.get_device()}); });
   r.scaler = optimizer.scaler_state(compute);
   r.devices.push_back(ddp.report());
@@ -537,8 +618,19 @@ int run(const mlp_options& o) {
   }
   const device_selection selection =
       o.devices.empty() ? default_devices() : device_selection{device_set(o.devices), "--devices " + o.devices};
+  if (processes && !o.devices.empty()) {
+    throw precondition_error("--devices " + o.devices + " has no effect under mpirun: each process takes the device of "
+                             "its local rank (GPU local_rank, else host:0); leave it out, and choose GPUs for the job "
+                             "with CUDA_VISIBLE_DEVICES");
+  }
   datasets data{load_fashion_mnist(o.data, mnist_split::train), load_fashion_mnist(o.data, mnist_split::test), 0};
   data.inputs = static_cast<std::int64_t>(data.train.layout().input_elements());
+  if (data.test.rows() != data.train.rows() || data.test.cols() != data.train.cols()) {
+    throw data_error(detail::concat("the test images in ", o.data, " (t10k-images-idx3-ubyte) are ", data.test.rows(),
+                                    "x", data.test.cols(), " but the training images (train-images-idx3-ubyte) are ",
+                                    data.train.rows(), "x", data.train.cols(),
+                                    ": the model could not evaluate them; use files of one data set"));
+  }
 
   int world_rank = 0;
   run_result r;
@@ -640,6 +732,10 @@ int main(int argc, char** argv) {
   try {
     return run(o);
   } catch (const std::exception& e) {
+#if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
+    // One rank of an mpirun job: print, then end the whole job now (the others would wait for this rank).
+    if (o.mode == "ddp" && under_mpirun()) lockstep::abort_mpi_job("mlp_train", e);
+#endif
     std::fprintf(stderr, "mlp_train: %s\n", e.what());
     return 1;
   }

@@ -33,6 +33,7 @@ struct mlp_options {
   std::int64_t max_steps = 0;  // 0: no limit
   int print_every = 50;
   std::int64_t eval_batch = 1000;
+  std::int64_t max_bad_steps = 0;  // f32 steps with a non-finite loss tolerated before the run stops
   std::string save;             // checkpoint root; empty: no checkpoints
   std::int64_t save_every = 0;  // steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
   int keep_last = 3;
@@ -63,19 +64,28 @@ inline constexpr const char* usage_text =
     "  --max-steps N         stop after N training steps (default: no limit)\n"
     "  --print-every N       progress every N steps (default 50)\n"
     "  --eval-batch N        batch size of the test evaluation (default 1000)\n"
+    "  --max-bad-steps N     f32: steps with a non-finite loss to tolerate before stopping with an error\n"
+    "                        (default 0: the first one stops the run; f16/bf16 skip such steps instead)\n"
     "  --save DIR            write checkpoints under DIR (DIR/step-N/: model.safetensors, training.safetensors,\n"
     "                        manifest.json) at the end of the run, every --save-every steps, and on SIGTERM or\n"
-    "                        SIGINT (then the run stops at the next step boundary)\n"
+    "                        SIGINT (then the run stops after the current step; with several ranks within\n"
+    "                        10 steps, all at the same one)\n"
     "  --save-every N        also save every N steps (default: only at the end)\n"
     "  --keep-last K         keep the newest K checkpoints under DIR, 0 for all (default 3)\n"
     "  --resume DIR          continue the run saved in DIR (a step-N directory, or a --save DIR: its newest)\n"
-    "                        with the same model, optimizer, precision, batch, seed and schedule options\n"
+    "                        with the same --hidden, --optimizer, --precision, --batch, --seed, --lr-schedule,\n"
+    "                        --epochs and --max-steps (the devices and the mode may change)\n"
     "  --stop-after N        end the run after its Nth step (saving with --save), as a pre-empted job would;\n"
     "                        unlike --max-steps, the learning-rate schedule still spans --epochs\n"
     "  --load-model FILE     start from the weights of a safetensors file (lockstep's or PyTorch's);\n"
     "                        with --epochs 0, only evaluate them\n"
     "  --json                print one JSON line with the results instead of text\n"
-    "  --help                this text\n";
+    "  --help                this text\n"
+    "\n"
+    "environment:\n"
+    "  LOCKSTEP_COMM_TIMEOUT       seconds a collective waits for the other ranks before failing (default 300)\n"
+    "  LOCKSTEP_HOST_DEVICES       number of host devices (default: 2)\n"
+    "  CUDA_VISIBLE_DEVICES        the GPUs this process sees\n";
 
 namespace mlp_detail {
 
@@ -133,14 +143,20 @@ inline mlp_options parse_options(int argc, char** argv) {
       if (o.batch < 1) throw usage_error("--batch must be at least 1");
     } else if (flag == "--lr") {
       o.lr = parse_float(flag, value());
+      if (!(o.lr > 0.0f)) throw usage_error("--lr must be a positive number, got " + std::string(argv[i]));
     } else if (flag == "--momentum") {
       o.momentum = parse_float(flag, value());
+      if (!(o.momentum >= 0.0f && o.momentum < 1.0f)) {
+        throw usage_error("--momentum must be in [0, 1) (0.9 is usual), got " + std::string(argv[i]));
+      }
     } else if (flag == "--weight-decay") {
       o.weight_decay = parse_float(flag, value());
+      if (!(o.weight_decay >= 0.0f)) throw usage_error("--weight-decay must be >= 0, got " + std::string(argv[i]));
     } else if (flag == "--hidden") {
       o.hidden.clear();
       std::string_view list = value();
-      while (!list.empty()) {
+      if (list.empty()) throw usage_error("--hidden needs at least one width, as in --hidden 256,256");
+      while (true) {
         const auto comma = list.find(',');
         const auto item = list.substr(0, comma);
         const auto width = parse_number<std::int64_t>(flag, item);
@@ -170,18 +186,24 @@ inline mlp_options parse_options(int argc, char** argv) {
         throw usage_error("--precision must be f32, f16 or bf16, got '" + std::string(p) + "'");
       }
     } else if (flag == "--seed") {
-      o.seed = parse_number<std::uint64_t>(flag, value());
+      const std::string_view v = value();
+      if (!v.empty() && v.front() == '-') throw usage_error("--seed must be a non-negative integer, got " + std::string(v));
+      o.seed = parse_number<std::uint64_t>(flag, v);
     } else if (flag == "--workers") {
       o.workers = parse_number<int>(flag, value());
       if (o.workers < 0) throw usage_error("--workers must be >= 0");
     } else if (flag == "--max-steps") {
       o.max_steps = parse_number<std::int64_t>(flag, value());
+      if (o.max_steps < 1) throw usage_error("--max-steps must be at least 1 (leave it out for no limit)");
     } else if (flag == "--print-every") {
       o.print_every = parse_number<int>(flag, value());
       if (o.print_every < 1) throw usage_error("--print-every must be at least 1");
     } else if (flag == "--eval-batch") {
       o.eval_batch = parse_number<std::int64_t>(flag, value());
       if (o.eval_batch < 1) throw usage_error("--eval-batch must be at least 1");
+    } else if (flag == "--max-bad-steps") {
+      o.max_bad_steps = parse_number<std::int64_t>(flag, value());
+      if (o.max_bad_steps < 0) throw usage_error("--max-bad-steps must be >= 0");
     } else if (flag == "--save") {
       o.save = value();
       if (o.save.empty()) throw usage_error("--save needs a directory");

@@ -62,5 +62,10 @@
 #include "lockstep/amp/loss_scaler.hpp"
 #include "lockstep/amp/precision.hpp"
 
+#include "lockstep/io/checkpoint.hpp"
+#include "lockstep/io/preemption.hpp"
+#include "lockstep/io/safetensors.hpp"
+#include "lockstep/io/sha256.hpp"
+
 #include "lockstep/parallel/data_parallel.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"

@@ -43,7 +43,9 @@
 #include <chrono>
 #include <climits>
 #include <condition_variable>
+#include <cstdio>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -638,7 +640,11 @@ class mpi_session {
   }
   mpi_session(const mpi_session&) = delete;
   mpi_session& operator=(const mpi_session&) = delete;
+  /// Finalizes MPI if this session initialized it — unless an exception is unwinding through it: MPI_Finalize
+  /// is collective and would block until every other rank finalizes too, before the error could be printed.
+  /// A rank that fails ends the job with abort_mpi_job instead.
   ~mpi_session() {
+    if (std::uncaught_exceptions() > unwinding_at_start_) return;
     int finalized = 1;
     if (owns_ && MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) (void)MPI_Finalize();
   }
@@ -651,7 +657,29 @@ class mpi_session {
  private:
   int provided_ = 0;
   bool owns_ = false;
+  int unwinding_at_start_ = std::uncaught_exceptions();
 };
+
+/// How a rank of an MPI job should end on an error: prints "<program>: rank R: <what>" to stderr (flushed), then
+/// calls MPI_Abort(MPI_COMM_WORLD, status), which ends every process of the job at once — instead of the other
+/// ranks waiting for this one in a collective until LOCKSTEP_COMM_TIMEOUT, or this one blocking in MPI_Finalize
+/// before its message is out. Use it in the catch block of main() (see examples/mlp_train). Returns only when
+/// MPI is not running (never initialized, or finalized): then the caller exits with `status` itself.
+inline void abort_mpi_job(const char* program, const std::exception& e, int status = 1) noexcept {
+  int initialized = 0, finalized = 0, rank = -1;
+  (void)MPI_Initialized(&initialized);
+  (void)MPI_Finalized(&finalized);
+  const bool running = initialized != 0 && finalized == 0;
+  if (running) (void)MPI_Comm_rank(MPI_COMM_WORLD, &rank);
+  if (rank >= 0) {
+    std::fprintf(stderr, "%s: rank %d: %s\n", program, rank, e.what());
+  } else {
+    std::fprintf(stderr, "%s: %s\n", program, e.what());
+  }
+  std::fflush(stderr);
+  std::fflush(stdout);
+  if (running) (void)MPI_Abort(MPI_COMM_WORLD, status);
+}
 
 /// This process's rank among the processes of its node, to pick its local device: OMPI_COMM_WORLD_LOCAL_RANK
 /// (OpenMPI), MPI_LOCALRANKID (MPICH), MV2_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID when set; otherwise the rank

@@ -12,9 +12,10 @@
 //   load_checkpoint(root, st, s);                    the newest complete checkpoint, onto s's device
 //
 // Writes are atomic: files go into a temporary directory beside the final one, are synced, and the directory
-// is renamed into place; a crash at any point leaves the earlier checkpoints intact, and older ones are removed
+// is renamed into place (or, when that step was saved before, exchanged with it in one renameat2); a crash at
+// any point leaves the earlier checkpoints intact, and older ones are removed
 // (keep_last) only once the new one is complete. Loads are all or nothing: both files are read, their
-// checksums (CRC-32, in the manifest) and every tensor's name, dtype and shape are checked, and only then is
+// checksums (XXH3-64, in the manifest) and every tensor's name, dtype and shape are checked, and only then is
 // anything of the model, optimizer, scaler or schedule changed; any fault throws and leaves them as they were.
 //
 // Values are copied in stream order on the stream of the device that holds them into host staging memory
@@ -27,8 +28,15 @@
 
 // xxHash (Debian: libxxhash-dev) as header-only code: no library to link, and no clash with a program that links
 // libxxhash itself (its inline mode gives every function internal linkage and a private name).
+#if defined(XXH_INLINE_ALL)
+#include <xxhash.h>
+#else
 #define XXH_INLINE_ALL
 #include <xxhash.h>
+#undef XXH_INLINE_ALL
+#endif
+#include <signal.h>
+#include <stdio.h>  // renameat2
 
 #include <algorithm>
 #include <atomic>
@@ -184,6 +192,12 @@ class file_writer {
       if (n > 0) pieces_.emplace_back(data, n);
     }
     header_ = safetensors_header_bytes(sources, metadata);
+  }
+  /// The tensors' names, in file order.
+  [[nodiscard]] std::vector<std::string> names() const {
+    std::vector<std::string> out;
+    for (const auto& e : entries_) out.push_back(e.meta.name);
+    return out;
   }
   /// The file: its header, then the pieces of its data in order (valid once the staging copies have run).
   [[nodiscard]] const std::string& header() const noexcept { return header_; }
@@ -422,9 +436,9 @@ class checkpoint_state {
         bc1.push_back(x.bias_correction1);
         bc2.push_back(x.bias_correction2);
       }
-      w.add_host("optimizer.step", dtype::i64, {groups()}, detail::host_bytes(std::span<const std::int64_t>(steps)));
-      w.add_host("optimizer.bias_correction1", dtype::f32, {groups()}, detail::host_bytes(std::span<const float>(bc1)));
-      w.add_host("optimizer.bias_correction2", dtype::f32, {groups()}, detail::host_bytes(std::span<const float>(bc2)));
+      w.add_host("optimizer.step", dtype::i64, std::vector<std::int64_t>{groups()}, detail::host_bytes(std::span<const std::int64_t>(steps)));
+      w.add_host("optimizer.bias_correction1", dtype::f32, std::vector<std::int64_t>{groups()}, detail::host_bytes(std::span<const float>(bc1)));
+      w.add_host("optimizer.bias_correction2", dtype::f32, std::vector<std::int64_t>{groups()}, detail::host_bytes(std::span<const float>(bc2)));
       nlohmann::json gs = nlohmann::json::array();
       for (std::size_t g = 0; g < opt.group_count(); ++g) {
         nlohmann::json j = detail::options_json(opt.options(g));
@@ -456,9 +470,9 @@ class checkpoint_state {
       each_state([&](std::size_t g, std::size_t i, int, const std::string& name) {
         detail::expect_tensor(f, name, dtype::f32, detail::dims_of(opt.params(g)[i]->dims()), false);
       });
-      detail::expect_tensor(f, "optimizer.step", dtype::i64, {groups()}, false);
-      detail::expect_tensor(f, "optimizer.bias_correction1", dtype::f32, {groups()}, false);
-      detail::expect_tensor(f, "optimizer.bias_correction2", dtype::f32, {groups()}, false);
+      detail::expect_tensor(f, "optimizer.step", dtype::i64, std::vector<std::int64_t>{groups()}, false);
+      detail::expect_tensor(f, "optimizer.bias_correction1", dtype::f32, std::vector<std::int64_t>{groups()}, false);
+      detail::expect_tensor(f, "optimizer.bias_correction2", dtype::f32, std::vector<std::int64_t>{groups()}, false);
     };
     part.apply = [&opt, each_state](detail::loaded_file& f, const nlohmann::json& m, stream_ref s) {
       opt.materialize_state(s);
@@ -493,7 +507,7 @@ class checkpoint_state {
       auto one = [&](const char* name, dtype t, const void* v) {
         std::vector<std::byte> b(size_of(t));
         std::memcpy(b.data(), v, b.size());
-        w.add_host(name, t, {}, std::move(b));
+        w.add_host(name, t, std::vector<std::int64_t>{}, std::move(b));
       };
       one("scaler.scale", dtype::f32, &st.scale);
       one("scaler.inv_scale", dtype::f32, &st.inv_scale);
@@ -508,7 +522,7 @@ class checkpoint_state {
         throw data_error("the checkpoint holds no loss scaler, but one was given to load (an f32 checkpoint into an "
                          "f16/bf16 run?)");
       }
-      for (const auto& [name, type] : fields) detail::expect_tensor(f, name, type, {}, false);
+      for (const auto& [name, type] : fields) detail::expect_tensor(f, name, type, std::vector<std::int64_t>{}, false);
     };
     part.apply = [&sc](detail::loaded_file& f, const nlohmann::json&, stream_ref s) {
       kernels::scaler_state st{};
@@ -645,6 +659,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   manifest["version"] = checkpoint_format_version;
   manifest["lockstep_version"] = meta.at("lockstep.version");
   manifest["position"] = position_json(st.position);
+  manifest["tensors"] = {{model_file_name, out->model.names()}, {training_file_name, out->training.names()}};
   manifest["user"] = st.user;
   out->manifest = std::move(manifest);
   out->copied.emplace(s.get_device());
@@ -670,12 +685,18 @@ inline nlohmann::json write_staged_file(const std::filesystem::path& path, const
   return {{"bytes", bytes}, {"xxh3_64", hash.hex()}};
 }
 
-/// Removes what earlier saves left behind when they died before publishing (".step-*" under `root`).
+/// Removes what earlier saves left behind when their process died before publishing: ".step-*.tmp.<pid>"
+/// directories under `root` whose process no longer exists (a save in progress elsewhere is left alone).
 inline void remove_leftovers(const std::filesystem::path& root) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
     const std::string name = e.path().filename().string();
-    if (name.rfind(".step-", 0) == 0) std::filesystem::remove_all(e.path(), ec);
+    const auto mark = name.rfind(".tmp.");
+    if (name.rfind(".step-", 0) != 0 || mark == std::string::npos) continue;
+    const long pid = std::strtol(name.c_str() + mark + 5, nullptr, 10);
+    if (pid > 0 && pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
+      std::filesystem::remove_all(e.path(), ec);
+    }
   }
 }
 
@@ -733,10 +754,12 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     if (o.before_publish) o.before_publish(tmp);
     std::error_code ec;
     if (std::filesystem::exists(final_dir, ec)) {
-      const std::filesystem::path old = root / ("." + name + ".old." + std::to_string(::getpid()));
-      rename_path(final_dir, old);
-      rename_path(tmp, final_dir);
-      std::filesystem::remove_all(old, ec);
+      // The same step saved again: swap the two directories in one step, so that step-N is always complete,
+      // then remove the old one (now under the temporary name; a crash before that leaves it for cleanup).
+      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0) {
+        throw_io(errno, "exchanging", tmp, concat("with ", final_dir.string()));
+      }
+      std::filesystem::remove_all(tmp, ec);
     } else {
       rename_path(tmp, final_dir);
     }
@@ -796,8 +819,7 @@ class checkpointer {
   /// Waits for a background write; its error, if any, is printed to std::clog (a destructor cannot throw:
   /// call wait() to handle it).
   ~checkpointer() {
-    if (!writer_.joinable()) return;
-    writer_.join();
+    if (writer_.joinable()) writer_.join();
     if (failure_) {
       try {
         std::rethrow_exception(failure_);
@@ -950,6 +972,14 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     }
     detail::expect_no_extra_tensors(training);
     const run_position position = detail::position_from_json(manifest.at("position"));
+    // The optimizer's and the scaler's state belong to a precision (an f16 scale means nothing to bf16).
+    for (const auto& p : state.model()) {
+      if (p.param->compute_type() != position.precision) {
+        throw data_error(detail::concat("the checkpoint was written by a run in ", name_of(position.precision),
+                                        ", but parameter '", p.name, "' computes in ", name_of(p.param->compute_type()),
+                                        "; resume in the same precision (load_model takes the weights alone into any)"));
+      }
+    }
     // ---- apply
     detail::apply_model(model, model_tensors, state.model(), s);
     for (const auto& [name, part] : state.parts()) part.apply(training, manifest, s);

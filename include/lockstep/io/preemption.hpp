@@ -1,5 +1,5 @@
 // lockstep/io/preemption.hpp — what a cluster scheduler expects of a job it is about to kill: SIGTERM (or
-// Ctrl-C's SIGINT) means "save at the next step boundary, then stop", not "die mid-write".
+// Ctrl-C's SIGINT) means "save at a step boundary soon, then stop", not "die mid-write".
 //
 //   preemption_guard guard;                     handlers installed; the old ones come back at scope exit
 //   for (...) {
