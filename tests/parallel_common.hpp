@@ -29,9 +29,9 @@ constexpr int steps = 20;
 constexpr std::uint64_t seed = 7;
 const sgd_options optimizer_options{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 1e-4f};
 
-/// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU.
-inline graph make_model(context& ctx) {
-  initializer init(seed);
+/// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU, initialized from `init_seed`.
+inline graph make_model(context& ctx, std::uint64_t init_seed = seed) {
+  initializer init(init_seed);
   graph g(shape{features});
   g.add("fc1", linear(features, 32, ctx, init), "input");
   g.add("relu1", relu(), "fc1");

@@ -187,13 +187,7 @@ TEST_P(model_io, round_trips_the_master_values_and_refreshes_the_working_copies)
   save_model(file, parameters_of(a), s);
   // a different initialization, then the load
   context ctx2(s, type());
-  initializer other(123);
-  graph b(shape{features});
-  b.add("fc1", linear(features, 32, ctx2, other), "input");
-  b.add("relu1", relu(), "fc1");
-  b.add("fc2", linear(32, 16, ctx2, other), "relu1");
-  b.add("relu2", relu(), "fc2");
-  b.add("out", linear(16, classes, ctx2, other), "relu2");
+  graph b = make_model(ctx2, 123);
   ASSERT_NE(weights_sha256(parameters_of(a), s), weights_sha256(parameters_of(b), s));
   load_model(file, parameters_of(b), s);
   EXPECT_EQ(weights_sha256(parameters_of(a), s), weights_sha256(parameters_of(b), s));
