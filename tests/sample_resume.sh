@@ -35,6 +35,8 @@ echo "straight: sha256 $(field weights_sha256 "$straight") correct $(field test_
 echo "first:    sha256 $(field weights_sha256 "$first") stopped $(field stopped "$first") checkpoint $(field checkpoint "$first")"
 echo "resumed:  sha256 $(field weights_sha256 "$resumed") correct $(field test_correct "$resumed")"
 [[ "$(field stopped "$first")" == "--stop-after" ]] || { echo "the first run did not stop after $stop_after steps"; exit 1; }
+[[ "$(field resumed_at_step "$resumed")" == "$stop_after" ]] || {
+  echo "the resumed run did not continue from step $stop_after: $(field resumed_at_step "$resumed")"; exit 1; }
 [[ "$(field weights_sha256 "$first")" != "$(field weights_sha256 "$straight")" ]] || { echo "the stopped run already has the final weights"; exit 1; }
 if [[ "${EXPECT:-same}" == same ]]; then
   [[ "$(field weights_sha256 "$resumed")" == "$(field weights_sha256 "$straight")" ]] || { echo "FAIL: weights differ"; exit 1; }

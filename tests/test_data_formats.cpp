@@ -703,6 +703,50 @@ std::vector<std::vector<std::size_t>> all_ranks(std::size_t n, int world, lockst
   return out;
 }
 
+// A resumed epoch (set_start) on the same number of ranks visits exactly what the uninterrupted epoch had left,
+// padding included, whether or not the dataset divides over the ranks; on another number of ranks it covers
+// every index that was left.
+TEST(distributed_sampler, set_start_resumes_an_epoch_on_any_number_of_ranks) {
+  for (std::size_t n : {10u, 11u, 12u, 13u}) {
+    for (int world = 1; world <= 4; ++world) {
+      for (std::size_t batch : {1u, 2u}) {
+        for (std::size_t steps = 0; steps * batch * static_cast<std::size_t>(world) <= n + 3; ++steps) {
+          const std::size_t first = steps * batch * static_cast<std::size_t>(world);
+          for (int r = 0; r < world; ++r) {
+            lockstep::distributed_sampler whole(n, r, world, lockstep::sample_order::shuffled, 5);
+            whole.set_epoch(2);
+            const auto all = whole.indices();
+            lockstep::distributed_sampler resumed(n, r, world, lockstep::sample_order::shuffled, 5);
+            resumed.set_epoch(2);
+            resumed.set_start(first);
+            const auto rest = resumed.indices();
+            const std::size_t skip = std::min(steps * batch, all.size());
+            EXPECT_EQ(rest, std::vector<std::size_t>(all.begin() + static_cast<std::ptrdiff_t>(skip), all.end()))
+                << "n " << n << ", world " << world << ", rank " << r << ", first " << first;
+            EXPECT_EQ(resumed.size(), rest.size());
+          }
+          // another world size: the ranks together cover every entry left
+          for (int other = 1; other <= 4; ++other) {
+            std::vector<std::size_t> seen;
+            for (int r = 0; r < other; ++r) {
+              lockstep::distributed_sampler s(n, r, other, lockstep::sample_order::shuffled, 5);
+              s.set_epoch(2);
+              s.set_start(first);
+              for (auto i : s.indices()) seen.push_back(i);
+            }
+            lockstep::distributed_sampler order(n, 0, 1, lockstep::sample_order::shuffled, 5);
+            order.set_epoch(2);
+            const auto full = order.indices();
+            for (std::size_t k = first; k < n; ++k) {
+              EXPECT_NE(std::find(seen.begin(), seen.end(), full[k]), seen.end()) << "entry " << k << " lost";
+            }
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST(distributed_sampler, pad_covers_every_index_with_ceil_per_rank) {
   static_assert(lockstep::sampler<lockstep::distributed_sampler>);
   for (auto order : {lockstep::sample_order::sequential, lockstep::sample_order::shuffled}) {

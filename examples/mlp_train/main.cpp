@@ -182,6 +182,7 @@ struct run_result {
   std::string weights_sha256;
   std::string checkpoint;  // the last checkpoint written
   std::string stopped;     // why the run ended early ("SIGTERM", "--stop-after"), or empty
+  std::int64_t resumed_at = -1;  // the step --resume continued from
   double train_seconds = 0;
   std::int64_t samples = 0;
   std::int64_t steps = 0;
@@ -349,6 +350,7 @@ void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result
                 ReadLoss&& read_loss, Wait&& wait, Memory&& memory) {
   const run_position start = ck.start();
   r.steps = start.step;
+  if (!o.resume.empty()) r.resumed_at = start.step;
   run_position at = start;  // after the last step taken
   for (auto epoch = static_cast<int>(start.epoch); epoch < o.epochs && !step_limit_reached(o, r.steps) && r.stopped.empty();
        ++epoch) {
@@ -385,8 +387,11 @@ void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result
     show.end_epoch();
   }
   if (r.stopped.empty() && o.stop_after > 0 && r.steps >= o.stop_after) r.stopped = "--stop-after";
-  if (!ck.saved_at(r.steps)) ck.save(at, r);
-  r.final_loss = o.epochs > 0 ? read_loss() : 0.0f;
+  // Nothing trained (a finished run resumed, or --epochs 0): no loss to read, nothing new to save. Every rank
+  // takes the same branch, so the collectives in read_loss and save stay matched.
+  const bool trained = r.steps > start.step;
+  if (!ck.saved_at(r.steps) && (trained || o.resume.empty())) ck.save(at, r);
+  r.final_loss = trained ? read_loss() : 0.0f;
   r.weights_sha256 = ck.weights_sha256();
 }
 
@@ -684,6 +689,7 @@ int run(const mlp_options& o) {
   j["weights_sha256"] = r.weights_sha256;
   if (!r.checkpoint.empty()) j["checkpoint"] = r.checkpoint;
   if (!r.stopped.empty()) j["stopped"] = r.stopped;
+  if (r.resumed_at >= 0) j["resumed_at_step"] = r.resumed_at;
   j["train_seconds"] = r.train_seconds;
   j["samples_per_second"] = throughput;
   j["epochs"] = o.epochs;

@@ -200,12 +200,12 @@ class distributed_sampler {
     const auto world = static_cast<std::size_t>(world_size_);
     const std::size_t total = total_size();
     const std::size_t first = start_ < n_ ? start_ : n_;
-    const std::size_t left = n_ - first;
     std::vector<std::size_t> mine;
     mine.reserve(size());
     // Entry k of the padded order is order[k % n]: PyTorch pads with indices * ceil(padding / n), cut to size.
-    // A resumed epoch pads the same way from the start of what is left.
-    for (std::size_t k = static_cast<std::size_t>(rank_); k < total; k += world) mine.push_back(order[first + k % left]);
+    // A resumed epoch takes the same entries: with the same world size, `first` is a multiple of it and the
+    // padded order ends where the uninterrupted epoch's does.
+    for (std::size_t k = static_cast<std::size_t>(rank_); k < total; k += world) mine.push_back(order[(first + k) % n_]);
     return mine;
   }
 

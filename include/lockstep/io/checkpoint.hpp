@@ -547,10 +547,14 @@ class checkpoint_state {
     part.save = [&sched](detail::file_writer&, nlohmann::json& m, stream_ref) {
       m["schedule"] = {{"step", sched.last_step()}, {"base_lrs", sched.base_lrs()}};
     };
-    part.validate = [](detail::loaded_file&, const nlohmann::json& m) {
+    part.validate = [&sched](detail::loaded_file&, const nlohmann::json& m) {
       if (!m.contains("schedule")) throw data_error("the checkpoint holds no learning-rate schedule, but one was given to load");
-      (void)m.at("schedule").at("step").get<std::int64_t>();
-      (void)m.at("schedule").at("base_lrs").get<std::vector<float>>();
+      const auto step = m.at("schedule").at("step").get<std::int64_t>();
+      const auto bases = m.at("schedule").at("base_lrs").get<std::vector<float>>();
+      if (step < 0 || bases.size() != sched.group_count()) {
+        throw data_error(detail::concat("the checkpoint's schedule is at step ", step, " with ", bases.size(),
+                                        " base rates; this run's optimizer has ", sched.group_count(), " groups"));
+      }
     };
     part.apply = [&sched](detail::loaded_file&, const nlohmann::json& m, stream_ref) {
       sched.restore(m.at("schedule").at("step").get<std::int64_t>(),
@@ -653,8 +657,9 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   const std::map<std::string, std::string> meta{
       {"lockstep.version", concat(LOCKSTEP_VERSION_MAJOR, '.', LOCKSTEP_VERSION_MINOR, '.', LOCKSTEP_VERSION_PATCH)},
       {"lockstep.step", std::to_string(st.position.step)}};
-  out->model.stage(out->staging.data(), how, s, meta);
-  out->training.stage(out->staging.data() + out->model.device_bytes(), how, s, meta);
+  std::byte* const base = out->staging.size() > 0 ? out->staging.data() : nullptr;  // none for a direct save
+  out->model.stage(base, how, s, meta);
+  out->training.stage(base != nullptr ? base + out->model.device_bytes() : nullptr, how, s, meta);
   manifest["format"] = "lockstep-checkpoint";
   manifest["version"] = checkpoint_format_version;
   manifest["lockstep_version"] = meta.at("lockstep.version");
@@ -720,6 +725,10 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
   const std::string name = checkpoint_dir_name(c.step);
   const std::filesystem::path tmp = root / ("." + name + ".tmp." + std::to_string(::getpid()));
   const std::filesystem::path final_dir = root / name;
+  {
+    std::error_code ec;  // left by a killed earlier process that had this pid (containers reuse pids)
+    std::filesystem::remove_all(tmp, ec);
+  }
   if (::mkdir(tmp.c_str(), 0755) != 0) throw_io(errno, "creating the directory", tmp);
   try {
     c.copied->synchronize();
@@ -756,10 +765,18 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     if (std::filesystem::exists(final_dir, ec)) {
       // The same step saved again: swap the two directories in one step, so that step-N is always complete,
       // then remove the old one (now under the temporary name; a crash before that leaves it for cleanup).
-      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) != 0) {
+      if (::renameat2(AT_FDCWD, tmp.c_str(), AT_FDCWD, final_dir.c_str(), RENAME_EXCHANGE) == 0) {
+        std::filesystem::remove_all(tmp, ec);
+      } else if (errno == EINVAL || errno == ENOSYS || errno == ENOTSUP) {
+        // A file system without the exchange (NFS, some FUSE): the old one aside, the new one in, a short
+        // window in which step-N is missing (the previous step is still complete).
+        const std::filesystem::path old = root / ("." + name + ".tmp." + std::to_string(::getpid()) + ".old");
+        rename_path(final_dir, old);
+        rename_path(tmp, final_dir);
+        std::filesystem::remove_all(old, ec);
+      } else {
         throw_io(errno, "exchanging", tmp, concat("with ", final_dir.string()));
       }
-      std::filesystem::remove_all(tmp, ec);
     } else {
       rename_path(tmp, final_dir);
     }
@@ -945,15 +962,15 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     in.read_all(std::as_writable_bytes(std::span(text)));
     try {
       manifest = nlohmann::json::parse(text);
+      if (!manifest.is_object() || manifest.value("format", "") != "lockstep-checkpoint") {
+        throw data_error(detail::concat(path.string(), ": not a lockstep checkpoint manifest"));
+      }
+      if (manifest.value("version", 0) > checkpoint_format_version) {
+        throw data_error(detail::concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
+                                        ", newer than this lockstep's ", checkpoint_format_version));
+      }
     } catch (const nlohmann::json::exception& e) {
-      throw data_error(detail::concat(path.string(), ": not valid JSON (", e.what(), ")"));
-    }
-    if (!manifest.is_object() || manifest.value("format", "") != "lockstep-checkpoint") {
-      throw data_error(detail::concat(path.string(), ": not a lockstep checkpoint manifest"));
-    }
-    if (manifest.value("version", 0) > checkpoint_format_version) {
-      throw data_error(detail::concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
-                                      ", newer than this lockstep's ", checkpoint_format_version));
+      throw data_error(detail::concat(path.string(), ": not a valid manifest (", e.what(), ")"));
     }
   }
   try {

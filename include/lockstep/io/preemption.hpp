@@ -39,10 +39,13 @@ class preemption_guard {
  public:
   /// Installs the handlers (restored by the destructor). Throws precondition_error if another guard lives.
   preemption_guard() {
-    LOCKSTEP_EXPECTS(detail::preemption_guards.fetch_add(1) == 0, "only one preemption_guard may exist at a time");
+    int none = 0;
+    LOCKSTEP_EXPECTS(detail::preemption_guards.compare_exchange_strong(none, 1),
+                     "only one preemption_guard may exist at a time");
     detail::preemption_signal = 0;
     struct sigaction action {};
     action.sa_handler = detail::record_preemption;
+    action.sa_flags = SA_RESTART;  // reads and writes in progress go on
     sigemptyset(&action.sa_mask);
     ::sigaction(SIGTERM, &action, &previous_term_);
     ::sigaction(SIGINT, &action, &previous_int_);
@@ -52,7 +55,7 @@ class preemption_guard {
   ~preemption_guard() {
     ::sigaction(SIGTERM, &previous_term_, nullptr);
     ::sigaction(SIGINT, &previous_int_, nullptr);
-    detail::preemption_guards.fetch_sub(1);
+    detail::preemption_guards.store(0);
   }
 
   /// The signal received (SIGTERM or SIGINT), or 0. Cheap: reads a flag.

@@ -106,11 +106,15 @@ inline std::uint64_t read_le64(const std::byte* p) noexcept {
   return v;
 }
 
+// A value for a message: scalars as written, arrays and objects by their kind (dumping a deeply nested value
+// would recurse as deep as the nesting).
+inline std::string brief(const nlohmann::json& v) { return v.is_structured() ? std::string(v.type_name()) : v.dump(); }
+
 // An unsigned integer that fits in 64 bits, or fails naming `what`.
 inline std::uint64_t json_u64(const nlohmann::json& v, std::string_view file, const std::string& what) {
   if (v.is_number_unsigned()) return v.get<std::uint64_t>();
   if (v.is_number_integer() && v.get<std::int64_t>() >= 0) return static_cast<std::uint64_t>(v.get<std::int64_t>());
-  safetensors_fail(file, concat(what, " must be a non-negative integer, got ", v.dump()));
+  safetensors_fail(file, concat(what, " must be a non-negative integer, got ", brief(v)));
 }
 
 }  // namespace detail
@@ -169,7 +173,8 @@ inline safetensors_header parse_safetensors_header(std::span<const std::byte> pr
       if (!v.is_object()) safetensors_fail(file, "__metadata__ must be an object of strings");
       for (auto m = v.begin(); m != v.end(); ++m) {
         if (!m.value().is_string()) {
-          safetensors_fail(file, detail::concat("__metadata__ entry '", m.key(), "' must be a string, got ", m.value().dump()));
+          safetensors_fail(file, detail::concat("__metadata__ entry '", m.key(), "' must be a string, got ",
+                                                detail::brief(m.value())));
         }
         out.metadata[m.key()] = m.value().get<std::string>();
       }
@@ -194,11 +199,16 @@ inline safetensors_header parse_safetensors_header(std::span<const std::byte> pr
     t.name = name;
     t.type = *type;
     std::uint64_t elements = 1;
+    std::uint64_t nonzero = 1;  // the product of the non-zero dimensions: an element count must fit in int64
     bool overflow = false;
     for (const auto& d : v["shape"]) {
       const std::uint64_t e = detail::json_u64(d, file, where + "'s shape entries");
       if (e > static_cast<std::uint64_t>(INT64_MAX)) safetensors_fail(file, where + "'s shape is too large");
       t.shape.push_back(static_cast<std::int64_t>(e));
+      if (e != 0 && nonzero > static_cast<std::uint64_t>(INT64_MAX) / e) {
+        safetensors_fail(file, detail::concat(where, "'s shape ", shape_text(t.shape), "... has more than 2^63 elements"));
+      }
+      if (e != 0) nonzero *= e;
       if (e != 0 && elements > UINT64_MAX / e) overflow = true;
       elements *= e;
     }

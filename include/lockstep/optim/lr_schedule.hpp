@@ -94,6 +94,8 @@ class lr_scheduler {
   /// Group `index`'s base rate.
   [[nodiscard]] float base_lr(std::size_t index = 0) const { return base_.at(index); }
   [[nodiscard]] const Schedule& schedule() const noexcept { return schedule_; }
+  /// The optimizer's number of parameter groups.
+  [[nodiscard]] std::size_t group_count() const { return optimizer_->group_count(); }
   /// The base rates of the groups seen so far.
   [[nodiscard]] const std::vector<float>& base_lrs() const noexcept { return base_; }
 
