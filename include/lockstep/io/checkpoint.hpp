@@ -40,6 +40,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstddef>
 #include <cstdint>
 #include <cstring>
 #include <exception>
@@ -496,25 +497,27 @@ class checkpoint_state {
 
   /// The loss scaler whose scale, growth tracker and counts the checkpoint holds.
   checkpoint_state& scaler(loss_scaler& sc) {
-    static const std::pair<const char*, dtype> fields[] = {
-        {"scaler.scale", dtype::f32},          {"scaler.inv_scale", dtype::f32},    {"scaler.growth_tracker", dtype::i32},
-        {"scaler.steps", dtype::i64},          {"scaler.skipped_steps", dtype::i64}, {"scaler.last_overflow_step", dtype::i64}};
+    // The saved fields of kernels::scaler_state, by offset: one table for save, validate and apply.
+    struct field {
+      const char* name;
+      dtype type;
+      std::size_t offset;
+    };
+    static const field fields[] = {
+        {"scaler.scale", dtype::f32, offsetof(kernels::scaler_state, scale)},
+        {"scaler.inv_scale", dtype::f32, offsetof(kernels::scaler_state, inv_scale)},
+        {"scaler.growth_tracker", dtype::i32, offsetof(kernels::scaler_state, growth_tracker)},
+        {"scaler.steps", dtype::i64, offsetof(kernels::scaler_state, steps)},
+        {"scaler.skipped_steps", dtype::i64, offsetof(kernels::scaler_state, skipped_steps)},
+        {"scaler.last_overflow_step", dtype::i64, offsetof(kernels::scaler_state, last_overflow_step)}};
     detail::checkpoint_part part;
     part.save = [&sc](detail::file_writer& w, nlohmann::json& m, stream_ref s) {
       const auto raw = detail::read_device(sc.state_bytes(), s);
-      kernels::scaler_state st{};
-      std::memcpy(&st, raw.data(), sizeof st);
-      auto one = [&](const char* name, dtype t, const void* v) {
-        std::vector<std::byte> b(size_of(t));
-        std::memcpy(b.data(), v, b.size());
-        w.add_host(name, t, std::vector<std::int64_t>{}, std::move(b));
-      };
-      one("scaler.scale", dtype::f32, &st.scale);
-      one("scaler.inv_scale", dtype::f32, &st.inv_scale);
-      one("scaler.growth_tracker", dtype::i32, &st.growth_tracker);
-      one("scaler.steps", dtype::i64, &st.steps);
-      one("scaler.skipped_steps", dtype::i64, &st.skipped_steps);
-      one("scaler.last_overflow_step", dtype::i64, &st.last_overflow_step);
+      for (const field& x : fields) {
+        std::vector<std::byte> b(size_of(x.type));
+        std::memcpy(b.data(), raw.data() + x.offset, b.size());
+        w.add_host(x.name, x.type, std::vector<std::int64_t>{}, std::move(b));
+      }
       m["scaler"] = {{"dynamic", sc.options().dynamic}, {"growth_interval", sc.options().growth_interval}};
     };
     part.validate = [](detail::loaded_file& f, const nlohmann::json& m) {
@@ -522,17 +525,13 @@ class checkpoint_state {
         throw data_error("the checkpoint holds no loss scaler, but one was given to load (an f32 checkpoint into an "
                          "f16/bf16 run?)");
       }
-      for (const auto& [name, type] : fields) detail::expect_tensor(f, name, type, std::vector<std::int64_t>{}, false);
+      for (const field& x : fields) detail::expect_tensor(f, x.name, x.type, std::vector<std::int64_t>{}, false);
     };
     part.apply = [&sc](detail::loaded_file& f, const nlohmann::json&, stream_ref s) {
-      kernels::scaler_state st{};
-      auto one = [&](const char* name, void* v) { std::memcpy(v, f.data_of(*f.header.find(name)).data(), f.header.find(name)->size_bytes()); };
-      one("scaler.scale", &st.scale);
-      one("scaler.inv_scale", &st.inv_scale);
-      one("scaler.growth_tracker", &st.growth_tracker);
-      one("scaler.steps", &st.steps);
-      one("scaler.skipped_steps", &st.skipped_steps);
-      one("scaler.last_overflow_step", &st.last_overflow_step);
+      kernels::scaler_state st{};  // found_inf and the per-step count start at zero
+      for (const field& x : fields) {
+        std::memcpy(reinterpret_cast<std::byte*>(&st) + x.offset, f.data_of(*f.header.find(x.name)).data(), size_of(x.type));
+      }
       copy(sc.state_bytes(), std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&st), sizeof st), s);
       s.synchronize();  // `st` is a local
     };
