@@ -8,6 +8,7 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <functional>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -320,8 +321,9 @@ TEST_F(mpi_comm, a_rank_that_joins_too_late_makes_the_others_time_out_naming_it)
     EXPECT_GE(waited, 500ms);
     EXPECT_LT(waited, 2500ms);
     EXPECT_CONTAINS(msg, "all_reduce #1 on rank 0 (host:0");
-    EXPECT_CONTAINS(msg, k_ == 2 ? "rank 1 did not join within 500 ms" : "one or more of ranks 1, 2");
-    EXPECT_CONTAINS(msg, "it may have failed, exited or be stuck");
+    EXPECT_CONTAINS(msg, k_ == 2 ? "rank 1 did not reach it within 500 ms (rank 0 did)"
+                                 : "rank 1 did not reach it within 500 ms (ranks 0, 2 did)");
+    EXPECT_CONTAINS(msg, "it has failed, exited or stopped");
     // The communicator is unusable from now on, and says why.
     c_.barrier(s_);
     EXPECT_CONTAINS(collective_failure<error>(c_, s_), "barrier #2 on rank 0");
@@ -351,6 +353,79 @@ TEST_F(mpi_comm, abort_on_one_process_makes_the_others_fail_fast_with_the_reason
     EXPECT_LT(std::chrono::steady_clock::now() - start, 5s) << "must not wait for the 30 s timeout";
     EXPECT_CONTAINS(msg, "all_reduce #1 on rank " + std::to_string(rank_));
     EXPECT_CONTAINS(msg, "was aborted: rank 1 aborted the communicator: rank 1 gave up on purpose");
+  }
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// Ranks that issue different collectives (a rank that runs another precision, other bucket sizes, another
+// collective) get an error naming both calls on every rank, before any data moves (MPI itself would corrupt
+// memory), and the communicator stays usable.
+TEST_F(mpi_comm, ranks_that_issue_different_collectives_fail_on_every_rank_naming_both_calls) {
+  make(MPI_COMM_WORLD, comm_options{30s});
+  auto x = to_device(std::vector<float>(32, 1.0f), s_);
+  auto h = to_device(std::vector<half>(32, half(1.0f)), s_);
+  const bool odd = rank_ == k_ - 1;  // the last rank differs
+  struct mismatch {
+    const char* name;
+    std::function<void(bool)> call;
+    const char* expect;
+  };
+  const std::vector<mismatch> cases = {
+      {"count", [&](bool o) { c_.all_reduce(x.data(), x.data(), o ? 17 : 16, dtype::f32, reduce_op::sum, s_); },
+       "count 16 vs 17"},
+      {"dtype", [&](bool o) {
+         if (o) {
+           c_.all_reduce(h.span(), reduce_op::sum, s_);
+         } else {
+           c_.all_reduce(x.span(), reduce_op::sum, s_);
+         }
+       },
+       "dtype f32 vs f16"},
+      {"kind", [&](bool o) {
+         if (o) {
+           c_.broadcast(x.span(), 0, s_);
+         } else {
+           c_.all_reduce(x.span(), reduce_op::sum, s_);
+         }
+       },
+       "collective all_reduce vs broadcast"},
+      {"op", [&](bool o) { c_.all_reduce(x.span(), o ? reduce_op::max : reduce_op::sum, s_); }, "op sum vs max"},
+  };
+  std::uint64_t seq = 0;
+  for (const auto& m : cases) {
+    SCOPED_TRACE(m.name);
+    m.call(odd);
+    ++seq;
+    const std::string msg = collective_failure<precondition_error>(c_, s_);
+    EXPECT_CONTAINS(msg, "#" + std::to_string(seq) + " on rank " + std::to_string(rank_));
+    EXPECT_CONTAINS(msg, "the ranks issued different collectives");
+    EXPECT_CONTAINS(msg, "rank " + std::to_string(k_ - 1) + " called");
+    EXPECT_CONTAINS(msg, m.expect);
+  }
+  // still usable: the data never moved, the sequence numbers are aligned
+  c_.all_reduce(x.span(), reduce_op::sum, s_);
+  c_.synchronize(s_);
+  EXPECT_EQ(to_vector(device_span<const float>(x.span()), s_)[0], static_cast<float>(k_));
+  MPI_Barrier(MPI_COMM_WORLD);
+}
+
+// A rank that issues one collective more than the others (it runs one more step) is told which rank did not
+// reach it, within the timeout, and the communicator is then broken on every rank.
+TEST_F(mpi_comm, an_extra_collective_on_one_rank_times_out_naming_the_ranks_that_did_not_reach_it) {
+  make(MPI_COMM_WORLD, comm_options{rank_ == k_ - 1 ? 500ms : 5000ms});
+  auto x = to_device(std::vector<float>(8, 1.0f), s_);
+  c_.all_reduce(x.span(), reduce_op::sum, s_);
+  c_.synchronize(s_);
+  if (rank_ == k_ - 1) {
+    c_.all_reduce(x.span(), reduce_op::sum, s_);
+    const std::string msg = collective_failure<timeout_error>(c_, s_);
+    EXPECT_CONTAINS(msg, "all_reduce #2 on rank " + std::to_string(rank_));
+    EXPECT_CONTAINS(msg, k_ == 2 ? "rank 0 did not reach it within 500 ms" : "ranks 0, 1 did not reach it");
+    EXPECT_THROW(c_.check(), error);
+  } else {
+    // the others are told, at their next use of the communicator
+    std::this_thread::sleep_for(1500ms);
+    EXPECT_THROW(c_.check(), error);
   }
   MPI_Barrier(MPI_COMM_WORLD);
 }

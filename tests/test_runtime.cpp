@@ -113,8 +113,11 @@ TEST(host_stream, an_exception_in_queued_work_is_rethrown_at_the_next_synchroniz
       EXPECT_STREQ(original.what(), "boom in a kernel");
     }
   }
-  EXPECT_TRUE(later_ran.load());      // like later kernels on a GPU, later work still ran
+  EXPECT_FALSE(later_ran.load());     // like kernels after a sticky error on a GPU, later work did not run
   EXPECT_NO_THROW(s.synchronize());   // reported once
+  detail::enqueue_host(s, [&] { later_ran = true; }, "work after the report");
+  s.synchronize();
+  EXPECT_TRUE(later_ran.load());      // the stream works again once its error is reported
   // a query reports it too (as cudaStreamQuery does), once the failed work is done, and once
   detail::enqueue_host(s, [] { throw std::runtime_error("boom again"); }, "test kernel");
   for (;;) {  // until the failed work has run: then ready() throws, or returns true and the test fails
@@ -179,6 +182,56 @@ TEST(host_event, orders_work_across_streams) {
     EXPECT_EQ(seen_b, round + 1);
     EXPECT_EQ(seen_c, round + 1);
   }
+}
+
+TEST(host_event, a_stream_that_waits_for_failed_work_fails_too_and_skips_its_later_work) {
+  // The DDP pattern: a collective fails on the communication stream; the compute stream waits for its event.
+  stream comm(host0), compute(host0), other(host1);
+  event done(host0);
+  std::atomic<int> ran{0};
+  detail::enqueue_host(comm, [] { throw timeout_error("all_reduce #3 timed out"); }, "all_reduce", true);
+  done.record(comm);
+  compute.wait(done);
+  other.wait(done);  // another device's stream too
+  detail::enqueue_host(compute, [&] { ++ran; }, "optimizer step");
+  detail::enqueue_host(other, [&] { ++ran; }, "other work");
+  done.synchronize();  // the record itself completes: nobody waits for it in vain
+  const std::string msg = message_of<async_error>([&] { compute.synchronize(); });
+  EXPECT_CONTAINS(msg, "waited for an event recorded after failed work");
+  EXPECT_CONTAINS(msg, "(all_reduce)");
+  EXPECT_CONTAINS(msg, "all_reduce #3 timed out");
+  try {
+    other.synchronize();
+    ADD_FAILURE() << "the waiting stream of host:1 did not fail";
+  } catch (const async_error& e) {
+    try {
+      std::rethrow_if_nested(e);
+      ADD_FAILURE() << "the original error is not nested";
+    } catch (const timeout_error&) {
+      // the collective's own error, as thrown
+    }
+  }
+  EXPECT_EQ(ran.load(), 0);  // neither the optimizer step nor the other work ran
+  EXPECT_THROW(comm.synchronize(), async_error);
+  // once reported, the streams work again, and a record on a healthy stream carries nothing
+  done.record(comm);
+  compute.wait(done);
+  detail::enqueue_host(compute, [&] { ++ran; }, "next step");
+  EXPECT_NO_THROW(compute.synchronize());
+  EXPECT_EQ(ran.load(), 1);
+}
+
+TEST(host_stream, collectives_and_markers_still_run_on_a_failed_stream) {
+  stream s(host0);
+  event e(host0);
+  std::atomic<int> ran{0};
+  detail::enqueue_host(s, [] { throw std::runtime_error("boom"); }, "kernel");
+  detail::enqueue_host(s, [&] { ++ran; }, "collective", true);  // a peer rank waits for it
+  detail::enqueue_host(s, [&] { ran += 10; }, "kernel");
+  e.record(s);
+  e.synchronize();
+  EXPECT_EQ(ran.load(), 1);
+  EXPECT_THROW(s.synchronize(), async_error);
 }
 
 TEST(host_event, a_wait_captures_the_record_current_at_the_call) {

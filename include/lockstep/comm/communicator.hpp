@@ -107,6 +107,15 @@ inline std::chrono::milliseconds comm_timeout_from_environment() {
   return std::chrono::milliseconds(ms < 1 ? 1 : ms);
 }
 
+/// LOCKSTEP_COMM_CHECK: "1" (the default) or "0"; anything else throws precondition_error naming the variable.
+inline bool comm_check_from_environment() {
+  const char* text = std::getenv("LOCKSTEP_COMM_CHECK");
+  if (text == nullptr || *text == '\0' || std::string_view(text) == "1") return true;
+  if (std::string_view(text) == "0") return false;
+  throw precondition_error(concat("LOCKSTEP_COMM_CHECK='", text, "' is not 0 or 1 (1, the default, checks that all ",
+                                  "ranks issue the same collectives)"));
+}
+
 /// One collective as a rank called it. `send`/`recv` are the rank's own buffers.
 struct collective_call {
   collective_kind kind = collective_kind::barrier;
@@ -156,6 +165,11 @@ struct comm_options {
   /// How long a collective waits for the other ranks before failing with timeout_error. Defaults to
   /// LOCKSTEP_COMM_TIMEOUT (seconds) or 300 s. Must exceed the longest time one rank may run ahead of another.
   std::chrono::milliseconds timeout = detail::comm_timeout_from_environment();
+  /// Whether every collective first checks that all ranks issue the same call (kind, count, dtype, op, root,
+  /// sequence number), failing on every rank with both calls named when they differ. Host cliques always check
+  /// (for free, in their rendezvous); MPI communicators exchange a 32-byte record per collective and peer.
+  /// Defaults to LOCKSTEP_COMM_CHECK (1 or 0), or 1.
+  bool check_calls = detail::comm_check_from_environment();
 };
 
 }  // namespace lockstep
@@ -179,6 +193,8 @@ class communicator_impl {
   virtual void abort(const std::string& reason) noexcept = 0;
   /// Waits for the work queued on `s` without ever hanging on a collective.
   virtual void synchronize(stream_ref s) { s.synchronize(); }
+  /// Throws when the group can no longer run collectives (aborted, timed out, failed). Does not block.
+  virtual void rethrow_failure() {}
 };
 
 struct communicator_traits {
@@ -362,6 +378,12 @@ class communicator_operations {
   /// process that polls) fail fast with `reason` instead of waiting for the timeout. The communicator cannot be
   /// used afterwards. Used when one rank fails, so that the others stop waiting for it. Never throws.
   void abort(std::string reason) const noexcept { impl().abort(reason); }
+
+  /// Throws (lockstep::error with the reason) when the group can no longer run collectives: it was aborted here or
+  /// by another rank, a collective timed out (MPI), or NCCL reported an asynchronous error or its watchdog
+  /// aborted it (GPUs). Does not block and costs an atomic load when all is well: distributed_data_parallel
+  /// calls it before each backward, so that a rank never goes on computing steps whose all-reduce cannot run.
+  void check() const { impl().rethrow_failure(); }
 
  private:
   [[nodiscard]] communicator_impl& impl() const { return static_cast<const Derived&>(*this).impl(); }

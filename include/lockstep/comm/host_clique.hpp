@@ -470,6 +470,13 @@ class clique_state {
     leave_locked(seq, *s);
   }
 
+  /// Throws lockstep::error with the reason once the clique was aborted.
+  void rethrow_failure(int rank) {
+    std::lock_guard lock(mutex_);
+    if (!aborted_) return;
+    throw error(concat("the host clique of ", rank_name(rank, device_of(rank)), " was aborted: ", abort_reason_));
+  }
+
   /// Fails every collective not yet committed, and every later one, with `reason`.
   void abort(const std::string& reason) {
     {
@@ -672,8 +679,10 @@ class clique_member final : public communicator_impl {
   void enqueue(const collective_call& c, stream_ref s) override {
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     enqueue_host(
-        s, [state = state_, rank = rank_, seq, c] { state->run(rank, seq, c); }, name_of(c.kind).data());
+        s, [state = state_, rank = rank_, seq, c] { state->run(rank, seq, c); }, name_of(c.kind).data(), true);
   }
+
+  void rethrow_failure() override { state_->rethrow_failure(rank_); }
 
   void abort(const std::string& reason) noexcept override {
     try {

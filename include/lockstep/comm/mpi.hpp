@@ -180,14 +180,14 @@ enum class wait_result : std::uint8_t { done, timed_out, stopped };
 /// (stopped). MPI progresses only while it is called, so the first milliseconds poll back to back; later polls
 /// back off to 1 ms so that a long wait does not take a core from the other ranks.
 template <class Stop>
-wait_result wait_request(MPI_Request& request, std::chrono::steady_clock::time_point deadline, Stop stop,
-                         const char* what) {
+wait_result wait_requests(MPI_Request* requests, int count, std::chrono::steady_clock::time_point deadline, Stop stop,
+                          const char* what) {
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   auto pause = std::chrono::microseconds(20);
   for (;;) {
     int flag = 0;
-    LOCKSTEP_MPI_CHECK(MPI_Test(&request, &flag, MPI_STATUS_IGNORE), "waiting for ", what);
+    LOCKSTEP_MPI_CHECK(MPI_Testall(count, requests, &flag, MPI_STATUSES_IGNORE), "waiting for ", what);
     if (flag) return wait_result::done;
     if (stop()) return wait_result::stopped;
     const auto now = clock::now();
@@ -200,6 +200,51 @@ wait_result wait_request(MPI_Request& request, std::chrono::steady_clock::time_p
     }
   }
 }
+
+/// wait_requests for one request.
+template <class Stop>
+wait_result wait_request(MPI_Request& request, std::chrono::steady_clock::time_point deadline, Stop stop,
+                         const char* what) {
+  return wait_requests(&request, 1, deadline, stop, what);
+}
+
+/// What a rank tells every other rank before its collective number `seq` (the fingerprint of the call), so that
+/// ranks that issue different collectives fail with an error naming both calls instead of handing MPI buffers of
+/// different sizes (which corrupts memory). Sent as 32 bytes.
+struct call_record {
+  std::uint64_t seq = 0;
+  std::uint64_t count = 0;
+  std::int32_t root = 0;
+  std::uint8_t kind = 0, type = 0, op = 0, magic = 0x5c;
+  std::uint64_t reserved = 0;
+
+  static call_record of(std::uint64_t seq, const collective_call& c) noexcept {
+    call_record r;
+    r.seq = seq;
+    r.kind = static_cast<std::uint8_t>(c.kind);
+    if (c.kind == collective_kind::barrier) return r;
+    r.count = c.count;
+    r.type = static_cast<std::uint8_t>(c.type);
+    if (c.is_reduction()) r.op = static_cast<std::uint8_t>(c.op);
+    if (c.has_root()) r.root = c.root;
+    return r;
+  }
+  [[nodiscard]] collective_call call() const noexcept {
+    collective_call c;
+    c.kind = static_cast<collective_kind>(kind);
+    c.count = count;
+    c.type = static_cast<dtype>(type);
+    c.op = static_cast<reduce_op>(op);
+    c.root = root;
+    return c;
+  }
+  [[nodiscard]] bool valid() const noexcept {
+    return magic == 0x5c && kind <= static_cast<std::uint8_t>(collective_kind::barrier) &&
+           type <= static_cast<std::uint8_t>(dtype::u8) && op <= static_cast<std::uint8_t>(reduce_op::max);
+  }
+  friend bool operator==(const call_record&, const call_record&) = default;
+};
+static_assert(sizeof(call_record) == 32);
 
 /// The MPI datatype that moves elements of `t` (f16/bf16 as 16-bit words).
 inline MPI_Datatype datatype_of(dtype t) {
@@ -253,10 +298,11 @@ inline void divide(float* p, std::size_t n, int k) noexcept {
 class state {
  public:
   static constexpr int control_tag = 7;
+  static constexpr int check_tag = 8;  // call records (on the control communicator)
   static constexpr std::size_t control_capacity = 1024;
 
-  state(MPI_Comm data, MPI_Comm control, device dev, std::chrono::milliseconds timeout)
-      : data_(data), control_(control), dev_(dev), timeout_(timeout) {
+  state(MPI_Comm data, MPI_Comm control, device dev, std::chrono::milliseconds timeout, bool check_calls)
+      : data_(data), control_(control), dev_(dev), timeout_(timeout), check_calls_(check_calls) {
     LOCKSTEP_MPI_CHECK(MPI_Comm_rank(data_, &rank_), "asking for this process's rank");
     LOCKSTEP_MPI_CHECK(MPI_Comm_size(data_, &size_), "asking for the communicator's size");
     LOCKSTEP_MPI_CHECK(MPI_Irecv(control_buffer_.data(), static_cast<int>(control_capacity), MPI_CHAR, MPI_ANY_SOURCE,
@@ -287,7 +333,11 @@ class state {
     }
     for (auto& a : abandoned_) {
       int flag = 0;
-      if (MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || !flag) (void)a.staging.release();
+      if (MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &flag, MPI_STATUSES_IGNORE) !=
+              MPI_SUCCESS ||
+          !flag) {
+        (void)a.staging.release();
+      }
     }
     (void)MPI_Comm_free(&data_);
     (void)MPI_Comm_free(&control_);
@@ -306,6 +356,7 @@ class state {
     try {
       // An abort message that already arrived must win over starting a collective the others left.
       if (poll_control()) throw error(concat(where, " was aborted: ", reason()));
+      if (check_calls_ && size_ > 1) check_call(seq, c, where, *staging);
       start(c, *staging, request);
     } catch (...) {
       pass_turn(seq);
@@ -319,7 +370,7 @@ class state {
       finish(c, *staging);
       return;
     }
-    abandon(request, std::move(staging));
+    abandon({request}, std::move(staging));
     if (result == wait_result::timed_out) {
       std::string who;
       if (size_ == 2) {
@@ -332,7 +383,8 @@ class state {
           who += concat(first ? "" : ", ", r);
           first = false;
         }
-        who += " did not join (MPI does not tell which)";
+        who += check_calls_ ? " did not complete it (every rank started it; MPI does not tell which stopped)"
+                            : " did not join (MPI does not tell which)";
       }
       const std::string text =
           concat(where, ": ", who, " within ", format_duration(timeout_),
@@ -343,6 +395,12 @@ class state {
       throw timeout_error(text);
     }
     throw error(concat(where, " was aborted: ", reason()));
+  }
+
+  /// Throws the reason when the communicator is broken (a timeout, an abort here or on another process).
+  void rethrow_failure() {
+    if (!poll_control()) return;
+    throw error(concat("the MPI communicator of ", self_name(), " no longer works: ", reason()));
   }
 
   enum class notify : std::uint8_t { self_only, peers };
@@ -367,9 +425,10 @@ class state {
   struct buffers {
     std::vector<float> in, out;
     std::vector<std::byte> bytes;
+    std::vector<call_record> calls;  // every rank's record of the collective (check_call)
   };
   struct abandoned_request {
-    MPI_Request request;
+    std::vector<MPI_Request> requests;
     std::unique_ptr<buffers> staging;
   };
   struct pending_send {
@@ -441,9 +500,82 @@ class state {
     }
   }
 
-  void abandon(MPI_Request request, std::unique_ptr<buffers> staging) {
+  void abandon(std::vector<MPI_Request> requests, std::unique_ptr<buffers> staging) {
     std::lock_guard lock(control_mutex_);
-    abandoned_.push_back({request, std::move(staging)});
+    abandoned_.push_back({std::move(requests), std::move(staging)});
+  }
+
+  /// Sends this rank's record of collective `seq` to every other rank and receives theirs (point to point on the
+  /// control communicator, in turn order, so that the k-th record from a rank is its collective number k), then
+  /// compares them. Ranks that called different collectives all throw precondition_error naming both calls,
+  /// before any data moves; the communicator stays usable. A rank whose record does not arrive within the
+  /// timeout is named (it has failed, exited or stopped): timeout_error, and the communicator is broken.
+  void check_call(std::uint64_t seq, const collective_call& c, const std::string& where, buffers& b) {
+    const auto n = static_cast<std::size_t>(size_);
+    const auto me = static_cast<std::size_t>(rank_);
+    b.calls.assign(n, call_record{});
+    b.calls[me] = call_record::of(seq, c);
+    std::vector<MPI_Request> requests(2 * (n - 1), MPI_REQUEST_NULL);
+    std::size_t k = 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      if (r == me) continue;
+      LOCKSTEP_MPI_CHECK(MPI_Irecv(&b.calls[r], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag, control_,
+                                   &requests[k]),
+                         "receiving the call record of rank ", r, " for ", where);
+      LOCKSTEP_MPI_CHECK(MPI_Isend(&b.calls[me], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
+                                   control_, &requests[k + 1]),
+                         "sending the call record to rank ", r, " for ", where);
+      k += 2;
+    }
+    const wait_result result = wait_requests(
+        requests.data(), static_cast<int>(requests.size()), std::chrono::steady_clock::now() + timeout_,
+        [this] { return poll_control(); }, where.c_str());
+    if (result != wait_result::done) {
+      std::string missing, arrived = concat(rank_);
+      int arrived_count = 1;
+      k = 0;
+      for (std::size_t r = 0; r < n; ++r) {
+        if (r == me) continue;
+        int flag = 0;
+        if (requests[k] != MPI_REQUEST_NULL) (void)MPI_Test(&requests[k], &flag, MPI_STATUS_IGNORE);
+        if (requests[k] == MPI_REQUEST_NULL || flag) {
+          arrived += concat(", ", r);
+          ++arrived_count;
+        } else {
+          missing += concat(missing.empty() ? "" : ", ", r);
+        }
+        k += 2;
+      }
+      auto owned = std::make_unique<buffers>(std::move(b));  // MPI may still write the records
+      abandon(std::move(requests), std::move(owned));
+      if (result == wait_result::stopped) throw error(concat(where, " was aborted: ", reason()));
+      const bool one = missing.find(',') == std::string::npos;
+      const std::string text = concat(
+          where, ": rank", one ? " " : "s ", missing, " did not reach it within ", format_duration(timeout_),
+          " (rank", arrived_count == 1 ? " " : "s ", arrived, " did): ", one ? "it has" : "they have",
+          " failed, exited or stopped (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT). This communicator is "
+          "unusable: end the job (MPI_Abort)");
+      break_communicator(concat(where, ": rank", one ? " " : "s ", missing, " did not reach it within ",
+                                format_duration(timeout_)),
+                         notify::peers);
+      throw timeout_error(text);
+    }
+    for (std::size_t r = 0; r < n; ++r) {
+      const call_record& theirs = b.calls[r];
+      if (!theirs.valid() || theirs.seq != seq) {
+        throw error(concat(where, ": the call record received from rank ", r, " is not valid (sequence number ",
+                           theirs.seq, "): another program, or another version of lockstep, shares the communicator"));
+      }
+    }
+    for (std::size_t r = 1; r < n; ++r) {
+      if (b.calls[r] == b.calls[0]) continue;
+      const collective_call first = b.calls[0].call(), other = b.calls[r].call();
+      throw precondition_error(concat(
+          where, ": the ranks issued different collectives as their collective #", seq, ": rank 0 called ",
+          first.signature(), ", rank ", r, " called ", other.signature(), " (", first.difference(other),
+          "). Every rank must issue the same collectives in the same order with the same count, dtype, op and "
+          "root (a rank that runs more steps, another precision or other bucket sizes does not)"));
+    }
   }
 
   void leak_staging() noexcept {
@@ -545,6 +677,7 @@ class state {
   int size_ = 1;
   const device dev_;
   const std::chrono::milliseconds timeout_;
+  const bool check_calls_;
 
   mutable std::mutex mutex_;  // guards reason_ and next_turn_
   std::condition_variable turn_cv_;
@@ -573,10 +706,11 @@ class member final : public communicator_impl {
                      c.count, " exceeds MPI's count limit; valid counts: 0..", INT_MAX, " (split the collective)");
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     enqueue_host(
-        s, [st = state_, seq, c] { st->run(seq, c); }, name_of(c.kind).data());
+        s, [st = state_, seq, c] { st->run(seq, c); }, name_of(c.kind).data(), true);
   }
 
   void abort(const std::string& reason) noexcept override { state_->break_communicator(reason, state::notify::peers); }
+  void rethrow_failure() override { state_->rethrow_failure(); }
 
  private:
   std::shared_ptr<state> state_;
@@ -730,7 +864,7 @@ inline communicator make_mpi_communicator(device local, MPI_Comm comm = MPI_COMM
   }
   std::shared_ptr<detail::mpi_comm::state> state;
   try {
-    state = std::make_shared<detail::mpi_comm::state>(data, control, local, options.timeout);
+    state = std::make_shared<detail::mpi_comm::state>(data, control, local, options.timeout, options.check_calls);
   } catch (...) {
     (void)MPI_Comm_free(&data);
     (void)MPI_Comm_free(&control);

@@ -23,6 +23,12 @@
 //
 // A rank whose shard of a step is empty (a batch smaller than the world) calls backward with an empty
 // gradient: it contributes zeros and takes part in every all-reduce, as the others expect.
+//
+// Failures: a failed all-reduce (a peer that died, stopped or aborted; a timeout; ranks that issue different
+// collectives) fails the step on every rank. On host devices the communication stream keeps the error and the
+// compute stream, which waits for the all-reduce, fails with it: the step's later work (unpacking, the
+// optimizer step) does not run, and the next synchronization throws. On GPUs the communicator's watchdog
+// aborts it. Either way the next backward() throws before queuing anything (comm.check()).
 #pragma once
 
 #include <cstdint>
@@ -107,6 +113,7 @@ class distributed_data_parallel {
   /// this step. Inside no_sync(), accumulates locally only.
   void backward(const tensor_view& grad_output) {
     const stream_ref s = ctx_->stream();
+    check_communication();
     if (!syncing_) {
       if (!grad_output.empty()) {
         compute_timeline_.begin(phase::compute, s);
@@ -183,6 +190,14 @@ class distributed_data_parallel {
     std::size_t ready = 0;
     bool launched = false;
   };
+
+  // A failed all-reduce of an earlier step ends training here, on the calling thread, before another step is
+  // queued: the communicator's own failure (an abort, a timeout, NCCL's asynchronous error) or, on a host device,
+  // the error kept by the communication stream (which also failed the compute stream that waited for it).
+  void check_communication() {
+    comm_.check();
+    if (comm_stream_.get_device().is_host()) comm_stream_.host_state().rethrow_if_failed();
+  }
 
   [[nodiscard]] dtype wire_type(dtype grad) const {
     switch (options_.hook) {

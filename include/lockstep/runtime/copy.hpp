@@ -23,10 +23,11 @@
 
 LOCKSTEP_DETAIL_BEGIN
 
-/// Queues a host callable on a host stream.
+/// Queues a host callable on a host stream. Work with `runs_after_failure` (collectives) runs even when earlier
+/// work on the stream failed; other work is then skipped (see host_stream.hpp).
 template <class F>
-void enqueue_host(stream_ref s, F&& f, const char* what) {
-  s.host_state().enqueue(host_backend::task{std::function<void()>(std::forward<F>(f)), what});
+void enqueue_host(stream_ref s, F&& f, const char* what, bool runs_after_failure = false) {
+  s.host_state().enqueue(host_backend::task{std::function<void()>(std::forward<F>(f)), what, runs_after_failure});
 }
 
 inline std::string where(const std::optional<device>& d) { return d ? d->str() : std::string("host memory"); }

@@ -2,13 +2,17 @@
 //
 // A host stream is a worker thread that runs queued work in order, asynchronously to the caller, as a CUDA
 // stream does. An exception thrown by queued work is kept (the first one) and rethrown, with the stream and
-// the work named, at the next synchronization of that stream, like CUDA's asynchronous errors; later work
-// still runs, as later kernels still run on a GPU.
+// the work named, at the next synchronization of that stream, like CUDA's asynchronous errors. Until then the
+// stream is failed: later work is skipped (it would compute on what the failed work did not produce), as a GPU
+// context runs no more kernels after a sticky error; only event markers and collectives still run (so that no
+// waiter and no peer rank waits for them in vain).
 //
 // A host event is a generation counter: recording enqueues a marker that completes that generation;
 // waiting captures the generation current at the time of the call, as cudaStreamWaitEvent does. Generations
 // may complete out of order (records on different streams); an event is complete for generation g when
-// that very record has run.
+// that very record has run. A record that runs on a failed stream carries the failure: a stream that waits
+// for it fails too, with the original error nested. So a failed collective on a communication stream fails
+// the compute stream that waits for its result, and the step's later work (an optimizer step) does not run.
 //
 // These types do not depend on the build configuration (no CUDA), so they live in `lockstep::host_backend`
 // and are shared by translation units compiled with and without nvcc.
@@ -21,6 +25,8 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <map>
+#include <memory>
 #include <mutex>
 #include <set>
 #include <string>
@@ -35,6 +41,14 @@ namespace lockstep::host_backend {
 struct task {
   std::function<void()> body;
   const char* what = "work";
+  /// Runs even when earlier work on the stream failed (event markers, collectives); other work is skipped.
+  bool runs_after_failure = false;
+};
+
+/// A failure kept by a stream: the exception and the sentence that names the stream and the work.
+struct kept_failure {
+  std::exception_ptr error;
+  std::string context;
 };
 
 class stream_state;
@@ -136,6 +150,21 @@ class stream_state {
     rethrow_locked();
   }
 
+  /// The kept failure, if any, without reporting it (an event marker running on this stream carries it).
+  [[nodiscard]] std::shared_ptr<const kept_failure> failure() const {
+    std::lock_guard lock(mutex_);
+    if (!error_) return nullptr;
+    return std::make_shared<const kept_failure>(kept_failure{error_, error_context_});
+  }
+
+  /// Fails the stream with `f` unless it already failed (the first error is the one that explains the others).
+  void fail(kept_failure f) {
+    std::lock_guard lock(mutex_);
+    if (error_) return;
+    error_ = std::move(f.error);
+    error_context_ = std::move(f.context);
+  }
+
  private:
   // Blocks (mutex_ held by `lock`) until work up to `seq` has run. Counted, so that the worker notifies only
   // when somebody waits.
@@ -167,13 +196,16 @@ class stream_state {
       if (queue_.empty()) return;  // stopping, and all work done
       task t = std::move(queue_.front());
       queue_.pop_front();
+      const bool skip = error_ != nullptr && !t.runs_after_failure;  // failed: later work does not run
       lock.unlock();
-      try {
-        t.body();
-      } catch (const std::exception& e) {
-        keep_error(t.what, e.what());
-      } catch (...) {
-        keep_error(t.what, "unknown exception");
+      if (!skip) {
+        try {
+          t.body();
+        } catch (const std::exception& e) {
+          keep_error(t.what, e.what());
+        } catch (...) {
+          keep_error(t.what, "unknown exception");
+        }
       }
       t.body = nullptr;  // release captures before reporting completion
       lock.lock();
@@ -187,7 +219,8 @@ class stream_state {
     if (error_) return;  // the first error is the one that explains the others
     error_ = std::current_exception();
     error_context_ = detail::concat("work queued on ", label_, " failed (", what, "): ", message,
-                                    " [reported at the next synchronization of the stream]");
+                                    " [reported at the next synchronization of the stream; later work on it was "
+                                    "skipped]");
   }
 
   const int device_;
@@ -231,11 +264,11 @@ class event_state {
       gen = ++recorded_;
     }
     add_ref();
-    s.enqueue(task{[this, gen] {
-                     complete(gen);
+    s.enqueue(task{[this, gen, &s] {
+                     complete(gen, s.failure());
                      drop_ref();
                    },
-                   "event record"});
+                   "event record", true});
   }
 
   /// The generation a wait issued now must wait for (0: never recorded, nothing to wait for).
@@ -266,16 +299,29 @@ class event_state {
     wait_locked(lock, recorded_);
   }
 
-  /// Enqueues on `s` a wait for the record current now (cudaStreamWaitEvent).
+  /// Enqueues on `s` a wait for the record current now (cudaStreamWaitEvent). When that record ran on a failed
+  /// stream, `s` fails too, with the original error.
   void enqueue_wait(stream_state& s) {
     const std::uint64_t gen = current_generation();
     if (gen == 0) return;
     add_ref();
-    s.enqueue(task{[this, gen] {
+    s.enqueue(task{[this, gen, &s] {
                      wait(gen);
+                     if (auto f = failure_of(gen)) {
+                       s.fail({f->error, detail::concat("work queued on ", s.label(),
+                                                        " waited for an event recorded after failed work: ",
+                                                        f->context)});
+                     }
                      drop_ref();
                    },
-                   "wait for event"});
+                   "wait for event", true});
+  }
+
+  /// The failure carried by record `gen`, if it ran on a failed stream.
+  [[nodiscard]] std::shared_ptr<const kept_failure> failure_of(std::uint64_t gen) const {
+    std::lock_guard lock(mutex_);
+    const auto it = failures_.find(gen);
+    return it == failures_.end() ? nullptr : it->second;
   }
 
   /// Time at which the most recent record ran; precondition: ready() and timing().
@@ -296,10 +342,14 @@ class event_state {
     return gen <= done_through_ || done_out_of_order_.count(gen) != 0;
   }
 
-  void complete(std::uint64_t gen) {
+  void complete(std::uint64_t gen, std::shared_ptr<const kept_failure> failure) {
     bool wake;
     {
       std::lock_guard lock(mutex_);
+      if (failure) {
+        if (failures_.size() >= max_failures) failures_.erase(failures_.begin());  // the oldest: nobody waits
+        failures_.emplace(gen, std::move(failure));
+      }
       if (timing_ && gen >= stamp_gen_) {
         stamp_ = clock::now();
         stamp_gen_ = gen;
@@ -323,6 +373,8 @@ class event_state {
   std::uint64_t recorded_ = 0;
   std::uint64_t done_through_ = 0;              // every generation <= this has completed
   std::set<std::uint64_t> done_out_of_order_;   // completed generations above done_through_
+  static constexpr std::size_t max_failures = 64;
+  std::map<std::uint64_t, std::shared_ptr<const kept_failure>> failures_;  // records that ran on failed streams
   clock::time_point stamp_{};
   std::uint64_t stamp_gen_ = 0;
 };
