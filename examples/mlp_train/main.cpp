@@ -29,6 +29,7 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
 #include <cstdio>
 #include <cstdlib>
 #include <mutex>
@@ -333,6 +334,71 @@ class run_checkpoints {
   std::int64_t last_saved_ = -1;
 };
 
+// LOCKSTEP_FAULT=RANK:STEP:KIND makes rank RANK fail at the start of its step STEP (1-based, or "last"), for the
+// failure tests (tests/sample_faults.sh): throw (an exception on the training thread), oom (a real
+// out-of-memory error: an allocation larger than the device), comm (an exception on the communication stream,
+// where the step's all-reduces then run), kill (SIGKILL) or stop (SIGSTOP: a rank that stalls). The rank says so
+// on stderr first, with the time, so that the tests can measure how long the others take to end.
+class fault_injection {
+ public:
+  static fault_injection from_environment() {
+    fault_injection f;
+    const char* text = std::getenv("LOCKSTEP_FAULT");
+    if (text == nullptr || *text == '\0') return f;
+    const std::string t(text);
+    const auto a = t.find(':'), b = a == std::string::npos ? a : t.find(':', a + 1);
+    const auto bad = [&] {
+      return precondition_error("LOCKSTEP_FAULT='" + t + "' is not RANK:STEP:KIND (e.g. 1:5:throw; STEP a number or "
+                                "last; KIND throw, oom, comm, kill or stop)");
+    };
+    if (b == std::string::npos) throw bad();
+    const std::string rank = t.substr(0, a), step = t.substr(a + 1, b - a - 1);
+    f.kind_ = t.substr(b + 1);
+    if (detail::parse_index(rank.c_str()) < 0) throw bad();
+    f.rank_ = detail::parse_index(rank.c_str());
+    if (step == "last") {
+      f.last_ = true;
+    } else if (detail::parse_index(step.c_str()) >= 1) {
+      f.step_ = detail::parse_index(step.c_str());
+    } else {
+      throw bad();
+    }
+    if (f.kind_ != "throw" && f.kind_ != "oom" && f.kind_ != "comm" && f.kind_ != "kill" && f.kind_ != "stop") {
+      throw bad();
+    }
+    return f;
+  }
+
+  /// At the start of step `step` (1-based) of `last` on rank `rank`: fails as configured, if this is the place.
+  void at_step(int rank, std::int64_t step, std::int64_t last, device dev, stream_ref comm_stream) const {
+    if (rank != rank_ || step != (last_ ? last : step_)) return;
+    const auto now = std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+    std::fprintf(stderr, "mlp_train: rank %d: LOCKSTEP_FAULT: %s at step %lld (t=%.3f)\n", rank, kind_.c_str(),
+                 static_cast<long long>(step), now);
+    std::fflush(stderr);
+    if (kind_ == "throw") throw error("LOCKSTEP_FAULT: an injected failure at step " + std::to_string(step));
+    if (kind_ == "oom") {
+      const std::uint64_t limit = get_memory_stats(dev).limit;
+      device_buffer<std::byte> too_much(static_cast<std::size_t>(limit > 0 ? limit + 1 : std::uint64_t{1} << 60),
+                                        comm_stream);
+      return;  // not reached: the allocation throws
+    }
+    if (kind_ == "comm") {
+      if (!comm_stream.get_device().is_host()) throw error("LOCKSTEP_FAULT: comm faults are injected on host devices");
+      detail::enqueue_host(comm_stream, [] { throw error("LOCKSTEP_FAULT: an injected failure on the communication "
+                                                         "stream"); }, "injected fault");
+      return;
+    }
+    std::raise(kind_ == "kill" ? SIGKILL : SIGSTOP);
+  }
+
+ private:
+  int rank_ = -1;
+  std::int64_t step_ = 0;
+  bool last_ = false;
+  std::string kind_;
+};
+
 /// The steps of the whole run: every epoch's batches, or --max-steps if that comes first.
 std::int64_t total_steps(const mlp_options& o, std::size_t batches_per_epoch) {
   const std::int64_t all = static_cast<std::int64_t>(o.epochs) * static_cast<std::int64_t>(batches_per_epoch);
@@ -515,10 +581,13 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   run_checkpoints ck(o, model, optimizer, compute, comm, active_preemption);
   loss_watch watch(o, compute);
   device_buffer<float> global_loss(1, compute);
+  const fault_injection fault = fault_injection::from_environment();
+  const std::int64_t last_step = total_steps(o, loader.batches_per_epoch());
   ddp.reset_report();
   run_epochs(
       o, loader, show, r, ck,
       [&](const auto& b) {
+        fault.at_step(rank, r.steps + 1, last_step, ctx.get_device(), comm_stream);
         ctx.set_step(static_cast<std::uint64_t>(r.steps));
         optimizer.zero_grad();
         // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a

@@ -83,7 +83,12 @@ inline constexpr const char* usage_text =
     "  --help                this text\n"
     "\n"
     "environment:\n"
-    "  LOCKSTEP_COMM_TIMEOUT       seconds a collective waits for the other ranks before failing (default 300)\n"
+    "  LOCKSTEP_COMM_TIMEOUT       seconds a collective waits for the other ranks before failing (default 300):\n"
+    "                              a rank that stopped or hangs is named after this long, and the run ends\n"
+    "  LOCKSTEP_COMM_CHECK         1 (default): check that all ranks issue the same collectives; 0: do not\n"
+    "  LOCKSTEP_FAULT              RANK:STEP:KIND, for failure tests: rank RANK fails at the start of step STEP\n"
+    "                              (or \"last\") by KIND: throw, oom, comm (an exception where the step's\n"
+    "                              all-reduces run), kill (SIGKILL) or stop (SIGSTOP)\n"
     "  LOCKSTEP_HOST_DEVICES       number of host devices (default: 2)\n"
     "  CUDA_VISIBLE_DEVICES        the GPUs this process sees\n";
 
