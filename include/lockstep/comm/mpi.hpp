@@ -347,8 +347,38 @@ class state {
   [[nodiscard]] int size() const noexcept { return size_; }
   [[nodiscard]] device get_device() const noexcept { return dev_; }
 
-  /// This rank's collective number `seq` (on the stream's worker). Throws on failure.
-  void run(std::uint64_t seq, const collective_call& c) {
+  /// The call records of one collective (check_call): every rank's record and the sends and receives that
+  /// exchange them, posted when the collective is queued so that the records travel while earlier work runs.
+  struct call_check {
+    std::vector<call_record> calls;
+    std::vector<MPI_Request> requests;
+  };
+
+  /// Posts the exchange of collective `seq`'s call records (on the queuing thread, in queuing order: the k-th
+  /// record from a rank is then its collective number k). Null when calls are not checked.
+  std::shared_ptr<call_check> post_check(std::uint64_t seq, const collective_call& c) {
+    if (!check_calls_ || size_ == 1 || broken_.load(std::memory_order_acquire)) return nullptr;
+    auto k = std::make_shared<call_check>();
+    const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank_);
+    k->calls.assign(n, call_record{});
+    k->calls[me] = call_record::of(seq, c);
+    k->requests.assign(2 * (n - 1), MPI_REQUEST_NULL);
+    std::size_t i = 0;
+    for (std::size_t r = 0; r < n; ++r) {
+      if (r == me) continue;
+      LOCKSTEP_MPI_CHECK(MPI_Irecv(&k->calls[r], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
+                                   control_, &k->requests[i]),
+                         "receiving the call record of rank ", r, " for collective #", seq);
+      LOCKSTEP_MPI_CHECK(MPI_Isend(&k->calls[me], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
+                                   control_, &k->requests[i + 1]),
+                         "sending the call record to rank ", r, " for collective #", seq);
+      i += 2;
+    }
+    return k;
+  }
+
+  /// This rank's collective number `seq` (on the stream's worker), with its posted call check. Throws on failure.
+  void run(std::uint64_t seq, const collective_call& c, const std::shared_ptr<call_check>& check) {
     const std::string where = concat(name_of(c.kind), " #", seq, " on ", self_name());
     wait_for_turn(seq, where);
     auto staging = std::make_unique<buffers>();
@@ -356,7 +386,7 @@ class state {
     try {
       // An abort message that already arrived must win over starting a collective the others left.
       if (poll_control()) throw error(concat(where, " was aborted: ", reason()));
-      if (check_calls_ && size_ > 1) check_call(seq, c, where, *staging);
+      if (check) check_call(seq, check, where);
       start(c, *staging, request);
     } catch (...) {
       pass_turn(seq);
@@ -425,11 +455,11 @@ class state {
   struct buffers {
     std::vector<float> in, out;
     std::vector<std::byte> bytes;
-    std::vector<call_record> calls;  // every rank's record of the collective (check_call)
   };
   struct abandoned_request {
     std::vector<MPI_Request> requests;
     std::unique_ptr<buffers> staging;
+    std::shared_ptr<call_check> check;
   };
   struct pending_send {
     MPI_Request request;
@@ -500,54 +530,41 @@ class state {
     }
   }
 
-  void abandon(std::vector<MPI_Request> requests, std::unique_ptr<buffers> staging) {
+  void abandon(std::vector<MPI_Request> requests, std::unique_ptr<buffers> staging,
+               std::shared_ptr<call_check> check = nullptr) {
     std::lock_guard lock(control_mutex_);
-    abandoned_.push_back({std::move(requests), std::move(staging)});
+    abandoned_.push_back({std::move(requests), std::move(staging), std::move(check)});
   }
 
-  /// Sends this rank's record of collective `seq` to every other rank and receives theirs (point to point on the
-  /// control communicator, in turn order, so that the k-th record from a rank is its collective number k), then
-  /// compares them. Ranks that called different collectives all throw precondition_error naming both calls,
-  /// before any data moves; the communicator stays usable. A rank whose record does not arrive within the
-  /// timeout is named (it has failed, exited or stopped): timeout_error, and the communicator is broken.
-  void check_call(std::uint64_t seq, const collective_call& c, const std::string& where, buffers& b) {
-    const auto n = static_cast<std::size_t>(size_);
-    const auto me = static_cast<std::size_t>(rank_);
-    b.calls.assign(n, call_record{});
-    b.calls[me] = call_record::of(seq, c);
-    std::vector<MPI_Request> requests(2 * (n - 1), MPI_REQUEST_NULL);
-    std::size_t k = 0;
-    for (std::size_t r = 0; r < n; ++r) {
-      if (r == me) continue;
-      LOCKSTEP_MPI_CHECK(MPI_Irecv(&b.calls[r], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag, control_,
-                                   &requests[k]),
-                         "receiving the call record of rank ", r, " for ", where);
-      LOCKSTEP_MPI_CHECK(MPI_Isend(&b.calls[me], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
-                                   control_, &requests[k + 1]),
-                         "sending the call record to rank ", r, " for ", where);
-      k += 2;
-    }
+  /// Waits for the call records of collective `seq` (posted by post_check) and compares them. Ranks that called
+  /// different collectives all throw precondition_error naming both calls, before any data moves; the
+  /// communicator stays usable. A rank whose record does not arrive within the timeout is named (it has failed,
+  /// exited or stopped): timeout_error, and the communicator is broken.
+  void check_call(std::uint64_t seq, const std::shared_ptr<call_check>& check, const std::string& where) {
+    const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank_);
+    call_check& k = *check;
+    auto& requests = k.requests;
+    std::size_t i = 0;
     const wait_result result = wait_requests(
         requests.data(), static_cast<int>(requests.size()), std::chrono::steady_clock::now() + timeout_,
         [this] { return poll_control(); }, where.c_str());
     if (result != wait_result::done) {
       std::string missing, arrived = concat(rank_);
       int arrived_count = 1;
-      k = 0;
       for (std::size_t r = 0; r < n; ++r) {
         if (r == me) continue;
         int flag = 0;
-        if (requests[k] != MPI_REQUEST_NULL) (void)MPI_Test(&requests[k], &flag, MPI_STATUS_IGNORE);
-        if (requests[k] == MPI_REQUEST_NULL || flag) {
+        if (requests[i] != MPI_REQUEST_NULL) (void)MPI_Test(&requests[i], &flag, MPI_STATUS_IGNORE);
+        if (requests[i] == MPI_REQUEST_NULL || flag) {
           arrived += concat(", ", r);
           ++arrived_count;
         } else {
           missing += concat(missing.empty() ? "" : ", ", r);
         }
-        k += 2;
+        i += 2;
       }
-      auto owned = std::make_unique<buffers>(std::move(b));  // MPI may still write the records
-      abandon(std::move(requests), std::move(owned));
+      // MPI may still write the records: the abandoned list keeps them alive
+      abandon(requests, nullptr, check);
       if (result == wait_result::stopped) throw error(concat(where, " was aborted: ", reason()));
       const bool one = missing.find(',') == std::string::npos;
       const std::string text = concat(
@@ -561,15 +578,15 @@ class state {
       throw timeout_error(text);
     }
     for (std::size_t r = 0; r < n; ++r) {
-      const call_record& theirs = b.calls[r];
+      const call_record& theirs = k.calls[r];
       if (!theirs.valid() || theirs.seq != seq) {
         throw error(concat(where, ": the call record received from rank ", r, " is not valid (sequence number ",
                            theirs.seq, "): another program, or another version of lockstep, shares the communicator"));
       }
     }
     for (std::size_t r = 1; r < n; ++r) {
-      if (b.calls[r] == b.calls[0]) continue;
-      const collective_call first = b.calls[0].call(), other = b.calls[r].call();
+      if (k.calls[r] == k.calls[0]) continue;
+      const collective_call first = k.calls[0].call(), other = k.calls[r].call();
       throw precondition_error(concat(
           where, ": the ranks issued different collectives as their collective #", seq, ": rank 0 called ",
           first.signature(), ", rank ", r, " called ", other.signature(), " (", first.difference(other),
@@ -705,8 +722,9 @@ class member final : public communicator_impl {
     LOCKSTEP_EXPECTS(c.count <= static_cast<std::size_t>(INT_MAX), name_of(c.kind), " on rank ", rank(), ": count ",
                      c.count, " exceeds MPI's count limit; valid counts: 0..", INT_MAX, " (split the collective)");
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    auto check = state_->post_check(seq, c);
     enqueue_host(
-        s, [st = state_, seq, c] { st->run(seq, c); }, name_of(c.kind).data(), true);
+        s, [st = state_, seq, c, check] { st->run(seq, c, check); }, name_of(c.kind).data(), true);
   }
 
   void abort(const std::string& reason) noexcept override { state_->break_communicator(reason, state::notify::peers); }

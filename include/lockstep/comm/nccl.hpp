@@ -17,6 +17,16 @@
 // `abort(reason)` aborts every communicator of a clique at once (NCCL wants all local ranks aborted
 // together); for make_nccl_communicator it aborts this process's communicator only.
 //
+// The watchdog: every clique (or process communicator) has a thread that, every 20 ms, polls each
+// communicator's ncclCommGetAsyncError and the event recorded after each queued collective. On an NCCL error,
+// or when the oldest unfinished collective has waited longer than the timeout (counted from when it was queued,
+// or from when the collective before it finished, whichever is later), it aborts the communicators
+// (ncclCommAbort stops their kernels, so that no cudaStreamSynchronize waits forever on a collective whose peer
+// died) and keeps the reason: the next collective, comm.check() (which distributed_data_parallel calls before
+// each backward) and comm.synchronize() throw it. On GPUs, a stream that waited for an aborted collective
+// goes on with the work queued after it, so wait with comm.synchronize(s), or call comm.check(), before trusting
+// results.
+//
 // Destruction: ncclCommFinalize + ncclCommDestroy when the communicator is healthy, ncclCommAbort after an
 // error; a clique's communicators are released together, when the last of them is destroyed.
 //
@@ -31,8 +41,11 @@
 #include <cuda_runtime_api.h>
 #include <nccl.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <condition_variable>
+#include <deque>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -173,12 +186,21 @@ class backoff {
 /// handle holds the endpoint's mutex, so that abort() from another thread never frees a handle in use.
 class shared_comms {
  public:
+  /// A queued collective the watchdog follows: the event recorded after it.
+  struct pending {
+    cudaEvent_t done = nullptr;
+    std::string what;  // "all_reduce #17 on rank 1 (cuda:1)"
+    std::chrono::steady_clock::time_point queued;
+  };
+
   struct endpoint {
     std::mutex mutex;
     ncclComm_t comm = nullptr;  // null once aborted or destroyed
     device dev;
     int rank = 0;
     void* scratch = nullptr;  // the barrier's one word of device memory
+    std::deque<pending> in_flight;        // oldest first (guarded by mutex)
+    std::vector<cudaEvent_t> spare_events;  // recycled (guarded by mutex)
   };
 
   /// Takes ownership of `comms` (released by the destructor, also when this constructor throws) and allocates
@@ -206,7 +228,35 @@ class shared_comms {
   shared_comms(const shared_comms&) = delete;
   shared_comms& operator=(const shared_comms&) = delete;
 
-  ~shared_comms() { release(); }
+  ~shared_comms() {
+    stop_watchdog();
+    release();
+  }
+
+  /// Starts the watchdog thread (once the communicators are initialized). `timeout` bounds a collective.
+  void start_watchdog(std::chrono::milliseconds timeout) {
+    timeout_ = timeout;
+    watchdog_ = std::thread([this] { watch(); });
+  }
+
+  /// Records an event after the collective just queued on `s` by endpoint `e` (its mutex held by `lock`), for
+  /// the watchdog. Throws cuda_error.
+  void follow(endpoint& e, cudaStream_t s, std::string what) {
+    cudaEvent_t ev = nullptr;
+    if (!e.spare_events.empty()) {
+      ev = e.spare_events.back();
+      e.spare_events.pop_back();
+    } else {
+      LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&ev, cudaEventDisableTiming), "creating the watchdog's event on ",
+                          e.dev.str());
+    }
+    const cudaError_t r = cudaEventRecord(ev, s);
+    if (r != cudaSuccess) {
+      e.spare_events.push_back(ev);
+      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE, "recording the watchdog's event after ", what);
+    }
+    e.in_flight.push_back(pending{ev, std::move(what), std::chrono::steady_clock::now()});
+  }
 
   [[nodiscard]] endpoint& at(std::size_t i) { return *endpoints_.at(i); }
   [[nodiscard]] std::size_t count() const noexcept { return endpoints_.size(); }
@@ -215,6 +265,12 @@ class shared_comms {
   [[nodiscard]] std::string reason() const {
     std::lock_guard lock(reason_mutex_);
     return reason_;
+  }
+
+  /// Throws lockstep::error with the reason once the communicators were aborted (by a rank, or the watchdog).
+  void rethrow_failure(const std::string& who) const {
+    if (!aborted()) return;
+    throw error(concat("the NCCL communicator of ", who, " no longer works: ", reason()));
   }
 
   /// Aborts every communicator (ncclCommAbort), which also stops their kernels waiting on the GPU. Never throws.
@@ -274,15 +330,86 @@ class shared_comms {
       }
     }
     for (auto& e : endpoints_) {
-      if (e->scratch == nullptr) continue;
       (void)cudaSetDevice(e->dev.index);
-      (void)cudaFree(std::exchange(e->scratch, nullptr));
+      for (auto& p : e->in_flight) (void)cudaEventDestroy(p.done);
+      for (cudaEvent_t ev : e->spare_events) (void)cudaEventDestroy(ev);
+      e->in_flight.clear();
+      e->spare_events.clear();
+      if (e->scratch != nullptr) (void)cudaFree(std::exchange(e->scratch, nullptr));
     }
     if (restore) (void)cudaSetDevice(previous);
     (void)cudaGetLastError();
   }
 
+  void stop_watchdog() noexcept {
+    {
+      std::lock_guard lock(watch_mutex_);
+      stopping_ = true;
+    }
+    watch_cv_.notify_all();
+    if (watchdog_.joinable()) watchdog_.join();
+  }
+
+  /// The watchdog thread: see the file comment.
+  void watch() noexcept {
+    if (!endpoints_.empty()) (void)cudaSetDevice(endpoints_.front()->dev.index);  // never a context on GPU 0
+    std::unique_lock wait_lock(watch_mutex_);
+    while (!watch_cv_.wait_for(wait_lock, std::chrono::milliseconds(20), [this] { return stopping_; })) {
+      if (aborted()) continue;
+      try {
+        const std::string failure = inspect();
+        if (!failure.empty()) abort_all(failure);
+      } catch (...) {
+        abort_all("the NCCL watchdog failed (out of memory while describing a failure)");
+      }
+    }
+  }
+
+  /// One round of the watchdog: the first failure found, or empty.
+  std::string inspect() {
+    const auto now = std::chrono::steady_clock::now();
+    for (auto& ep : endpoints_) {
+      endpoint& e = *ep;
+      std::lock_guard lock(e.mutex);
+      if (e.comm == nullptr) continue;
+      ncclResult_t async = ncclSuccess;
+      const ncclResult_t q = ncclCommGetAsyncError(e.comm, &async);
+      if (q != ncclSuccess || (async != ncclSuccess && async != ncclInProgress)) {
+        return concat("NCCL reported an asynchronous error on rank ", e.rank, " (", e.dev.str(), "): ",
+                      describe(q != ncclSuccess ? q : async),
+                      e.in_flight.empty() ? std::string() : concat(" (oldest unfinished: ", e.in_flight.front().what, ')'),
+                      "; the watchdog aborted the NCCL communicators");
+      }
+      while (!e.in_flight.empty()) {
+        pending& p = e.in_flight.front();
+        const cudaError_t r = cudaEventQuery(p.done);
+        if (r == cudaErrorNotReady) {
+          (void)cudaGetLastError();
+          if (now - p.queued > timeout_) {
+            return concat(p.what, " did not finish within ", format_duration(timeout_),
+                          ": a peer rank has failed, exited or stopped (timeout: comm_options::timeout or "
+                          "LOCKSTEP_COMM_TIMEOUT); the watchdog aborted the NCCL communicators");
+          }
+          break;
+        }
+        if (r != cudaSuccess) {
+          return concat("waiting for ", p.what, ": ", cudaGetErrorName(r), " (", cudaGetErrorString(r),
+                        "); the watchdog aborted the NCCL communicators");
+        }
+        e.spare_events.push_back(p.done);
+        e.in_flight.pop_front();
+        if (!e.in_flight.empty()) e.in_flight.front().queued = std::max(e.in_flight.front().queued, now);
+      }
+    }
+    return {};
+  }
+
   std::vector<std::unique_ptr<endpoint>> endpoints_;
+  std::chrono::milliseconds timeout_{0};
+  std::thread watchdog_;
+  std::mutex watch_mutex_;
+  std::condition_variable watch_cv_;
+  bool stopping_ = false;
   std::atomic<bool> aborted_{false};
   mutable std::mutex reason_mutex_;
   std::string reason_;
@@ -334,9 +461,11 @@ class member final : public communicator_impl {
     }
     last_ = concat(name_of(c.kind), " #", seq);
     complete_call(lock, e, r, where);
+    comms_->follow(e, st, where);
   }
 
   void abort(const std::string& reason) noexcept override { comms_->abort_all(reason); }
+  void rethrow_failure() override { comms_->rethrow_failure(rank_name(rank_, dev_)); }
 
   /// Polls the stream and the communicator's asynchronous error until the stream is idle; aborts the
   /// communicators and throws on an NCCL error or after the timeout.
@@ -522,6 +651,7 @@ inline std::vector<communicator> make_nccl_clique(const device_set& gpus, comm_o
   std::vector<int> ranks(gpus.size());
   for (int i = 0; i < n; ++i) ranks[static_cast<std::size_t>(i)] = i;
   auto shared = std::make_shared<detail::nccl_comm::shared_comms>(comms, gpus.devices(), ranks);
+  shared->start_watchdog(options.timeout);
   std::vector<communicator> out;
   out.reserve(gpus.size());
   for (std::size_t i = 0; i < gpus.size(); ++i) {
@@ -571,6 +701,7 @@ inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm
   }
   auto shared =
       std::make_shared<detail::nccl_comm::shared_comms>(comms, std::vector<device>{local_gpu}, std::vector<int>{rank});
+  shared->start_watchdog(options.timeout);
   return communicator::from_impl(std::make_unique<detail::nccl_comm::member>(shared, 0, size, options.timeout));
 }
 #endif
