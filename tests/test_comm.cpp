@@ -672,6 +672,25 @@ TEST(host_clique, abort_makes_pending_and_later_collectives_fail_fast_with_the_r
   EXPECT_CONTAINS(collective_failure<error>(p.c(0), p.s(0)), "barrier #2 on rank 0 (host:0) was aborted");
 }
 
+// A rank whose stream failed before a collective (its buffers hold nothing valid) fails that collective on
+// every rank at once, instead of letting the others complete a step with its stale data.
+TEST(host_clique, a_collective_after_failed_work_fails_on_every_rank) {
+  host_pair p(2, comm_options{20s});
+  auto x0 = to_device(std::vector<float>(5, 1.0f), p.s(0));
+  auto x1 = to_device(std::vector<float>(5, 1.0f), p.s(1));
+  detail::enqueue_host(p.s(1), [] { throw std::runtime_error("the backward kernel failed"); }, "backward");
+  const auto start = clock_type::now();
+  p.c(0).all_reduce(x0.span(), reduce_op::sum, p.s(0));
+  p.c(1).all_reduce(x1.span(), reduce_op::sum, p.s(1));
+  const std::string msg = collective_failure<error>(p.c(0), p.s(0));
+  EXPECT_LT(seconds_since(start), 5.0) << "must not wait for the 20 s timeout";
+  EXPECT_CONTAINS(msg, "all_reduce #1 on rank 0 (host:0) was aborted: all_reduce #1 on rank 1 (host:1) could not "
+                       "run: earlier work on its stream failed");
+  EXPECT_CONTAINS(msg, "the backward kernel failed");
+  EXPECT_EQ(to_vector(device_span<const float>(x0.span()), p.s(0))[0], 1.0f);  // nothing was summed
+  EXPECT_CONTAINS(message_of<async_error>([&] { p.s(1).synchronize(); }), "the backward kernel failed");
+}
+
 TEST(host_clique, communicators_may_be_destroyed_while_collectives_are_queued) {
   stream s0(device{device_kind::host, 0}), s1(device{device_kind::host, 1});
   auto a = to_device(std::vector<float>(100, 1.0f), s0);

@@ -221,6 +221,24 @@ TEST(host_event, a_stream_that_waits_for_failed_work_fails_too_and_skips_its_lat
   EXPECT_EQ(ran.load(), 1);
 }
 
+// A failure is reported once: a stream that took it over by waiting (a data loader's copy stream waiting for the
+// compute stream) stops failing once the original is reported, instead of failing every later batch.
+TEST(host_event, a_failure_taken_over_by_waiting_ends_when_the_original_is_reported) {
+  stream comm(host0), compute(host0);
+  event done(host0);
+  std::atomic<int> ran{0};
+  detail::enqueue_host(comm, [] { throw std::runtime_error("the all-reduce failed"); }, "all_reduce", true);
+  done.record(comm);
+  compute.wait(done);
+  detail::enqueue_host(compute, [&] { ++ran; }, "skipped");
+  done.synchronize();
+  EXPECT_CONTAINS(message_of<async_error>([&] { comm.synchronize(); }), "the all-reduce failed");
+  compute.wait(done);  // nothing new: the record it waited for carried a failure already reported
+  detail::enqueue_host(compute, [&] { ran += 10; }, "runs again");
+  EXPECT_NO_THROW(compute.synchronize());
+  EXPECT_GE(ran.load(), 10);
+}
+
 TEST(host_stream, collectives_and_markers_still_run_on_a_failed_stream) {
   stream s(host0);
   event e(host0);

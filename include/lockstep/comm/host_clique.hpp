@@ -678,8 +678,21 @@ class clique_member final : public communicator_impl {
 
   void enqueue(const collective_call& c, stream_ref s) override {
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    host_backend::stream_state* on = &s.host_state();
     enqueue_host(
-        s, [state = state_, rank = rank_, seq, c] { state->run(rank, seq, c); }, name_of(c.kind).data(), true);
+        s,
+        [state = state_, rank = rank_, seq, c, on] {
+          // Work this collective depends on failed: its buffers hold nothing valid. Fail the collective on every
+          // rank (abort) rather than let the others complete a step with this rank's stale data.
+          if (auto f = on->failure()) {
+            const std::string why = concat(name_of(c.kind), " #", seq, " on ", rank_name(rank, state->device_of(rank)),
+                                           " could not run: earlier work on its stream failed: ", f->context);
+            state->abort(why);
+            throw error(why);
+          }
+          state->run(rank, seq, c);
+        },
+        name_of(c.kind).data(), true);
   }
 
   void rethrow_failure() override { state_->rethrow_failure(rank_); }

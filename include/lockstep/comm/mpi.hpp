@@ -333,10 +333,14 @@ class state {
     }
     for (auto& a : abandoned_) {
       int flag = 0;
-      if (MPI_Testall(static_cast<int>(a.requests.size()), a.requests.data(), &flag, MPI_STATUSES_IGNORE) !=
+      if (MPI_Test(&a.request, &flag, MPI_STATUS_IGNORE) != MPI_SUCCESS || !flag) (void)a.staging.release();
+    }
+    for (auto& k : abandoned_checks_) {
+      int flag = 0;
+      if (MPI_Testall(static_cast<int>(k->requests.size()), k->requests.data(), &flag, MPI_STATUSES_IGNORE) !=
               MPI_SUCCESS ||
           !flag) {
-        (void)a.staging.release();
+        (void)new std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
       }
     }
     (void)MPI_Comm_free(&data_);
@@ -378,17 +382,27 @@ class state {
   }
 
   /// This rank's collective number `seq` (on the stream's worker), with its posted call check. Throws on failure.
-  void run(std::uint64_t seq, const collective_call& c, const std::shared_ptr<call_check>& check) {
+  void run(std::uint64_t seq, const collective_call& c, const std::shared_ptr<call_check>& check,
+           host_backend::stream_state& on) {
     const std::string where = concat(name_of(c.kind), " #", seq, " on ", self_name());
-    wait_for_turn(seq, where);
     auto staging = std::make_unique<buffers>();
     MPI_Request request = MPI_REQUEST_NULL;
     try {
+      wait_for_turn(seq, where);
+      // Work this collective depends on failed: its buffers hold nothing valid. Fail it on every rank (break the
+      // communicator) rather than let the others complete a step with this rank's stale data.
+      if (auto f = on.failure()) {
+        const std::string why = concat(where, " could not run: earlier work on its stream failed: ", f->context);
+        break_communicator(why, notify::peers);
+        throw error(why);
+      }
       // An abort message that already arrived must win over starting a collective the others left.
       if (poll_control()) throw error(concat(where, " was aborted: ", reason()));
       if (check) check_call(seq, check, where);
       start(c, *staging, request);
     } catch (...) {
+      // the call records may still be in flight: MPI must not write into freed memory
+      if (check) abandon(check);
       pass_turn(seq);
       throw;
     }
@@ -400,7 +414,7 @@ class state {
       finish(c, *staging);
       return;
     }
-    abandon({request}, std::move(staging));
+    abandon(request, std::move(staging));
     if (result == wait_result::timed_out) {
       std::string who;
       if (size_ == 2) {
@@ -413,7 +427,8 @@ class state {
           who += concat(first ? "" : ", ", r);
           first = false;
         }
-        who += check_calls_ ? " did not complete it (every rank started it; MPI does not tell which stopped)"
+        who += check_calls_ ? " did not complete it (every rank queued it: their call records arrived; MPI does not "
+                              "tell which stopped)"
                             : " did not join (MPI does not tell which)";
       }
       const std::string text =
@@ -457,9 +472,8 @@ class state {
     std::vector<std::byte> bytes;
   };
   struct abandoned_request {
-    std::vector<MPI_Request> requests;
+    MPI_Request request;
     std::unique_ptr<buffers> staging;
-    std::shared_ptr<call_check> check;
   };
   struct pending_send {
     MPI_Request request;
@@ -530,10 +544,18 @@ class state {
     }
   }
 
-  void abandon(std::vector<MPI_Request> requests, std::unique_ptr<buffers> staging,
-               std::shared_ptr<call_check> check = nullptr) {
+  void abandon(MPI_Request request, std::unique_ptr<buffers> staging) {
     std::lock_guard lock(control_mutex_);
-    abandoned_.push_back({std::move(requests), std::move(staging), std::move(check)});
+    abandoned_.push_back({request, std::move(staging)});
+  }
+
+  /// Keeps a call check whose exchange may not have completed (its requests stay in it: one copy of each).
+  void abandon(const std::shared_ptr<call_check>& check) {
+    std::lock_guard lock(control_mutex_);
+    for (const auto& k : abandoned_checks_) {
+      if (k == check) return;
+    }
+    abandoned_checks_.push_back(check);
   }
 
   /// Waits for the call records of collective `seq` (posted by post_check) and compares them. Ranks that called
@@ -564,8 +586,15 @@ class state {
         i += 2;
       }
       // MPI may still write the records: the abandoned list keeps them alive
-      abandon(requests, nullptr, check);
+      abandon(check);
       if (result == wait_result::stopped) throw error(concat(where, " was aborted: ", reason()));
+      if (missing.empty()) {  // every record arrived, but the others did not take this rank's
+        const std::string text = concat(where, ": the other ranks did not receive this rank's call record within ",
+                                        format_duration(timeout_), "; this communicator is unusable: end the job "
+                                        "(MPI_Abort)");
+        break_communicator(text, notify::peers);
+        throw timeout_error(text);
+      }
       const bool one = missing.find(',') == std::string::npos;
       const std::string text = concat(
           where, ": rank", one ? " " : "s ", missing, " did not reach it within ", format_duration(timeout_),
@@ -597,6 +626,7 @@ class state {
 
   void leak_staging() noexcept {
     for (auto& a : abandoned_) (void)a.staging.release();
+    for (auto& k : abandoned_checks_) (void)new std::shared_ptr<call_check>(std::move(k));  // MPI may write them
     for (auto& s : sends_) (void)s.text.release();
   }
 
@@ -707,6 +737,7 @@ class state {
   std::array<char, control_capacity> control_buffer_{};
   std::vector<pending_send> sends_;
   std::vector<abandoned_request> abandoned_;
+  std::vector<std::shared_ptr<call_check>> abandoned_checks_;
 };
 
 /// One process's endpoint.
@@ -722,9 +753,18 @@ class member final : public communicator_impl {
     LOCKSTEP_EXPECTS(c.count <= static_cast<std::size_t>(INT_MAX), name_of(c.kind), " on rank ", rank(), ": count ",
                      c.count, " exceeds MPI's count limit; valid counts: 0..", INT_MAX, " (split the collective)");
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
-    auto check = state_->post_check(seq, c);
+    std::shared_ptr<state::call_check> check;
+    try {
+      check = state_->post_check(seq, c);
+    } catch (const std::exception& e) {
+      // the sequence number is taken: without its records the ranks could never agree again
+      state_->break_communicator(concat(name_of(c.kind), " #", seq, " could not post its call records: ", e.what()),
+                                 state::notify::peers);
+      throw;
+    }
+    host_backend::stream_state* on = &s.host_state();
     enqueue_host(
-        s, [st = state_, seq, c, check] { st->run(seq, c, check); }, name_of(c.kind).data(), true);
+        s, [st = state_, seq, c, check, on] { st->run(seq, c, check, *on); }, name_of(c.kind).data(), true);
   }
 
   void abort(const std::string& reason) noexcept override { state_->break_communicator(reason, state::notify::peers); }
@@ -882,6 +922,22 @@ inline communicator make_mpi_communicator(device local, MPI_Comm comm = MPI_COMM
   }
   std::shared_ptr<detail::mpi_comm::state> state;
   try {
+    // Every rank must check its calls, or none: a rank that checks waits for records the others never send.
+    auto flags = std::make_unique<std::array<int, 2>>(
+        std::array<int, 2>{options.check_calls ? 1 : 0, options.check_calls ? -1 : 0});  // max of both: max, -min
+    MPI_Request request = MPI_REQUEST_NULL;
+    LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, flags->data(), 2, MPI_INT, MPI_MAX, data, &request),
+                       "make_mpi_communicator: agreeing on comm_options::check_calls");
+    if (detail::mpi_comm::wait_request(
+            request, std::chrono::steady_clock::now() + options.timeout, [] { return false; },
+            "make_mpi_communicator: agreeing on comm_options::check_calls") != detail::mpi_comm::wait_result::done) {
+      (void)flags.release();  // MPI may still write it
+      throw timeout_error(detail::concat("make_mpi_communicator: the other processes did not agree on "
+                                         "comm_options::check_calls within ", detail::format_duration(options.timeout)));
+    }
+    LOCKSTEP_EXPECTS((*flags)[0] == -(*flags)[1],
+                     "make_mpi_communicator: comm_options::check_calls (LOCKSTEP_COMM_CHECK) differs between the "
+                     "processes: every rank must check its collectives, or none");
     state = std::make_shared<detail::mpi_comm::state>(data, control, local, options.timeout, options.check_calls);
   } catch (...) {
     (void)MPI_Comm_free(&data);

@@ -48,6 +48,7 @@
 #include <deque>
 #include <memory>
 #include <mutex>
+#include <optional>
 #include <string>
 #include <thread>
 #include <vector>
@@ -186,11 +187,12 @@ class backoff {
 /// handle holds the endpoint's mutex, so that abort() from another thread never frees a handle in use.
 class shared_comms {
  public:
-  /// A queued collective the watchdog follows: the event recorded after it.
+  /// A queued collective the watchdog follows: events recorded before and after it.
   struct pending {
+    cudaEvent_t before = nullptr;
     cudaEvent_t done = nullptr;
     std::string what;  // "all_reduce #17 on rank 1 (cuda:1)"
-    std::chrono::steady_clock::time_point queued;
+    std::optional<std::chrono::steady_clock::time_point> started;  // when the watchdog saw `before` complete
   };
 
   struct endpoint {
@@ -239,9 +241,9 @@ class shared_comms {
     watchdog_ = std::thread([this] { watch(); });
   }
 
-  /// Records an event after the collective just queued on `s` by endpoint `e` (its mutex held by `lock`), for
-  /// the watchdog. Throws cuda_error.
-  void follow(endpoint& e, cudaStream_t s, std::string what) {
+  /// Records on `s` an event for the watchdog (endpoint `e`'s mutex held by the caller): before a collective,
+  /// then, with follow(), after it. Throws cuda_error.
+  cudaEvent_t mark(endpoint& e, cudaStream_t s, const std::string& what) {
     cudaEvent_t ev = nullptr;
     if (!e.spare_events.empty()) {
       ev = e.spare_events.back();
@@ -253,9 +255,33 @@ class shared_comms {
     const cudaError_t r = cudaEventRecord(ev, s);
     if (r != cudaSuccess) {
       e.spare_events.push_back(ev);
-      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE, "recording the watchdog's event after ", what);
+      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE, "recording the watchdog's event for ", what);
     }
-    e.in_flight.push_back(pending{ev, std::move(what), std::chrono::steady_clock::now()});
+    return ev;
+  }
+
+  /// Hands the watchdog a collective queued on `s` between `before` (from mark()) and an event recorded now.
+  /// Collectives inside a user's ncclGroupStart/ncclGroupEnd reach the stream only at ncclGroupEnd: their
+  /// events complete at once, so the watchdog checks those for NCCL errors only, not for the timeout.
+  void follow(endpoint& e, cudaStream_t s, cudaEvent_t before, std::string what) {
+    cudaEvent_t done = nullptr;
+    try {
+      done = mark(e, s, what);
+      e.in_flight.push_back(pending{before, done, std::move(what), std::nullopt});
+    } catch (...) {
+      e.spare_events.push_back(before);
+      if (done != nullptr) e.spare_events.push_back(done);
+      throw;
+    }
+  }
+
+  /// Gives back an event from mark() whose collective was not queued.
+  static void unmark(endpoint& e, cudaEvent_t ev) noexcept {
+    try {
+      e.spare_events.push_back(ev);
+    } catch (...) {
+      (void)cudaEventDestroy(ev);
+    }
   }
 
   [[nodiscard]] endpoint& at(std::size_t i) { return *endpoints_.at(i); }
@@ -331,7 +357,10 @@ class shared_comms {
     }
     for (auto& e : endpoints_) {
       (void)cudaSetDevice(e->dev.index);
-      for (auto& p : e->in_flight) (void)cudaEventDestroy(p.done);
+      for (auto& p : e->in_flight) {
+        (void)cudaEventDestroy(p.before);
+        (void)cudaEventDestroy(p.done);
+      }
       for (cudaEvent_t ev : e->spare_events) (void)cudaEventDestroy(ev);
       e->in_flight.clear();
       e->spare_events.clear();
@@ -382,26 +411,37 @@ class shared_comms {
       }
       while (!e.in_flight.empty()) {
         pending& p = e.in_flight.front();
+        if (!p.started) {  // the clock starts when the stream reaches the collective, not when it was queued
+          const cudaError_t b = cudaEventQuery(p.before);
+          if (b == cudaErrorNotReady) {
+            (void)cudaGetLastError();
+            break;
+          }
+          if (b != cudaSuccess) return stream_failure(p, b);
+          p.started = now;
+        }
         const cudaError_t r = cudaEventQuery(p.done);
         if (r == cudaErrorNotReady) {
           (void)cudaGetLastError();
-          if (now - p.queued > timeout_) {
+          if (now - *p.started > timeout_) {
             return concat(p.what, " did not finish within ", format_duration(timeout_),
-                          ": a peer rank has failed, exited or stopped (timeout: comm_options::timeout or "
-                          "LOCKSTEP_COMM_TIMEOUT); the watchdog aborted the NCCL communicators");
+                          " of starting: a peer rank has failed, exited or stopped (timeout: comm_options::timeout "
+                          "or LOCKSTEP_COMM_TIMEOUT); the watchdog aborted the NCCL communicators");
           }
           break;
         }
-        if (r != cudaSuccess) {
-          return concat("waiting for ", p.what, ": ", cudaGetErrorName(r), " (", cudaGetErrorString(r),
-                        "); the watchdog aborted the NCCL communicators");
-        }
+        if (r != cudaSuccess) return stream_failure(p, r);
+        e.spare_events.push_back(p.before);
         e.spare_events.push_back(p.done);
         e.in_flight.pop_front();
-        if (!e.in_flight.empty()) e.in_flight.front().queued = std::max(e.in_flight.front().queued, now);
       }
     }
     return {};
+  }
+
+  static std::string stream_failure(const pending& p, cudaError_t r) {
+    return concat("waiting for ", p.what, ": ", cudaGetErrorName(r), " (", cudaGetErrorString(r),
+                  "); the watchdog aborted the NCCL communicators");
   }
 
   std::vector<std::unique_ptr<endpoint>> endpoints_;
@@ -438,6 +478,7 @@ class member final : public communicator_impl {
     device_guard guard(dev_);
     cudaStream_t st = s.cuda_stream();
     const ncclDataType_t type = datatype_of(c.type);
+    cudaEvent_t before = comms_->mark(e, st, where);
     ncclResult_t r = ncclSuccess;
     switch (c.kind) {
       case collective_kind::all_reduce:
@@ -460,8 +501,18 @@ class member final : public communicator_impl {
         break;
     }
     last_ = concat(name_of(c.kind), " #", seq);
-    complete_call(lock, e, r, where);
-    comms_->follow(e, st, where);
+    try {
+      complete_call(lock, e, r, where);
+    } catch (...) {
+      if (lock.owns_lock()) {
+        shared_comms::unmark(e, before);
+      } else {
+        std::lock_guard relock(e.mutex);
+        shared_comms::unmark(e, before);
+      }
+      throw;
+    }
+    comms_->follow(e, st, before, where);
   }
 
   void abort(const std::string& reason) noexcept override { comms_->abort_all(reason); }

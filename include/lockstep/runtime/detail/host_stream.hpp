@@ -45,10 +45,26 @@ struct task {
   bool runs_after_failure = false;
 };
 
-/// A failure kept by a stream: the exception and the sentence that names the stream and the work.
+/// A failure kept by a stream: the exception, the sentence that names the stream and the work, and, for a
+/// failure taken over by waiting for an event, the failure it came from. A failure is reported once: when its
+/// own stream reports it, or when the failure it came from is reported (the user has seen the error then), it
+/// no longer fails anything.
 struct kept_failure {
   std::exception_ptr error;
   std::string context;
+  std::shared_ptr<const kept_failure> origin;
+  mutable std::atomic<bool> reported{false};
+
+  kept_failure(std::exception_ptr e, std::string c, std::shared_ptr<const kept_failure> o = nullptr)
+      : error(std::move(e)), context(std::move(c)), origin(std::move(o)) {}
+
+  /// True while neither this failure nor any it came from has been reported.
+  [[nodiscard]] bool active() const noexcept {
+    for (const kept_failure* f = this; f != nullptr; f = f->origin.get()) {
+      if (f->reported.load(std::memory_order_acquire)) return false;
+    }
+    return true;
+  }
 };
 
 class stream_state;
@@ -150,19 +166,18 @@ class stream_state {
     rethrow_locked();
   }
 
-  /// The kept failure, if any, without reporting it (an event marker running on this stream carries it).
-  [[nodiscard]] std::shared_ptr<const kept_failure> failure() const {
+  /// The kept failure, if any and still active, without reporting it (an event marker running on this stream
+  /// carries it; a collective refuses to run on it).
+  [[nodiscard]] std::shared_ptr<const kept_failure> failure() {
     std::lock_guard lock(mutex_);
-    if (!error_) return nullptr;
-    return std::make_shared<const kept_failure>(kept_failure{error_, error_context_});
+    return active_failure_locked();
   }
 
   /// Fails the stream with `f` unless it already failed (the first error is the one that explains the others).
-  void fail(kept_failure f) {
+  void fail(std::shared_ptr<const kept_failure> f) {
     std::lock_guard lock(mutex_);
-    if (error_) return;
-    error_ = std::move(f.error);
-    error_context_ = std::move(f.context);
+    if (active_failure_locked()) return;
+    failure_ = std::move(f);
   }
 
  private:
@@ -174,14 +189,21 @@ class stream_state {
     --done_waiters_;
   }
 
+  // The kept failure, dropped when it is no longer active (the failure it came from was reported elsewhere).
+  std::shared_ptr<const kept_failure> active_failure_locked() {
+    if (failure_ && !failure_->active()) failure_ = nullptr;
+    return failure_;
+  }
+
   void rethrow_locked() {
-    if (!error_) return;
-    std::exception_ptr e = std::exchange(error_, nullptr);
-    std::string context = std::exchange(error_context_, {});
+    std::shared_ptr<const kept_failure> f = active_failure_locked();
+    if (!f) return;
+    failure_ = nullptr;
+    f->reported.store(true, std::memory_order_release);
     try {
-      std::rethrow_exception(e);
+      std::rethrow_exception(f->error);
     } catch (...) {
-      std::throw_with_nested(async_error(context));
+      std::throw_with_nested(async_error(f->context));
     }
   }
 
@@ -196,7 +218,7 @@ class stream_state {
       if (queue_.empty()) return;  // stopping, and all work done
       task t = std::move(queue_.front());
       queue_.pop_front();
-      const bool skip = error_ != nullptr && !t.runs_after_failure;  // failed: later work does not run
+      const bool skip = !t.runs_after_failure && active_failure_locked() != nullptr;  // failed: later work does not run
       lock.unlock();
       if (!skip) {
         try {
@@ -216,11 +238,20 @@ class stream_state {
 
   void keep_error(const char* what, const char* message) {
     std::lock_guard lock(mutex_);
-    if (error_) return;  // the first error is the one that explains the others
-    error_ = std::current_exception();
-    error_context_ = detail::concat("work queued on ", label_, " failed (", what, "): ", message,
-                                    " [reported at the next synchronization of the stream; later work on it was "
-                                    "skipped]");
+    if (active_failure_locked()) return;  // the first error is the one that explains the others
+    const std::exception_ptr original = std::current_exception();
+    try {
+      failure_ = std::make_shared<const kept_failure>(
+          original,
+          detail::concat("work queued on ", label_, " failed (", what, "): ", message,
+                         " [reported at the next synchronization of the stream; later work on it was skipped]"));
+    } catch (...) {
+      try {  // out of memory for the sentence: keep the failure without it
+        failure_ = std::make_shared<const kept_failure>(original, std::string());
+      } catch (...) {
+        // nothing can be kept: the failed work is lost, later work runs
+      }
+    }
   }
 
   const int device_;
@@ -235,8 +266,7 @@ class stream_state {
   bool stopping_ = false;
   bool worker_sleeping_ = false;    // the worker waits on work_ready_ (guarded by mutex_)
   mutable int done_waiters_ = 0;    // threads waiting on work_done_ (guarded by mutex_)
-  std::exception_ptr error_;
-  std::string error_context_;
+  std::shared_ptr<const kept_failure> failure_;  // the first failure not yet reported (guarded by mutex_)
   mutable std::atomic<int> refs_{1};
   std::thread worker_;  // last: starts after every other member is constructed
 };
@@ -265,7 +295,7 @@ class event_state {
     }
     add_ref();
     s.enqueue(task{[this, gen, &s] {
-                     complete(gen, s.failure());
+                     complete(gen, s.failure());  // never throws: the generation always completes
                      drop_ref();
                    },
                    "event record", true});
@@ -307,10 +337,16 @@ class event_state {
     add_ref();
     s.enqueue(task{[this, gen, &s] {
                      wait(gen);
-                     if (auto f = failure_of(gen)) {
-                       s.fail({f->error, detail::concat("work queued on ", s.label(),
-                                                        " waited for an event recorded after failed work: ",
-                                                        f->context)});
+                     if (auto f = failure_of(gen); f && f->active()) {
+                       try {
+                         s.fail(std::make_shared<const kept_failure>(
+                             f->error,
+                             detail::concat("work queued on ", s.label(),
+                                            " waited for an event recorded after failed work: ", f->context),
+                             f));
+                       } catch (...) {
+                         s.fail(f);  // out of memory for the sentence: the original failure itself
+                       }
                      }
                      drop_ref();
                    },
@@ -342,13 +378,19 @@ class event_state {
     return gen <= done_through_ || done_out_of_order_.count(gen) != 0;
   }
 
-  void complete(std::uint64_t gen, std::shared_ptr<const kept_failure> failure) {
+  void complete(std::uint64_t gen, std::shared_ptr<const kept_failure> failure) noexcept {
     bool wake;
     {
       std::lock_guard lock(mutex_);
       if (failure) {
-        if (failures_.size() >= max_failures) failures_.erase(failures_.begin());  // the oldest: nobody waits
-        failures_.emplace(gen, std::move(failure));
+        try {
+          while (!failures_.empty() && (failures_.size() >= max_failures || !failures_.begin()->second->active())) {
+            failures_.erase(failures_.begin());  // reported already, or the oldest of too many
+          }
+          failures_.emplace(gen, std::move(failure));
+        } catch (...) {
+          // out of memory: the generation completes without its failure rather than never
+        }
       }
       if (timing_ && gen >= stamp_gen_) {
         stamp_ = clock::now();
