@@ -3,6 +3,7 @@
 // training on the same global batch, uneven splits, no_sync, compression hooks, parameter checks, reports.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -237,6 +238,61 @@ TEST(ddp, buckets_fill_in_reverse_order_with_a_smaller_first_bucket) {
     EXPECT_EQ(bucket_names(1), (std::vector<std::string>{"fc2.weight", "fc1.bias"}));
     EXPECT_EQ(bucket_names(2), (std::vector<std::string>{"fc1.weight"}));
   });
+}
+
+namespace {
+// A model whose backward reports every gradient at its end, in registration order (the first layer first): the
+// reverse of the order buckets are built in, as a graph with another backward order or a custom layer may.
+struct late_reports {
+  graph g;
+  tensor_view forward(const tensor_view& x, context& ctx) { return g.forward(x, ctx); }
+  tensor_view backward(const tensor_view& dy, context& ctx, input_grad ig) {
+    const context::gradients_ready_fn hook = ctx.gradients_ready_hook();
+    std::vector<parameter*> got;
+    ctx.set_gradients_ready_hook([&](std::span<parameter* const> ps) { got.insert(got.end(), ps.begin(), ps.end()); });
+    tensor_view dx = g.backward(dy, ctx, ig);
+    ctx.set_gradients_ready_hook(hook);
+    std::reverse(got.begin(), got.end());
+    for (parameter* p : got) ctx.gradients_ready(std::span<parameter* const>(&p, 1));
+    return dx;
+  }
+  void parameters(parameter_list& ps) { g.parameters(ps); }
+  [[nodiscard]] late_reports clone(context& ctx) const { return late_reports{g.clone(ctx)}; }
+  [[nodiscard]] shape output_shape(const shape& s) const { return g.output_shape(s); }
+};
+}  // namespace
+
+// Every rank all-reduces the buckets in bucket order, whatever order backward finishes them in: here rank 0's
+// backward makes the last bucket ready first and rank 1 has no data (it issues every bucket at the end). In ready
+// order the ranks would issue different all-reduces (a mismatch, or with NCCL a hang or wrong sums).
+TEST(ddp, buckets_are_all_reduced_in_bucket_order_whatever_order_backward_finishes_them) {
+  std::vector<std::vector<float>> grads(2);
+  run_on_devices(first_hosts(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    late_reports model{make_model(ctx)};
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                  ddp_options{.bucket_bytes = 4096, .first_bucket_bytes = 1024});
+    ASSERT_EQ(ddp.bucket_count(), 3u);
+    zero_grad(model);
+    if (rc.rank() == 0) {
+      tensor xb = device_tensor(std::vector<float>(2 * features, 0.5f), shape{2, features}, s);
+      tensor dy = device_tensor(std::vector<float>(2 * classes, 0.25f), shape{2, classes}, s);
+      (void)ddp.forward(xb);
+      ddp.backward(dy);
+    } else {
+      ddp.backward(tensor_view{});  // no data this step
+    }
+    rc.comm().synchronize(s);
+    std::vector<float> all;
+    for (const auto& p : parameters_of(model)) {
+      const auto g = to_vector(device_span<const float>(p.param->grad().span<float>()), s);
+      all.insert(all.end(), g.begin(), g.end());
+    }
+    grads[static_cast<std::size_t>(rc.rank())] = all;
+  });
+  EXPECT_EQ(grads[0], grads[1]);
+  EXPECT_NE(grads[0], std::vector<float>(grads[0].size(), 0.0f));
 }
 
 TEST(ddp, gradients_live_in_their_buckets_and_keep_what_was_accumulated) {

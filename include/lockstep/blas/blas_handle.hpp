@@ -106,11 +106,8 @@ struct cublas_handle_traits {
   static void release(handle_type h) noexcept {
 #if LOCKSTEP_HAS_CUDA
     // cublasDestroy releases resources of the handle's device: make it current, then restore.
-    int previous = 0;
-    if (cudaGetDevice(&previous) != cudaSuccess) previous = h.dev.index;
-    LOCKSTEP_CUDA_IGNORE(cudaSetDevice(h.dev.index));
+    detail::cuda_device_scope current(h.dev.index);
     (void)cublasDestroy(static_cast<cublasHandle_t>(h.ptr));
-    LOCKSTEP_CUDA_IGNORE(cudaSetDevice(previous));
 #else
     (void)h;
 #endif

@@ -48,6 +48,7 @@
 #include <exception>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <string>
 #include <thread>
 #include <vector>
@@ -340,7 +341,7 @@ class state {
       if (MPI_Testall(static_cast<int>(k->requests.size()), k->requests.data(), &flag, MPI_STATUSES_IGNORE) !=
               MPI_SUCCESS ||
           !flag) {
-        (void)new std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
+        (void)new (std::nothrow) std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
       }
     }
     (void)MPI_Comm_free(&data_);
@@ -367,16 +368,21 @@ class state {
     k->calls.assign(n, call_record{});
     k->calls[me] = call_record::of(seq, c);
     k->requests.assign(2 * (n - 1), MPI_REQUEST_NULL);
-    std::size_t i = 0;
-    for (std::size_t r = 0; r < n; ++r) {
-      if (r == me) continue;
-      LOCKSTEP_MPI_CHECK(MPI_Irecv(&k->calls[r], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
-                                   control_, &k->requests[i]),
-                         "receiving the call record of rank ", r, " for collective #", seq);
-      LOCKSTEP_MPI_CHECK(MPI_Isend(&k->calls[me], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
-                                   control_, &k->requests[i + 1]),
-                         "sending the call record to rank ", r, " for collective #", seq);
-      i += 2;
+    try {
+      std::size_t i = 0;
+      for (std::size_t r = 0; r < n; ++r) {
+        if (r == me) continue;
+        LOCKSTEP_MPI_CHECK(MPI_Irecv(&k->calls[r], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
+                                     control_, &k->requests[i]),
+                           "receiving the call record of rank ", r, " for collective #", seq);
+        LOCKSTEP_MPI_CHECK(MPI_Isend(&k->calls[me], sizeof(call_record), MPI_BYTE, static_cast<int>(r), check_tag,
+                                     control_, &k->requests[i + 1]),
+                           "sending the call record to rank ", r, " for collective #", seq);
+        i += 2;
+      }
+    } catch (...) {
+      abandon(k);  // the records already posted may still be written
+      throw;
     }
     return k;
   }
@@ -441,6 +447,9 @@ class state {
     }
     throw error(concat(where, " was aborted: ", reason()));
   }
+
+  /// Keeps call records that MPI may still write (a collective that could not be queued).
+  void abandon_check(const std::shared_ptr<call_check>& check) { abandon(check); }
 
   /// Throws the reason when the communicator is broken (a timeout, an abort here or on another process).
   void rethrow_failure() {
@@ -626,7 +635,9 @@ class state {
 
   void leak_staging() noexcept {
     for (auto& a : abandoned_) (void)a.staging.release();
-    for (auto& k : abandoned_checks_) (void)new std::shared_ptr<call_check>(std::move(k));  // MPI may write them
+    for (auto& k : abandoned_checks_) {
+      (void)new (std::nothrow) std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
+    }
     for (auto& s : sends_) (void)s.text.release();
   }
 
@@ -763,8 +774,15 @@ class member final : public communicator_impl {
       throw;
     }
     host_backend::stream_state* on = &s.host_state();
-    enqueue_host(
-        s, [st = state_, seq, c, check, on] { st->run(seq, c, check, *on); }, name_of(c.kind).data(), true);
+    try {
+      enqueue_host(
+          s, [st = state_, seq, c, check, on] { st->run(seq, c, check, *on); }, name_of(c.kind).data(), true);
+    } catch (const std::exception& e) {  // out of memory: the sequence number is lost, the records may be in flight
+      if (check) state_->abandon_check(check);
+      state_->break_communicator(concat(name_of(c.kind), " #", seq, " could not be queued: ", e.what()),
+                                 state::notify::peers);
+      throw;
+    }
   }
 
   void abort(const std::string& reason) noexcept override { state_->break_communicator(reason, state::notify::peers); }

@@ -728,7 +728,10 @@ inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm
   LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm, &rank), "asking for this process's rank");
   LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm, &size), "asking for the communicator's size");
   const std::string what = detail::concat("make_nccl_communicator on rank ", rank, " (", local_gpu.str(), ')');
-  ncclUniqueId id{};
+  // On the heap: when the broadcast times out, the pending MPI_Ibcast may still write the id, so it is leaked
+  // then rather than left pointing at this function's stack.
+  auto id_buffer = std::make_unique<ncclUniqueId>();
+  ncclUniqueId& id = *id_buffer;
   if (rank == 0) LOCKSTEP_NCCL_CHECK(ncclGetUniqueId(&id), "creating the unique id of the NCCL communicator");
   MPI_Request request = MPI_REQUEST_NULL;
   LOCKSTEP_MPI_CHECK(MPI_Ibcast(&id, static_cast<int>(sizeof id), MPI_BYTE, 0, comm, &request),
@@ -736,6 +739,7 @@ inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm
   const auto sent = detail::mpi_comm::wait_request(
       request, std::chrono::steady_clock::now() + options.timeout, [] { return false; }, "the NCCL unique id");
   if (sent != detail::mpi_comm::wait_result::done) {
+    (void)id_buffer.release();  // MPI may still write it
     throw timeout_error(detail::concat(what, ": the NCCL unique id did not arrive from rank 0 within ",
                                        detail::format_duration(options.timeout),
                                        "; every process of the MPI communicator must call make_nccl_communicator"));

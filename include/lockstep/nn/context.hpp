@@ -66,6 +66,8 @@ class context {
     if (on_gradients_ready_ && !params.empty()) on_gradients_ready_(params);
   }
   [[nodiscard]] bool has_gradients_ready_hook() const noexcept { return static_cast<bool>(on_gradients_ready_); }
+  /// The hook set now (empty when none), e.g. to restore it after a container reports its children itself.
+  [[nodiscard]] const gradients_ready_fn& gradients_ready_hook() const noexcept { return on_gradients_ready_; }
 
   /// Device pointer to the loss scale (amp/): losses multiply the gradient they start backward with by it.
   /// nullptr means 1.

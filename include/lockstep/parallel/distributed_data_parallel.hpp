@@ -6,8 +6,9 @@
 // (names and shapes; a mismatch names the rank and the parameter). Backward all-reduces the gradients in
 // buckets: parameters are grouped in reverse order of the model (the order backward produces them) into
 // buckets of about 25 MiB, the first one smaller (1 MiB) so that communication starts early; a bucket is
-// all-reduced on the communication stream as soon as the layers it covers have finished their backward, so
-// communication overlaps the rest of backward. Inside `no_sync()` gradients accumulate locally with no
+// all-reduced on the communication stream as soon as the layers it covers, and the buckets before it, have
+// finished their backward (every rank issues the all-reduces in bucket order), so communication overlaps the
+// rest of backward. Inside `no_sync()` gradients accumulate locally with no
 // communication (gradient accumulation); the first backward after it reduces everything accumulated.
 //
 // Sum or mean is explicit (`gradient_reduction`): `sum` pairs with a loss whose mean divides by the GLOBAL
@@ -122,10 +123,8 @@ class distributed_data_parallel {
       }
       return;
     }
-    for (auto& b : buckets_) {
-      b.ready = 0;
-      b.launched = false;
-    }
+    for (auto& b : buckets_) b.ready = 0;
+    next_launch_ = 0;
     std::fill(reported_.begin(), reported_.end(), false);
     if (!grad_output.empty()) {
       ctx_->set_gradients_ready_hook([this](std::span<parameter* const> ps) { on_gradients_ready(ps); });
@@ -140,9 +139,8 @@ class distributed_data_parallel {
       ctx_->set_gradients_ready_hook(nullptr);
     }
     // Buckets whose parameters received no gradient (unused parameters, or no data on this rank) go now, with
-    // zeros where nothing was written: every rank must take part in every all-reduce.
-    for (std::size_t b = 0; b < buckets_.size(); ++b)
-      if (!buckets_[b].launched) launch(b);
+    // zeros where nothing was written: every rank must take part in every all-reduce, in bucket order.
+    while (next_launch_ < buckets_.size()) launch(next_launch_++);
     // The gradients: wait for each bucket's all-reduce and unpack it.
     for (auto& b : buckets_) {
       s.wait(*b.done);
@@ -188,7 +186,6 @@ class distributed_data_parallel {
     std::shared_ptr<tensor> flat;      // shared with the parameters whose gradients live in it
     std::optional<event> done;
     std::size_t ready = 0;
-    bool launched = false;
   };
 
   // A failed all-reduce of an earlier step ends training here, on the calling thread, before another step is
@@ -264,8 +261,13 @@ class distributed_data_parallel {
       auto it = index_.find(p);
       if (it == index_.end() || reported_[it->second]) continue;  // nested containers may report twice
       reported_[it->second] = true;
-      const std::size_t b = bucket_of_.at(it->second);
-      if (++buckets_[b].ready == buckets_[b].params.size()) launch(b);
+      ++buckets_[bucket_of_.at(it->second)].ready;
+    }
+    // Buckets are all-reduced in bucket order, whatever order backward finishes them in (another graph order,
+    // an unused parameter, a rank without data): every rank must issue the same collectives in the same order.
+    // So the longest ready prefix goes: a bucket that is ready early waits for the ones before it.
+    while (next_launch_ < buckets_.size() && buckets_[next_launch_].ready == buckets_[next_launch_].params.size()) {
+      launch(next_launch_++);
     }
   }
 
@@ -286,7 +288,6 @@ class distributed_data_parallel {
                      options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum, comm_stream_);
     comm_timeline_.end(comm_stream_);
     b.done->record(comm_stream_);
-    b.launched = true;
   }
 
   // Copies `from` into `to` (same number of elements), casting between floating types.
@@ -404,6 +405,7 @@ class distributed_data_parallel {
   std::unordered_map<std::size_t, std::size_t> bucket_of_;
   std::vector<bucket> buckets_;
   std::vector<bool> reported_;
+  std::size_t next_launch_ = 0;  // the next bucket to all-reduce, in bucket order
   event grads_ready_;
   bool syncing_ = true;
   timeline compute_timeline_;

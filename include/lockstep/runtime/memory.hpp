@@ -112,11 +112,10 @@ inline void deallocate(void* p, std::size_t bytes, stream_ref s) noexcept {
 #if LOCKSTEP_HAS_CUDA
   auto& acc = cuda_accounting(d.index);
   std::lock_guard lock(acc.mutex);
-  int previous = 0;
-  if (cudaGetDevice(&previous) != cudaSuccess) previous = d.index;
-  LOCKSTEP_CUDA_IGNORE(cudaSetDevice(d.index));
-  LOCKSTEP_CUDA_IGNORE(cudaFreeAsync(p, s.cuda_stream()));
-  LOCKSTEP_CUDA_IGNORE(cudaSetDevice(previous));
+  {
+    detail::cuda_device_scope current(d.index);
+    LOCKSTEP_CUDA_IGNORE(cudaFreeAsync(p, s.cuda_stream()));
+  }
   acc.in_use -= std::min<std::uint64_t>(acc.in_use, bytes);
   ++acc.frees;
   if (acc.live > 0) --acc.live;

@@ -139,7 +139,7 @@ struct cuda_stream_pool {
     static cuda_stream_pool pool;
     return pool;
   }
-  cudaStream_t take(int device) {
+  cudaStream_t take(int device) {  // device < 64: checked by stream's constructor
     std::lock_guard lock(mutex);
     auto& list = free[device & 63];
     if (list.empty()) return nullptr;
@@ -193,6 +193,8 @@ class stream {
     }
 #if LOCKSTEP_HAS_CUDA
     check_device_exists(d);
+    LOCKSTEP_EXPECTS(d.index < 64, d.str(), ": lockstep supports GPU indices 0..63 (its per-device tables have 64 "
+                                           "entries); restrict the visible GPUs with CUDA_VISIBLE_DEVICES");
     cudaStream_t s = detail::cuda_stream_pool::instance().take(d.index);
     if (s == nullptr) {
       device_guard guard(d);

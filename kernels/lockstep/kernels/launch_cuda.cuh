@@ -48,7 +48,7 @@ struct flat_2d {
 
 /// Enough blocks to fill the device a few times over; the grid-stride loop covers the rest.
 inline unsigned elementwise_grid(std::size_t n, device d) {
-  static std::atomic<int> sms[64] = {};
+  static std::atomic<int> sms[64] = {};  // stream creation refuses device indices of 64 and above
   int count = sms[d.index & 63].load(std::memory_order_relaxed);
   if (count == 0) {
     LOCKSTEP_CUDA_CHECK(cudaDeviceGetAttribute(&count, cudaDevAttrMultiProcessorCount, d.index),
@@ -65,7 +65,7 @@ void launch_elementwise_cuda(std::size_t n, F f, stream_ref s, const char* what)
   const device d = s.get_device();
   device_guard guard(d);
   elementwise_kernel<<<elementwise_grid(n, d), elementwise_block, 0, s.cuda_stream()>>>(n, f);
-  LOCKSTEP_CUDA_CHECK(cudaGetLastError(), "launching ", what, " on ", d.str());
+  check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " on ", d.str());
 }
 
 /// out[0] = reduce(transform(in[i]) for i in [0, n)) with CUB. Temporary storage comes from `workspace` when

@@ -69,7 +69,7 @@ void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stre
   auto flush = [&] {
     if (n_blocks == 0) return;
     multi_tensor_kernel<K, F><<<n_blocks, multi_tensor_threads, 0, s.cuda_stream()>>>(table, f);
-    LOCKSTEP_CUDA_CHECK(cudaGetLastError(), "launching ", what, " over ", n_groups, " tensors on ", d.str());
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " over ", n_groups, " tensors on ", d.str());
     n_groups = n_blocks = 0;
   };
   for (const auto& g : groups) {

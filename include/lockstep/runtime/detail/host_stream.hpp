@@ -25,6 +25,7 @@
 #include <deque>
 #include <exception>
 #include <functional>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -43,25 +44,35 @@ struct task {
   const char* what = "work";
   /// Runs even when earlier work on the stream failed (event markers, collectives); other work is skipped.
   bool runs_after_failure = false;
+  std::uint64_t stamp = 0;  // set by stream_state::enqueue (next_stamp)
 };
 
+/// Every task queued on any host stream, and every report of a failure, takes the next number of this
+/// process-wide count: "queued before the error was reported" is then a comparison.
+inline std::uint64_t next_stamp() noexcept {
+  static std::atomic<std::uint64_t> count{0};
+  return count.fetch_add(1, std::memory_order_acq_rel) + 1;
+}
+
 /// A failure kept by a stream: the exception, the sentence that names the stream and the work, and, for a
-/// failure taken over by waiting for an event, the failure it came from. A failure is reported once: when its
-/// own stream reports it, or when the failure it came from is reported (the user has seen the error then), it
-/// no longer fails anything.
+/// failure taken over by waiting for an event, the failure it came from. A failure is reported once: it fails
+/// the work queued before it was reported (or before the failure it came from was reported: the user has seen
+/// the error then), and nothing queued after.
 struct kept_failure {
   std::exception_ptr error;
   std::string context;
   std::shared_ptr<const kept_failure> origin;
-  mutable std::atomic<bool> reported{false};
+  mutable std::atomic<std::uint64_t> reported_at{0};  // the stamp of its report; 0 while not reported
 
   kept_failure(std::exception_ptr e, std::string c, std::shared_ptr<const kept_failure> o = nullptr)
       : error(std::move(e)), context(std::move(c)), origin(std::move(o)) {}
 
-  /// True while neither this failure nor any it came from has been reported.
-  [[nodiscard]] bool active() const noexcept {
+  /// True when it fails work stamped `stamp`: work queued before this failure and every failure it came from
+  /// were reported.
+  [[nodiscard]] bool fails(std::uint64_t stamp) const noexcept {
     for (const kept_failure* f = this; f != nullptr; f = f->origin.get()) {
-      if (f->reported.load(std::memory_order_acquire)) return false;
+      const std::uint64_t r = f->reported_at.load(std::memory_order_acquire);
+      if (r != 0 && stamp > r) return false;
     }
     return true;
   }
@@ -121,6 +132,7 @@ class stream_state {
     bool wake;
     {
       std::lock_guard lock(mutex_);
+      t.stamp = next_stamp();  // under the lock: stamps increase along the queue
       queue_.push_back(std::move(t));
       seq = ++enqueued_;
       wake = worker_sleeping_;
@@ -166,17 +178,23 @@ class stream_state {
     rethrow_locked();
   }
 
-  /// The kept failure, if any and still active, without reporting it (an event marker running on this stream
-  /// carries it; a collective refuses to run on it).
+  /// For work running on this stream's worker (an event marker, a collective): the kept failure that fails it,
+  /// if any, without reporting it.
   [[nodiscard]] std::shared_ptr<const kept_failure> failure() {
     std::lock_guard lock(mutex_);
-    return active_failure_locked();
+    return failure_for_locked(running_stamp_);
+  }
+
+  /// The stamp of the work running on this stream's worker now.
+  [[nodiscard]] std::uint64_t running_stamp() const {
+    std::lock_guard lock(mutex_);
+    return running_stamp_;
   }
 
   /// Fails the stream with `f` unless it already failed (the first error is the one that explains the others).
   void fail(std::shared_ptr<const kept_failure> f) {
     std::lock_guard lock(mutex_);
-    if (active_failure_locked()) return;
+    if (failure_for_locked(running_stamp_)) return;
     failure_ = std::move(f);
   }
 
@@ -189,17 +207,18 @@ class stream_state {
     --done_waiters_;
   }
 
-  // The kept failure, dropped when it is no longer active (the failure it came from was reported elsewhere).
-  std::shared_ptr<const kept_failure> active_failure_locked() {
-    if (failure_ && !failure_->active()) failure_ = nullptr;
+  // The kept failure if it fails work stamped `stamp`; dropped once it does not (later work has larger stamps).
+  std::shared_ptr<const kept_failure> failure_for_locked(std::uint64_t stamp) {
+    if (failure_ && !failure_->fails(stamp)) failure_ = nullptr;
     return failure_;
   }
 
+  // Reports the kept failure unless it was reported already (itself, or the failure it came from), for the work
+  // queued so far: everything is done when this runs (synchronize) or the caller asks without waiting.
   void rethrow_locked() {
-    std::shared_ptr<const kept_failure> f = active_failure_locked();
-    if (!f) return;
-    failure_ = nullptr;
-    f->reported.store(true, std::memory_order_release);
+    std::shared_ptr<const kept_failure> f = std::exchange(failure_, nullptr);
+    if (!f || !f->fails(std::numeric_limits<std::uint64_t>::max())) return;
+    f->reported_at.store(next_stamp(), std::memory_order_release);
     try {
       std::rethrow_exception(f->error);
     } catch (...) {
@@ -218,7 +237,8 @@ class stream_state {
       if (queue_.empty()) return;  // stopping, and all work done
       task t = std::move(queue_.front());
       queue_.pop_front();
-      const bool skip = !t.runs_after_failure && active_failure_locked() != nullptr;  // failed: later work does not run
+      running_stamp_ = t.stamp;
+      const bool skip = failure_for_locked(t.stamp) != nullptr && !t.runs_after_failure;  // failed: later work does not run
       lock.unlock();
       if (!skip) {
         try {
@@ -238,7 +258,7 @@ class stream_state {
 
   void keep_error(const char* what, const char* message) {
     std::lock_guard lock(mutex_);
-    if (active_failure_locked()) return;  // the first error is the one that explains the others
+    if (failure_for_locked(running_stamp_)) return;  // the first error is the one that explains the others
     const std::exception_ptr original = std::current_exception();
     try {
       failure_ = std::make_shared<const kept_failure>(
@@ -267,6 +287,7 @@ class stream_state {
   bool worker_sleeping_ = false;    // the worker waits on work_ready_ (guarded by mutex_)
   mutable int done_waiters_ = 0;    // threads waiting on work_done_ (guarded by mutex_)
   std::shared_ptr<const kept_failure> failure_;  // the first failure not yet reported (guarded by mutex_)
+  std::uint64_t running_stamp_ = 0;              // of the task the worker runs (guarded by mutex_)
   mutable std::atomic<int> refs_{1};
   std::thread worker_;  // last: starts after every other member is constructed
 };
@@ -337,7 +358,8 @@ class event_state {
     add_ref();
     s.enqueue(task{[this, gen, &s] {
                      wait(gen);
-                     if (auto f = failure_of(gen); f && f->active()) {
+                     // a failure reported after this wait was queued still fails it (and what follows it)
+                     if (auto f = failure_of(gen); f && f->fails(s.running_stamp())) {
                        try {
                          s.fail(std::make_shared<const kept_failure>(
                              f->error,
@@ -345,7 +367,7 @@ class event_state {
                                             " waited for an event recorded after failed work: ", f->context),
                              f));
                        } catch (...) {
-                         s.fail(f);  // out of memory for the sentence: the original failure itself
+                         // out of memory: the failure is not taken over
                        }
                      }
                      drop_ref();
@@ -384,8 +406,8 @@ class event_state {
       std::lock_guard lock(mutex_);
       if (failure) {
         try {
-          while (!failures_.empty() && (failures_.size() >= max_failures || !failures_.begin()->second->active())) {
-            failures_.erase(failures_.begin());  // reported already, or the oldest of too many
+          while (!failures_.empty() && failures_.size() >= max_failures) {
+            failures_.erase(failures_.begin());  // the oldest of too many
           }
           failures_.emplace(gen, std::move(failure));
         } catch (...) {
