@@ -239,6 +239,30 @@ TEST(host_event, a_failure_taken_over_by_waiting_ends_when_the_original_is_repor
   EXPECT_EQ(ran.load(), 10);  // work queued before the report stayed skipped, work queued after ran
 }
 
+// Reporting a failure without waiting (a query, DDP's check before backward) must not let the work queued before
+// the report run: it belongs to the failed step.
+TEST(host_stream, work_queued_before_a_report_without_waiting_is_still_skipped) {
+  stream s(host0);
+  std::atomic<bool> release{false};
+  std::atomic<int> ran{0};
+  detail::enqueue_host(s, [] { throw std::runtime_error("boom"); }, "kernel");
+  detail::enqueue_host(s, [&] { while (!release) std::this_thread::yield(); }, "gate", true);
+  detail::enqueue_host(s, [&] { ++ran; }, "queued before the report");
+  while (true) {  // report it as soon as it is kept, while the gate holds the worker
+    try {
+      s.ref().host_state().rethrow_if_failed();
+    } catch (const async_error& e) {
+      EXPECT_CONTAINS(std::string(e.what()), "boom");
+      break;
+    }
+    std::this_thread::yield();
+  }
+  detail::enqueue_host(s, [&] { ran += 10; }, "queued after the report");
+  release = true;
+  EXPECT_NO_THROW(s.synchronize());  // reported once
+  EXPECT_EQ(ran.load(), 10);
+}
+
 TEST(host_stream, collectives_and_markers_still_run_on_a_failed_stream) {
   stream s(host0);
   event e(host0);

@@ -309,7 +309,8 @@ class shared_comms {
     }
     aborted_.store(true, std::memory_order_release);
     int previous = 0;
-    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+    // restore only a device the thread had a context on (see detail::cuda_context_is_current)
+    const bool restore = detail::cuda_context_is_current() && cudaGetDevice(&previous) == cudaSuccess;
     for (auto& e : endpoints_) {
       std::lock_guard lock(e->mutex);
       if (e->comm == nullptr) continue;
@@ -327,7 +328,7 @@ class shared_comms {
   /// synchronizes the device and would wait for a kernel stuck on a missing peer. Never throws.
   void release() noexcept {
     int previous = 0;
-    const bool restore = cudaGetDevice(&previous) == cudaSuccess;
+    const bool restore = detail::cuda_context_is_current() && cudaGetDevice(&previous) == cudaSuccess;
     std::vector<ncclComm_t> finalizing;
     for (auto& e : endpoints_) {
       if (e->comm == nullptr) continue;

@@ -16,6 +16,9 @@ inline int& current_host_device_index() noexcept {
 }
 
 #if LOCKSTEP_HAS_CUDA
+#if CUDART_VERSION < 12000
+#error "lockstep's CUDA backend needs CUDA 12.0 or newer (cudaSetDevice creating the context, driver entry points)"
+#endif
 /// True when the calling thread has a CUDA context current (cuCtxGetCurrent, reached through the runtime so that
 /// nothing links libcuda). A fresh thread has none, yet cudaGetDevice reports device 0 there: "restoring" it with
 /// cudaSetDevice(0) would create a context on GPU 0 (about 0.5 GB in every process of an mpirun job, and fatal

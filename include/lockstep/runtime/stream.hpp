@@ -229,6 +229,8 @@ inline stream_ref default_stream(device d) {
   }
   check_device_exists(d);
 #if LOCKSTEP_HAS_CUDA
+  LOCKSTEP_EXPECTS(d.index < 64, d.str(), ": lockstep supports GPU indices 0..63 (its per-device tables have 64 "
+                                         "entries); restrict the visible GPUs with CUDA_VISIBLE_DEVICES");
   return stream_ref(detail::native_handle{d, static_cast<void*>(cudaStreamLegacy)});
 #else
   throw device_error("unreachable: no CUDA device in a host-only translation unit");

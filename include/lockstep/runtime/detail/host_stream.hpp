@@ -213,10 +213,11 @@ class stream_state {
     return failure_;
   }
 
-  // Reports the kept failure unless it was reported already (itself, or the failure it came from), for the work
-  // queued so far: everything is done when this runs (synchronize) or the caller asks without waiting.
+  // Reports the kept failure unless it was reported already (itself, or the failure it came from). It stays kept:
+  // work queued before the report and not yet run (a query does not wait) is still skipped, and the first task
+  // queued after the report drops it (failure_for_locked).
   void rethrow_locked() {
-    std::shared_ptr<const kept_failure> f = std::exchange(failure_, nullptr);
+    const std::shared_ptr<const kept_failure> f = failure_;
     if (!f || !f->fails(std::numeric_limits<std::uint64_t>::max())) return;
     f->reported_at.store(next_stamp(), std::memory_order_release);
     try {
@@ -367,7 +368,7 @@ class event_state {
                                             " waited for an event recorded after failed work: ", f->context),
                              f));
                        } catch (...) {
-                         // out of memory: the failure is not taken over
+                         s.fail(f);  // out of memory for the sentence: the original failure itself
                        }
                      }
                      drop_ref();
