@@ -11,6 +11,7 @@
 #include <vector>
 
 #include "lockstep/core/half.hpp"
+#include "lockstep/kernels/bind.hpp"
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/core/random.hpp"
 #include "lockstep/kernels/activation.hpp"
@@ -195,6 +196,15 @@ struct iota_squares {
   LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = static_cast<std::int64_t>(i) * static_cast<std::int64_t>(i); }
 };
 }  // namespace
+
+TEST(launch, the_32_bit_index_division_gives_the_64_bit_quotient) {
+  const std::uint64_t big = std::uint64_t{1} << 32;
+  for (std::uint64_t i : {std::uint64_t{0}, std::uint64_t{1}, std::uint64_t{12345}, big - 1, big, big + 7, big * 5 + 3}) {
+    for (std::uint64_t d : {std::uint64_t{1}, std::uint64_t{3}, std::uint64_t{784}, big - 1, big, big + 1}) {
+      EXPECT_EQ(detail::index_div(static_cast<std::size_t>(i), static_cast<std::size_t>(d)), i / d) << i << " / " << d;
+    }
+  }
+}
 
 TEST(launch, runs_a_user_functor_over_every_index) {
   for (device_kind k : {device_kind::host, device_kind::cuda}) {

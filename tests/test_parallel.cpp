@@ -240,7 +240,7 @@ TEST(ddp, buckets_fill_in_reverse_order_with_a_smaller_first_bucket) {
   });
 }
 
-namespace {
+namespace ddp_order_test {  // named: nvcc warns about unused members of a layer in an anonymous namespace
 // A model whose backward reports every gradient at its end, in registration order (the first layer first): the
 // reverse of the order buckets are built in, as a graph with another backward order or a custom layer may.
 struct late_reports {
@@ -260,7 +260,8 @@ struct late_reports {
   [[nodiscard]] late_reports clone(context& ctx) const { return late_reports{g.clone(ctx)}; }
   [[nodiscard]] shape output_shape(const shape& s) const { return g.output_shape(s); }
 };
-}  // namespace
+}  // namespace ddp_order_test
+using ddp_order_test::late_reports;
 
 // Every rank all-reduces the buckets in bucket order, whatever order backward finishes them in: here rank 0's
 // backward makes the last bucket ready first and rank 1 has no data (it issues every bucket at the end). In ready

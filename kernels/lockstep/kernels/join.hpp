@@ -13,6 +13,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/kernels/bind.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
@@ -41,7 +42,7 @@ struct sum_op {
   std::size_t cols;
   bool accumulate;
   LOCKSTEP_HD void operator()(std::size_t i) const {
-    const std::size_t r = i / cols;
+    const std::size_t r = detail::index_div(i, cols);
     const std::size_t c = i - r * cols;
     float acc = in[0].load(r, c);
     if (accumulate) acc = to_float(out[i]) + acc;
@@ -61,7 +62,7 @@ struct copy_columns_op {
   std::size_t out_cols;
   std::size_t offset;
   LOCKSTEP_HD void operator()(std::size_t i) const {
-    const std::size_t r = i / cols;
+    const std::size_t r = detail::index_div(i, cols);
     const std::size_t c = i - r * cols;
     out[r * out_cols + offset + c] = in[i];
   }

@@ -41,7 +41,7 @@ struct flat_2d {
   std::size_t cols;
   __device__ auto bind() const { return flat_2d<decltype(bind_functor(f))>{bind_functor(f), cols}; }
   __device__ void operator()(std::size_t i) const {
-    const std::size_t r = i / cols;
+    const std::size_t r = index_div(i, cols);
     f(r, i - r * cols);
   }
 };

@@ -9,7 +9,6 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
-#include <limits>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
@@ -46,7 +45,7 @@ struct softmax_xent_forward_op {
     const T* x = logits + r * classes;
     const std::int32_t label = labels[r];
     if (label < 0 || static_cast<std::size_t>(label) >= classes) {
-      row_loss[r] = std::numeric_limits<float>::quiet_NaN();
+      row_loss[r] = detail::bits_as_float(0x7fc00000u);  // a quiet NaN (numeric_limits is host-only constexpr for nvcc)
       return;
     }
     const auto st = row_softmax_stats<T>::of(x, classes);

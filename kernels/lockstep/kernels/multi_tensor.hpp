@@ -38,11 +38,24 @@ LOCKSTEP_DETAIL_BEGIN
 inline constexpr std::size_t multi_tensor_chunk = 16384;  // elements per GPU block
 inline constexpr int multi_tensor_threads = 256;
 
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+// CUDA 12.1 and newer accept 32764 bytes of kernel parameters on sm_70 and newer (lockstep builds for sm_80 and
+// sm_90): one launch covers 4096 blocks of 16K elements (64M elements), enough to fill an H100.
+inline constexpr std::size_t multi_tensor_param_bytes = 32764;
+inline constexpr int multi_tensor_max_groups = 96;
+inline constexpr int multi_tensor_max_blocks = 4096;
+#else
+// The 4 KiB of kernel parameters every GPU and CUDA version accept: 320 blocks of 16K elements per launch.
+inline constexpr std::size_t multi_tensor_param_bytes = 4096;
+inline constexpr int multi_tensor_max_groups = 24;
+inline constexpr int multi_tensor_max_blocks = 320;
+#endif
+
 template <int K>
 struct multi_tensor_table {
-  // Sized so that the table and a functor stay under the 4 KiB of kernel parameters every GPU accepts.
-  static constexpr int max_groups = 24;
-  static constexpr int max_blocks = 320;
+  // Sized so that the table and a functor stay under the kernel parameter limit (above).
+  static constexpr int max_groups = multi_tensor_max_groups;
+  static constexpr int max_blocks = multi_tensor_max_blocks;
   tensor_group<K> groups[max_groups];
   std::uint8_t block_group[max_blocks];
   std::uint32_t block_chunk[max_blocks];
@@ -61,7 +74,7 @@ __global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table,
 template <int K, class F>
 void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
   using table_t = multi_tensor_table<K>;
-  static_assert(sizeof(table_t) + sizeof(F) <= 4096, "kernel parameters must fit in 4 KiB");
+  static_assert(sizeof(table_t) + sizeof(F) <= multi_tensor_param_bytes, "kernel parameters must fit the limit");
   const device d = s.get_device();
   device_guard guard(d);
   table_t table{};

@@ -104,9 +104,10 @@ struct sgd_update_op {
       p[i] = updated;
       if constexpr (Working) working[i] = convert<T>(updated);
     }
-    /// Calls f.template operator()<Momentum, Working>() for this group's configuration.
+    /// Calls f.template operator()<Momentum, Working>() for this group's configuration (host code: a lambda's
+    /// call operator is a host constexpr function for nvcc, so the device path below branches by hand).
     template <class F>
-    LOCKSTEP_HD void dispatch(const tensor_group<4>& g, F&& f) const {
+    void dispatch(const tensor_group<4>& g, F&& f) const {
       const bool has_momentum = momentum != 0.0f, has_working = g.ptr[3] != nullptr;
       if (has_momentum && has_working) return f.template operator()<true, true>();
       if (has_momentum) return f.template operator()<true, false>();
@@ -115,10 +116,15 @@ struct sgd_update_op {
     }
     LOCKSTEP_HD void operator()(const tensor_group<4>& g, std::size_t i) const {
       if (skip) return;
-      dispatch(g, [&]<bool M, bool W>() {
-        element<M, W>(static_cast<float*>(g.ptr[0]), static_cast<const T*>(g.ptr[1]), static_cast<float*>(g.ptr[2]),
-                      static_cast<T*>(g.ptr[3]), i);
-      });
+      float* p = static_cast<float*>(g.ptr[0]);
+      const T* grad = static_cast<const T*>(g.ptr[1]);
+      float* buf = static_cast<float*>(g.ptr[2]);
+      T* working = static_cast<T*>(g.ptr[3]);
+      const bool has_momentum = momentum != 0.0f, has_working = working != nullptr;
+      if (has_momentum && has_working) return element<true, true>(p, grad, buf, working, i);
+      if (has_momentum) return element<true, false>(p, grad, buf, working, i);
+      if (has_working) return element<false, true>(p, grad, buf, working, i);
+      element<false, false>(p, grad, buf, working, i);
     }
     /// A whole group (the host launcher's loop): one configuration, pointers loaded once.
     void for_group(const tensor_group<4>& g) const {
