@@ -14,6 +14,9 @@
 #include <vector>
 
 #include "lockstep/device/device_set.hpp"
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/launch.hpp"
+#include "lockstep/kernels/multi_tensor.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/device_buffer.hpp"
 #include "lockstep/runtime/memory.hpp"
@@ -556,4 +559,133 @@ TEST_P(backend, copy_preconditions_say_what_is_wrong) {
   EXPECT_CONTAINS(message_of<precondition_error>([&] { fill_zero(c.span(), s0); }), "fill_zero of memory on");
   s0.synchronize();
   s1.synchronize();
+}
+
+// ---- host_strictness::strict: what a GPU would reject fails on host devices too -------------------------------
+// CTest runs every lockstep test with LOCKSTEP_HOST_STRICT=1; run by hand without it, these skip.
+
+namespace {
+
+bool strict_host() { return host_platform_configuration().strictness == host_strictness::strict; }
+
+#define LOCKSTEP_REQUIRE_STRICT() \
+  if (!strict_host()) GTEST_SKIP() << "host devices are lenient: set LOCKSTEP_HOST_STRICT=1 (CTest does)"
+
+struct add_one_op {
+  float* x;
+  LOCKSTEP_HD void operator()(std::size_t i) const { x[i] += 1.0f; }
+};
+
+struct scaled_sum_op {  // one scalar read through a pointer, as a loss scale or a skip flag is
+  const float* factor;
+  LOCKSTEP_HD void operator()(const tensor_group<1>& g, std::size_t i) const {
+    static_cast<float*>(g.ptr[0])[i] *= *factor;
+  }
+};
+
+}  // namespace
+
+TEST(host_strict, a_kernel_that_touches_another_devices_memory_is_refused_as_a_gpu_would_fault) {
+  LOCKSTEP_REQUIRE_STRICT();
+  stream s0(host0), s1(host1);
+  device_buffer<float> a(1000, s0);
+  fill_zero(a.span(), s0);
+  s0.synchronize();
+  for (float* p : {a.data(), a.data() + 999}) {  // the start of the block, and inside it
+    const auto message = message_of<precondition_error>([&] { launch_elementwise(1, add_one_op{p}, s1, "add_one"); });
+    EXPECT_CONTAINS(message, "add_one on host:1 uses memory of host:0");
+    EXPECT_CONTAINS(message, "cudaErrorIllegalAddress");
+    EXPECT_CONTAINS(message, "run the work on a stream of host:0");
+  }
+  launch_elementwise(1000, add_one_op{a.data()}, s0, "add_one");  // on its own device it runs
+  EXPECT_EQ(to_vector(device_span<const float>(a.span()), s0), std::vector<float>(1000, 1.0f));
+}
+
+TEST(host_strict, a_multi_tensor_launch_checks_every_group_and_the_scalars_it_reads) {
+  LOCKSTEP_REQUIRE_STRICT();
+  stream s0(host0), s1(host1);
+  device_buffer<float> x0(70, s0), y0(3, s0), factor0(1, s0), factor1(1, s1), x1(5, s1);
+  const std::vector<tensor_group<1>> mixed{{{x0.data()}, 70}, {{x1.data()}, 5}, {{y0.data()}, 3}};
+  auto message = message_of<precondition_error>(
+      [&] { launch_multi_tensor<1>(mixed, scaled_sum_op{factor0.data()}, s0, "scaled sum"); });
+  EXPECT_CONTAINS(message, "scaled sum on host:0 uses memory of host:1");
+  // every tensor on host:0, but the scalar on host:1: the case of a loss scaler made on another device
+  const std::vector<tensor_group<1>> local{{{x0.data()}, 70}, {{y0.data()}, 3}};
+  message = message_of<precondition_error>(
+      [&] { launch_multi_tensor<1>(local, scaled_sum_op{factor1.data()}, s0, "scaled sum"); });
+  EXPECT_CONTAINS(message, "scaled sum on host:0 uses memory of host:1");
+  fill(factor0.span(), 2.0f, s0);
+  fill(x0.span(), 1.5f, s0);
+  fill(y0.span(), -4.0f, s0);
+  launch_multi_tensor<1>(local, scaled_sum_op{factor0.data()}, s0, "scaled sum");
+  EXPECT_EQ(to_vector(device_span<const float>(x0.span()), s0), std::vector<float>(70, 3.0f));
+  EXPECT_EQ(to_vector(device_span<const float>(y0.span()), s0), std::vector<float>(3, -8.0f));
+}
+
+TEST(host_strict, a_span_must_hold_memory_of_the_device_it_names) {
+  LOCKSTEP_REQUIRE_STRICT();
+  stream s0(host0), s1(host1);
+  device_buffer<float> a(64, s0), b(64, s1);
+  // a span that says host:1 but holds host:0's memory (a bug a shared address space would hide)
+  const device_span<float> lying(a.data(), 64, host1);
+  auto message = message_of<precondition_error>([&] { copy(lying, device_span<const float>(b.span()), s1); });
+  EXPECT_CONTAINS(message, "copy destination on host:1 uses memory of host:0");
+  message = message_of<precondition_error>([&] { fill_zero(lying, s1); });
+  EXPECT_CONTAINS(message, "fill_zero on host:1 uses memory of host:0");
+  // ordinary host memory is no device's memory
+  std::vector<float> host(64);
+  const device_span<float> not_device(host.data(), 64, host0);
+  message = message_of<precondition_error>([&] { copy(device_span<float>(b.span()), device_span<const float>(not_device), s1); });
+  EXPECT_CONTAINS(message, "is said to be memory of host:0 but is no live allocation of any host device");
+  // a range that runs past its allocation
+  const device_span<float> too_long(a.data() + 60, 8, host0);
+  message = message_of<precondition_error>([&] { fill_zero(too_long, s0); });
+  EXPECT_CONTAINS(message, "run 16 B past the end of its allocation on host:0");
+  // a peer copy touches both devices, as cudaMemcpyPeerAsync does: allowed from either side
+  fill(a.span(), 7.0f, s0);
+  s0.synchronize();
+  copy(b.span(), device_span<const float>(a.span()), s1);
+  EXPECT_EQ(to_vector(device_span<const float>(b.span()), s1), std::vector<float>(64, 7.0f));
+}
+
+#if !defined(__SANITIZE_THREAD__)  // the race below is deliberate: ThreadSanitizer would (rightly) report it
+TEST(host_strict, streams_of_two_devices_that_no_event_orders_race_visibly) {
+  LOCKSTEP_REQUIRE_STRICT();
+  // The mistake: a consumer on host:1 copies what a producer on host:0 writes, with no event between them. A
+  // shared queue order would make it pass most of the time; strict streams start work late at random, so in
+  // some of 200 rounds the copy reads the old values. With the event, never.
+  stream s0(host0), s1(host1);
+  device_buffer<float> produced(4096, s0), seen(4096, s1);
+  event written(host0);
+  int stale_without_event = 0, stale_with_event = 0;
+  for (int round = 1; round <= 200; ++round) {
+    for (const bool ordered : {false, true}) {
+      fill(produced.span(), 0.0f, s0);
+      s0.synchronize();
+      fill(produced.span(), static_cast<float>(round), s0);
+      if (ordered) {
+        written.record(s0);
+        s1.wait(written);
+      }
+      copy(seen.span(), device_span<const float>(produced.span()), s1);
+      const auto values = to_vector(device_span<const float>(seen.span()), s1);
+      s0.synchronize();
+      const bool stale = values.front() != static_cast<float>(round) || values.back() != static_cast<float>(round);
+      (ordered ? stale_with_event : stale_without_event) += stale ? 1 : 0;
+    }
+  }
+  EXPECT_GT(stale_without_event, 0) << "strict host streams should make the missing event visible";
+  EXPECT_EQ(stale_with_event, 0);
+}
+#endif
+
+TEST(host_strict, the_switch_is_read_from_the_environment_and_checked) {
+  host_platform_config c;
+  detail::apply_host_environment(c, "", "", "1");
+  EXPECT_EQ(c.strictness, host_strictness::strict);
+  detail::apply_host_environment(c, "", "", "0");
+  EXPECT_EQ(c.strictness, host_strictness::lenient);
+  const auto message =
+      message_of<device_error>([&] { detail::apply_host_environment(c, "", "", "yes"); });
+  EXPECT_CONTAINS(message, "LOCKSTEP_HOST_STRICT='yes' is not a switch");
 }

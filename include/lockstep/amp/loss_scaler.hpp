@@ -109,8 +109,7 @@ class loss_scaler {
   /// communicator, the flag is then reduced (max) over its ranks, so that every rank skips the same steps.
   void unscale_and_check(std::span<parameter* const> params, stream_ref s,
                          std::optional<communicator_ref> ranks = std::nullopt) {
-    LOCKSTEP_EXPECTS(s.get_device() == get_device(), "loss_scaler on ", get_device().str(),
-                     " used on a stream of ", s.get_device().str());
+    expect_on_scaler_device(params, s, "loss_scaler::unscale_and_check");
     launch_elementwise(1, kernels::begin_check_op{state()}, s, "loss scaler check");
     for_each_gradient_type(params, s, [&]<class T>(std::span<const tensor_group<1>> groups) {
       launch_multi_tensor<1>(groups, kernels::count_non_finite_op<T>{state()}, s, "non-finite gradient count");
@@ -127,6 +126,7 @@ class loss_scaler {
   /// without losing the small values loss scaling protects: precondition_error (PyTorch refuses it too).
   void unscale_(std::span<parameter* const> params, stream_ref s) {
     std::vector<tensor_group<1>> groups;
+    expect_on_scaler_device(params, s, "loss_scaler::unscale_");
     for (parameter* p : params) {
       LOCKSTEP_EXPECTS(p->compute_type() == dtype::f32, "loss_scaler::unscale_: gradient of ", p->name(), " is ",
                        name_of(p->compute_type()), "; only f32 gradients can be unscaled in place (the optimizer "
@@ -168,6 +168,18 @@ class loss_scaler {
  private:
   [[nodiscard]] kernels::scaler_state* state() const noexcept {
     return reinterpret_cast<kernels::scaler_state*>(const_cast<std::uint8_t*>(state_.data()));
+  }
+
+  // The stream and every gradient are on the scaler's device: its kernels read them all in one launch.
+  void expect_on_scaler_device(std::span<parameter* const> params, stream_ref s, const char* what) const {
+    LOCKSTEP_EXPECTS(s.get_device() == get_device(), what, ": the scaler's state is on ", get_device().str(),
+                     " but the stream is of ", s.get_device().str());
+    for (parameter* p : params) {
+      const device d = p->value().get_device();
+      LOCKSTEP_EXPECTS(d == get_device(), what, ": parameter ", p->name(), " is on ", d.str(), ", the scaler on ",
+                       get_device().str(), "; one kernel cannot read both (on GPUs: an illegal address). Use a "
+                       "scaler per device, or the scaler of the device that holds these parameters");
+    }
   }
 
   // Calls launch.template operator()<T>(groups) for the gradients of each storage type T.

@@ -181,6 +181,7 @@ void gemm_host_blocked(const gemm_problem<T>& p, const host_blocking& bl, float*
 template <class T>
 void gemm_host(blas_handle& h, const gemm_problem<T>& p) {
   const stream_ref s = h.stream();
+  detail::strict_check_functor(p, s.get_device(), "gemm");  // a, b and c are memory of the handle's device
   if (p.k == 0 || p.alpha == 0.0f) {
     if (p.beta == 1.0f) return;
     detail::enqueue_host(s, [p] { scale_host(p.m, p.n, p.beta, p.c, p.ldc); }, "gemm (C = beta * C)");

@@ -187,6 +187,9 @@ class communicator_impl {
   [[nodiscard]] virtual int rank() const noexcept = 0;
   [[nodiscard]] virtual int size() const noexcept = 0;
   [[nodiscard]] virtual device get_device() const noexcept = 0;
+  /// Throws precondition_error when `c` exceeds a limit of this backend (MPI's int counts); the checks common to
+  /// every backend are done already.
+  virtual void check_limits(const collective_call& c) const { (void)c; }
   /// Queues `c` on `s` (a stream of get_device()); arguments are already checked.
   virtual void enqueue(const collective_call& c, stream_ref s) = 0;
   /// Fails every pending and future collective of the group with `reason`. Never throws.
@@ -242,6 +245,13 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
                    ": send buffer is null with count ", c.count);
   LOCKSTEP_EXPECTS(!recv_used || c.recv != nullptr, what, " on ", rank_name(rank, dev),
                    ": recv buffer is null with count ", c.count);
+  comm.check_limits(c);
+  if (dev.is_host() && host_strict()) {  // the buffers are memory of this rank's device, whole
+    const std::size_t bytes = c.count * size_of(c.type), all = bytes * static_cast<std::size_t>(size);
+    const std::string name(what);
+    if (send_used) strict_expect_memory_of(dev, c.send, c.kind == collective_kind::reduce_scatter ? all : bytes, name.c_str());
+    if (recv_used) strict_expect_memory_of(dev, c.recv, c.kind == collective_kind::all_gather ? all : bytes, name.c_str());
+  }
 }
 
 /// Checks that a span given to a collective lives on the communicator's device.

@@ -760,9 +760,12 @@ class member final : public communicator_impl {
   [[nodiscard]] int size() const noexcept override { return state_->size(); }
   [[nodiscard]] device get_device() const noexcept override { return state_->get_device(); }
 
-  void enqueue(const collective_call& c, stream_ref s) override {
+  void check_limits(const collective_call& c) const override {
     LOCKSTEP_EXPECTS(c.count <= static_cast<std::size_t>(INT_MAX), name_of(c.kind), " on rank ", rank(), ": count ",
                      c.count, " exceeds MPI's count limit; valid counts: 0..", INT_MAX, " (split the collective)");
+  }
+
+  void enqueue(const collective_call& c, stream_ref s) override {
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     std::shared_ptr<state::call_check> check;
     try {

@@ -7,6 +7,8 @@
 //   LOCKSTEP_HOST_DEVICES        number of devices (default 2)
 //   LOCKSTEP_HOST_DEVICE_MEMORY  limit per device: "4G", "512M", bytes; or one value per device "1G,2G"
 //                                (default 4 GiB each)
+//   LOCKSTEP_HOST_STRICT         1: host devices behave as strictly as GPUs (host_strictness::strict); 0 or
+//                                unset: as lenient as the one address space they share (the default)
 //
 // or from code through `configure_host_platform()` before that first use. Like CUDA_VISIBLE_DEVICES for the
 // CUDA runtime, a change after the start has no effect, so it is an error that says so.
@@ -24,6 +26,18 @@
 
 namespace lockstep {
 
+/// How closely host devices imitate GPUs where one address space and one kind of thread would forgive a bug.
+enum class host_strictness : std::uint8_t {
+  /// Host devices share the process's memory: a kernel on host:1 may read host:0's memory, as nothing stops it.
+  lenient,
+  /// What a GPU would reject fails a CPU test: every kernel, multi-tensor launch, copy and collective checks that
+  /// the device memory it uses belongs to the device it runs on (a GPU would stop with cudaErrorIllegalAddress
+  /// or read garbage), and host streams start some of their work late, at random (up to 200 us), so that two
+  /// streams ordered by no event race visibly, as a GPU's do. Costs an address look-up per pointer and the
+  /// delays: meant for tests (lockstep's own run with it).
+  strict,
+};
+
 /// Configuration of the host virtual devices.
 struct host_platform_config {
   /// Number of host devices, 1..64.
@@ -35,6 +49,8 @@ struct host_platform_config {
   [[nodiscard]] std::uint64_t memory_limit(int index) const {
     return memory_limits.size() == 1 ? memory_limits.front() : memory_limits.at(static_cast<std::size_t>(index));
   }
+  /// See host_strictness; LOCKSTEP_HOST_STRICT=1 sets strict.
+  host_strictness strictness = host_strictness::lenient;
 };
 
 namespace detail {
@@ -46,6 +62,7 @@ struct host_platform_state {
   host_platform_config config;
   std::string env_devices;  // LOCKSTEP_HOST_DEVICES as read at start ("" when unset)
   std::string env_memory;   // LOCKSTEP_HOST_DEVICE_MEMORY as read at start
+  std::string env_strict;   // LOCKSTEP_HOST_STRICT as read at start
 };
 
 inline host_platform_state& host_platform() {
@@ -60,7 +77,14 @@ inline std::string getenv_string(const char* name) {
 
 /// Parses the two environment variables into `config`; throws device_error naming the variable.
 inline void apply_host_environment(host_platform_config& config, const std::string& devices,
-                                   const std::string& memory) {
+                                   const std::string& memory, const std::string& strict = {}) {
+  if (!strict.empty()) {
+    if (strict != "0" && strict != "1") {
+      throw device_error(concat("LOCKSTEP_HOST_STRICT='", strict,
+                                "' is not a switch: 1 makes host devices as strict as GPUs, 0 (or unset) does not"));
+    }
+    config.strictness = strict == "1" ? host_strictness::strict : host_strictness::lenient;
+  }
   if (!devices.empty()) {
     int n = -1;
     try {
@@ -138,9 +162,10 @@ inline const host_platform_config& host_platform_configuration() {
   if (!p.started) {
     p.env_devices = detail::getenv_string("LOCKSTEP_HOST_DEVICES");
     p.env_memory = detail::getenv_string("LOCKSTEP_HOST_DEVICE_MEMORY");
+    p.env_strict = detail::getenv_string("LOCKSTEP_HOST_STRICT");
     if (!p.configured_by_code) {
       host_platform_config c;
-      detail::apply_host_environment(c, p.env_devices, p.env_memory);
+      detail::apply_host_environment(c, p.env_devices, p.env_memory, p.env_strict);
       p.config = std::move(c);
     }
     p.started = true;

@@ -127,6 +127,11 @@ class optimizer_core {
   /// counters, one per group.
   kernels::optimizer_counters* prepare(stream_ref s, step_inputs in, float beta1, float beta2) {
     LOCKSTEP_EXPECTS(dev_.has_value(), "an optimizer without parameters cannot step");
+    // The scaler's inverse scale and skip flag are read by the step's kernels: they must be on its device (with
+    // data_parallel's output_device elsewhere, a scaler made there would be read across GPUs: illegal address).
+    detail::expect_pointer_on_device(s.get_device(), in.grad_multiplier,
+                                     "the optimizer step's inverse loss scale (step_inputs)");
+    detail::expect_pointer_on_device(s.get_device(), in.skip, "the optimizer step's skip flag (step_inputs)");
     materialize_state(s);
     for (auto& g : groups_)
       for (parameter* p : g.params) p->materialize_grad(s);

@@ -43,6 +43,10 @@ inline void copy_bytes(void* dst, std::optional<device> dst_dev, const void* src
   LOCKSTEP_EXPECTS(dst != nullptr && src != nullptr, "copy of ", bytes, " B from ", where(src_dev), " to ",
                    where(dst_dev), " with a null pointer");
   const bool any_cuda = (dst_dev && dst_dev->is_cuda()) || (src_dev && src_dev->is_cuda());
+  if (host_strict()) {  // the spans' devices are where their memory lives
+    if (dst_dev) strict_expect_memory_of(*dst_dev, dst, bytes, "copy destination");
+    if (src_dev) strict_expect_memory_of(*src_dev, src, bytes, "copy source");
+  }
   if (sd.is_host()) {
     if (!any_cuda) {
       enqueue_host(s, [dst, src, bytes] { std::memcpy(dst, src, bytes); }, "copy");
@@ -115,6 +119,7 @@ void fill_zero(device_span<T> dst, stream_ref s) {
   if (s.get_device().is_host()) {
     void* p = dst.data();
     const std::size_t n = dst.size_bytes();
+    detail::strict_expect_memory_of(dst.get_device(), p, n, "fill_zero");
     detail::enqueue_host(s, [p, n] { std::memset(p, 0, n); }, "fill_zero");
     return;
   }

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <atomic>
+#include <cstring>
 #include <cstdint>
 #include <limits>
 #include <mutex>
@@ -121,6 +122,98 @@ inline void deallocate(void* p, std::size_t bytes, stream_ref s) noexcept {
   if (acc.live > 0) --acc.live;
 #else
   (void)bytes;
+#endif
+}
+
+#if defined(__has_builtin)
+#if __has_builtin(__builtin_clear_padding)
+#define LOCKSTEP_CAN_CLEAR_PADDING 1
+#endif
+#endif
+#ifndef LOCKSTEP_CAN_CLEAR_PADDING
+#define LOCKSTEP_CAN_CLEAR_PADDING 0
+#endif
+
+// ---- host_strictness::strict: memory used where it lives --------------------------------------------------------
+
+/// True when host devices run in host_strictness::strict (checks below on; streams start work late at random).
+inline bool host_strict() { return host_backend::runtime::instance().strict(); }
+
+[[noreturn]] inline void throw_foreign_memory(device used_on, const void* p, const host_backend::block_owner& owner,
+                                              const char* what) {
+  throw precondition_error(concat(
+      what, " on ", used_on.str(), " uses memory of host:", owner.device, " (", p, ", in a block of ",
+      format_bytes(owner.size), " allocated there): work on a stream may only touch its own device's memory, as on a "
+      "GPU, where this is cudaErrorIllegalAddress and the CUDA context is lost [host_strictness::strict]. Copy the "
+      "data to ", used_on.str(), " first, or run the work on a stream of host:", owner.device));
+}
+
+/// Strict mode: throws precondition_error when `p` lies in a live allocation of a host device other than `d` (a
+/// GPU kernel on `d` would fault on it). Other addresses (pinned or ordinary host memory, GPU memory) pass.
+inline void strict_expect_not_foreign(device d, const void* p, const char* what) {
+  if (p == nullptr || !d.is_host()) return;
+  if (const auto owner = host_backend::address_registry::instance().find(p); owner && owner->device != d.index) {
+    throw_foreign_memory(d, p, *owner, what);
+  }
+}
+
+/// Strict mode: throws precondition_error unless [p, p + bytes) lies in one live allocation of host device `d`:
+/// memory that a span says is on `d` must be (another device's, freed, or ordinary host memory is not).
+inline void strict_expect_memory_of(device d, const void* p, std::size_t bytes, const char* what) {
+  if (p == nullptr || bytes == 0 || !d.is_host() || !host_strict()) return;
+  const auto owner = host_backend::address_registry::instance().find(p);
+  if (!owner) {
+    throw precondition_error(concat(what, ": ", p, " is said to be memory of ", d.str(),
+                                    " but is no live allocation of any host device (freed, or ordinary host memory; "
+                                    "on a GPU, an illegal address) [host_strictness::strict]"));
+  }
+  if (owner->device != d.index) throw_foreign_memory(d, p, *owner, what);
+  const auto offset = static_cast<std::size_t>(static_cast<const std::byte*>(p) - static_cast<const std::byte*>(owner->base));
+  if (offset + bytes > owner->size) {
+    throw precondition_error(concat(what, ": ", format_bytes(bytes), " at ", p, " run ",
+                                    format_bytes(offset + bytes - owner->size), " past the end of its allocation on ",
+                                    d.str(), " (", format_bytes(owner->size), ") [host_strictness::strict]"));
+  }
+}
+
+/// Strict mode: every pointer-sized word of a kernel functor that points into another host device's live memory
+/// fails the launch. Functors are plain structs of pointers and scalars (launch.hpp), so this sees every pointer
+/// a kernel will follow without the functor listing them. Padding is cleared first (its bytes are whatever the
+/// caller's stack held, old pointers included); a scalar whose bits happen to equal such an address would be
+/// refused too, which heap addresses (above 2^44 here) make implausible for sizes, counts and floats. Compilers
+/// without __builtin_clear_padding (clang before 16) skip the scan: the spans' checks remain.
+template <class F>
+void strict_check_functor(const F& f, device d, const char* what) {
+#if LOCKSTEP_CAN_CLEAR_PADDING
+  if (!d.is_host() || !host_strict()) return;
+  F copy = f;
+  __builtin_clear_padding(&copy);
+  const auto* bytes = reinterpret_cast<const unsigned char*>(&copy);
+  for (std::size_t at = 0; at + sizeof(void*) <= sizeof(F); at += alignof(void*)) {
+    const void* p = nullptr;
+    std::memcpy(&p, bytes + at, sizeof p);
+    strict_expect_not_foreign(d, p, what);
+  }
+#else
+  (void)f, (void)d, (void)what;
+#endif
+}
+
+/// Throws precondition_error when `p` is device memory of another device than `d`: on a GPU, asked of the CUDA
+/// runtime (cudaPointerGetAttributes, about a microsecond: for the few scalars a step reads, not per tensor); on a
+/// host device, in strict mode. For pointers the caller cannot otherwise tie to a device (a loss scale, a skip flag).
+inline void expect_pointer_on_device(device d, const void* p, const char* what) {
+  if (p == nullptr) return;
+  if (d.is_host()) {
+    if (host_strict()) strict_expect_not_foreign(d, p, what);
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  cudaPointerAttributes attributes{};
+  LOCKSTEP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p), "asking where ", what, " reads ", p);
+  LOCKSTEP_EXPECTS(attributes.type != cudaMemoryTypeDevice || attributes.device == d.index, what, " on ", d.str(),
+                   " reads ", p, ", memory of cuda:", attributes.device,
+                   ": a kernel cannot read another GPU's memory (cudaErrorIllegalAddress); keep it on ", d.str());
 #endif
 }
 

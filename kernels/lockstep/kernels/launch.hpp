@@ -45,6 +45,7 @@ void launch_elementwise(std::size_t n, F f, stream_ref s, const char* what) {
   static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
   if (n == 0) return;
   if (s.get_device().is_host()) {
+    detail::strict_check_functor(f, s.get_device(), what);
     detail::enqueue_host(
         s,
         [n, f] { detail::run_host_loop(n, f); },
@@ -64,6 +65,7 @@ void launch_2d(std::size_t rows, std::size_t cols, F f, stream_ref s, const char
   static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
   if (rows == 0 || cols == 0) return;
   if (s.get_device().is_host()) {
+    detail::strict_check_functor(f, s.get_device(), what);
     detail::enqueue_host(
         s,
         [rows, cols, f] { detail::run_host_loop_2d(rows, cols, f); },

@@ -117,6 +117,14 @@ void launch_multi_tensor(std::span<const tensor_group<K>> groups, F f, stream_re
   static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
   if (groups.empty()) return;
   if (s.get_device().is_host()) {
+    if (detail::host_strict()) {
+      detail::strict_check_functor(f, s.get_device(), what);
+      for (const auto& g : groups) {
+        for (const void* p : g.ptr) {
+          if (g.size != 0) detail::strict_expect_memory_of(s.get_device(), p, 1, what);
+        }
+      }
+    }
     detail::enqueue_host(
         s,
         [list = std::vector<tensor_group<K>>(groups.begin(), groups.end()), f] {

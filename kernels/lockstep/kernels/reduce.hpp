@@ -74,6 +74,8 @@ void transform_reduce(device_span<const In> in, device_span<Out> out, Reduce red
     const In* p = in.data();
     const std::size_t n = in.size();
     Out* result = out.data();
+    strict_expect_memory_of(s.get_device(), p, in.size_bytes(), what);
+    strict_expect_memory_of(s.get_device(), result, sizeof(Out), what);
     enqueue_host(
         s,
         [p, n, result, reduce, transform, init] {

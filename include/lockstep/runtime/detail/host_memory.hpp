@@ -14,6 +14,8 @@
 #include <map>
 #include <mutex>
 #include <new>
+#include <optional>
+#include <shared_mutex>
 #include <unordered_map>
 #include <vector>
 
@@ -41,9 +43,62 @@ namespace host_backend {
 /// Granularity of pool blocks, and alignment of every allocation (as cudaMalloc guarantees 256 B).
 inline constexpr std::size_t allocation_granularity = 256;
 
+/// The live allocation of a host device that holds an address.
+struct block_owner {
+  int device;
+  const void* base;
+  std::size_t size;
+};
+
+/// Which host device's live allocation holds an address: what lets host_strictness::strict refuse a kernel on
+/// host:1 that touches host:0's memory, as a GPU would fault. Kept by every device's pool in strict mode only.
+class address_registry {
+ public:
+  static address_registry& instance() {
+    static address_registry r;
+    return r;
+  }
+
+  void add(const void* p, std::size_t size, int device) {
+    std::unique_lock lock(mutex_);
+    blocks_.insert_or_assign(address(p), entry{address(p) + size, device});
+  }
+
+  void remove(const void* p) noexcept {
+    try {
+      std::unique_lock lock(mutex_);
+      blocks_.erase(address(p));
+    } catch (...) {  // a lock that cannot be taken leaves a stale entry: a later check may be too strict, never lax
+    }
+  }
+
+  /// The live block holding `p`, if any host device's pool handed it out.
+  [[nodiscard]] std::optional<block_owner> find(const void* p) const {
+    const std::uintptr_t a = address(p);
+    std::shared_lock lock(mutex_);
+    auto it = blocks_.upper_bound(a);
+    if (it == blocks_.begin()) return std::nullopt;
+    --it;
+    if (a >= it->second.end) return std::nullopt;
+    return block_owner{it->second.device, reinterpret_cast<const void*>(it->first), it->second.end - it->first};
+  }
+
+ private:
+  struct entry {
+    std::uintptr_t end;
+    int device;
+  };
+  static std::uintptr_t address(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
+
+  mutable std::shared_mutex mutex_;
+  std::map<std::uintptr_t, entry> blocks_;  // start -> (end, device) of every live block
+};
+
 class device_memory {
  public:
-  device_memory(int device, std::uint64_t limit) : device_(device), limit_(limit) {}
+  /// `track_addresses`: register live blocks in the address_registry (host_strictness::strict).
+  device_memory(int device, std::uint64_t limit, bool track_addresses = false)
+      : device_(device), limit_(limit), track_addresses_(track_addresses) {}
   device_memory(const device_memory&) = delete;
   device_memory& operator=(const device_memory&) = delete;
   ~device_memory() {
@@ -88,6 +143,15 @@ class device_memory {
       ++system_allocations_;
       live_.emplace(p, size);
     }
+    if (track_addresses_) {
+      try {
+        address_registry::instance().add(p, live_.at(p), device_);
+      } catch (...) {
+        free_.emplace(live_.at(p), p);  // back to the cache, uncounted: the request fails whole
+        live_.erase(p);
+        throw;
+      }
+    }
     in_use_ += live_.at(p);
     peak_in_use_ = std::max(peak_in_use_, in_use_);
     ++allocations_;
@@ -104,6 +168,7 @@ class device_memory {
     in_use_ -= size;
     ++frees_;
     live_.erase(it);
+    if (track_addresses_) address_registry::instance().remove(p);
     if (s == nullptr || s->idle()) {
       free_.emplace(size, p);
     } else {
@@ -242,6 +307,7 @@ class device_memory {
 
   const int device_;
   const std::uint64_t limit_;
+  const bool track_addresses_;
   mutable std::mutex mutex_;
   std::multimap<std::size_t, void*> free_;      // cached blocks by size
   std::vector<pending_block> pending_;          // freed, waiting for their stream to pass the free

@@ -20,7 +20,10 @@ namespace lockstep::host_backend {
 
 class device_runtime final : public stream_observer {
  public:
-  device_runtime(int index, std::uint64_t memory_limit) : index_(index), memory_(index, memory_limit) {}
+  device_runtime(int index, std::uint64_t memory_limit, host_strictness strictness)
+      : index_(index),
+        strict_(strictness == host_strictness::strict),
+        memory_(index, memory_limit, strict_) {}
   device_runtime(const device_runtime&) = delete;
   device_runtime& operator=(const device_runtime&) = delete;
   ~device_runtime() {
@@ -32,11 +35,13 @@ class device_runtime final : public stream_observer {
 
   [[nodiscard]] int index() const noexcept { return index_; }
   [[nodiscard]] device_memory& memory() noexcept { return memory_; }
+  /// host_strictness::strict: memory checks on every use, streams that start work late at random.
+  [[nodiscard]] bool strict() const noexcept { return strict_; }
 
   /// A new stream of this device; the caller owns the returned reference (shutdown() + drop_ref()).
   stream_state* create_stream() {
     const auto id = next_stream_id_.fetch_add(1, std::memory_order_relaxed);
-    auto* s = new stream_state(index_, detail::concat("host:", index_, " stream ", id), this);
+    auto* s = new stream_state(index_, detail::concat("host:", index_, " stream ", id), this, jitter());
     std::lock_guard lock(mutex_);
     streams_.push_back(s);
     return s;
@@ -45,7 +50,7 @@ class device_runtime final : public stream_observer {
   /// The stream that exists for the device's lifetime (stream 0), created on first use.
   stream_state* default_stream() {
     std::call_once(default_once_, [this] {
-      auto* s = new stream_state(index_, detail::concat("host:", index_, " default stream"), this);
+      auto* s = new stream_state(index_, detail::concat("host:", index_, " default stream"), this, jitter());
       std::lock_guard lock(mutex_);
       streams_.push_back(s);
       default_stream_ = s;
@@ -83,7 +88,12 @@ class device_runtime final : public stream_observer {
   }
 
  private:
+  // Up to 200 us of delay before some of a strict device's stream work: long enough to reorder two streams that
+  // no event orders (a kernel of a few thousand elements takes microseconds), short enough for test suites.
+  [[nodiscard]] std::uint32_t jitter() const noexcept { return strict_ ? 200 : 0; }
+
   const int index_;
+  const bool strict_;
   device_memory memory_;
   std::mutex mutex_;
   std::vector<stream_state*> streams_;  // live streams, not owned
@@ -102,6 +112,9 @@ class runtime {
 
   [[nodiscard]] int device_count() const noexcept { return static_cast<int>(devices_.size()); }
 
+  /// host_strictness::strict (the same for every device).
+  [[nodiscard]] bool strict() const noexcept { return strict_; }
+
   /// The state of host device `index`; throws device_error naming the visible count when out of range.
   device_runtime& device(int index) {
     if (index < 0 || index >= device_count()) {
@@ -114,11 +127,12 @@ class runtime {
   }
 
  private:
-  explicit runtime(const host_platform_config& config) {
+  explicit runtime(const host_platform_config& config) : strict_(config.strictness == host_strictness::strict) {
     for (int i = 0; i < config.device_count; ++i)
-      devices_.push_back(std::make_unique<device_runtime>(i, config.memory_limit(i)));
+      devices_.push_back(std::make_unique<device_runtime>(i, config.memory_limit(i), config.strictness));
   }
 
+  const bool strict_;
   std::vector<std::unique_ptr<device_runtime>> devices_;
 };
 

@@ -92,9 +92,17 @@ class stream_observer {
 
 class stream_state {
  public:
-  /// Starts the worker thread. `label` names the stream in errors, e.g. "host:0 stream 3".
-  stream_state(int device, std::string label, stream_observer* observer = nullptr)
-      : device_(device), label_(std::move(label)), observer_(observer), worker_([this] { run(); }) {}
+  /// Starts the worker thread. `label` names the stream in errors, e.g. "host:0 stream 3". With `jitter_us` > 0
+  /// (host_strictness::strict), one task in four starts up to that many microseconds late, at random: streams
+  /// that no event orders then race as a GPU's do, instead of running in the order they were fed.
+  stream_state(int device, std::string label, stream_observer* observer = nullptr, std::uint32_t jitter_us = 0)
+      : device_(device),
+        label_(std::move(label)),
+        observer_(observer),
+        jitter_us_(jitter_us),
+        random_((reinterpret_cast<std::uintptr_t>(this) ^
+                 static_cast<std::uint64_t>(std::chrono::steady_clock::now().time_since_epoch().count())) | 1),
+        worker_([this] { run(); }) {}
 
   stream_state(const stream_state&) = delete;
   stream_state& operator=(const stream_state&) = delete;
@@ -242,6 +250,7 @@ class stream_state {
       const bool skip = failure_for_locked(t.stamp) != nullptr && !t.runs_after_failure;  // failed: later work does not run
       lock.unlock();
       if (!skip) {
+        if (jitter_us_ != 0) delay_at_random();
         try {
           t.body();
         } catch (const std::exception& e) {
@@ -255,6 +264,15 @@ class stream_state {
       completed_.fetch_add(1, std::memory_order_acq_rel);
       if (done_waiters_ != 0) work_done_.notify_all();
     }
+  }
+
+  // One call in four sleeps up to jitter_us_ microseconds (xorshift64: cheap, and per stream, so no lock).
+  void delay_at_random() {
+    random_ ^= random_ << 13;
+    random_ ^= random_ >> 7;
+    random_ ^= random_ << 17;
+    if ((random_ & 3) != 0) return;
+    std::this_thread::sleep_for(std::chrono::microseconds((random_ >> 8) % jitter_us_));
   }
 
   void keep_error(const char* what, const char* message) {
@@ -278,6 +296,8 @@ class stream_state {
   const int device_;
   const std::string label_;
   stream_observer* const observer_;
+  const std::uint32_t jitter_us_;
+  std::uint64_t random_;  // the worker's, for delay_at_random
   mutable std::mutex mutex_;
   std::condition_variable work_ready_;
   mutable std::condition_variable work_done_;
