@@ -1,7 +1,8 @@
 // Tests of amp/: the loss scaler's dynamics (backoff, growth, ceiling, floor), skipped steps that leave
 // weights and optimizer state bit-identical on every rank, unscaling against a CPU reference, f16/bf16 GEMMs
-// against fp32 within the error of their input rounding, and precision policies end to end (host devices;
-// this program runs with LOCKSTEP_HOST_DEVICES=3).
+// against fp32 within the error of their input rounding, and precision policies end to end. Every test runs
+// once per backend: on host devices (this program runs with LOCKSTEP_HOST_DEVICES=3) and on GPUs (skipped
+// without a GPU, or with fewer than a test needs).
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -14,13 +15,13 @@
 #include "lockstep/comm/run_on_devices.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "parallel_common.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 using namespace parallel_test;
 
 namespace {
-
-device host(int i) { return device{device_kind::host, i}; }
 
 std::vector<std::uint8_t> raw_bytes(const tensor_view& t, stream_ref s) {
   return to_vector(device_span<const std::uint8_t>(t.bytes()), s);
@@ -41,12 +42,19 @@ std::vector<std::uint8_t> state_bytes(Model& m, const sgd& opt, stream_ref s) {
   return out;
 }
 
+// Every suite runs once per backend.
+class loss_scaler_test : public backend_test {};
+class mixed_precision_test : public backend_test {};
+
 }  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, loss_scaler_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, mixed_precision_test, all_backends(), backend_name);
 
 // ---- the scaler's dynamics --------------------------------------------------------------------------------------
 
-TEST(loss_scaler, backs_off_on_overflow_and_grows_after_the_interval) {
-  stream s(host(0));
+TEST_P(loss_scaler_test, backs_off_on_overflow_and_grows_after_the_interval) {
+  stream s(dev());
   parameter p("w", shape{4}, s, dtype::f16);
   parameter* ps[] = {&p};
   loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1024.0f, .growth_interval = 3});
@@ -78,8 +86,8 @@ TEST(loss_scaler, backs_off_on_overflow_and_grows_after_the_interval) {
   EXPECT_EQ(t.steps, 5);
 }
 
-TEST(loss_scaler, the_ceiling_and_the_floor_hold) {
-  stream s(host(0));
+TEST_P(loss_scaler_test, the_ceiling_and_the_floor_hold) {
+  stream s(dev());
   parameter p("w", shape{2}, s, dtype::f16);
   parameter* ps[] = {&p};
   loss_scaler scaler(s, loss_scaler_options{.initial_scale = 8.0f, .growth_interval = 1, .max_scale = 16.0f,
@@ -103,11 +111,11 @@ TEST(loss_scaler, the_ceiling_and_the_floor_hold) {
   EXPECT_THROW(loss_scaler(s, loss_scaler_options{.initial_scale = 0.0f}), precondition_error);
 }
 
-TEST(loss_scaler, bf16_defaults_to_no_scaling_but_still_skips_non_finite_steps) {
+TEST_P(loss_scaler_test, bf16_defaults_to_no_scaling_but_still_skips_non_finite_steps) {
   const auto o = loss_scaler_options::for_precision(dtype::bf16);
   EXPECT_FALSE(o.dynamic);
   EXPECT_EQ(o.initial_scale, 1.0f);
-  stream s(host(0));
+  stream s(dev());
   parameter p("w", shape{2}, s, dtype::bf16);
   parameter* ps[] = {&p};
   loss_scaler scaler(s, o);
@@ -122,8 +130,9 @@ TEST(loss_scaler, bf16_defaults_to_no_scaling_but_still_skips_non_finite_steps) 
   EXPECT_EQ(t.skipped_steps, 1);
 }
 
-TEST(loss_scaler, attaches_only_to_a_context_on_its_device) {
-  stream s0(host(0)), s1(host(1));
+TEST_P(loss_scaler_test, attaches_only_to_a_context_on_its_device) {
+  if (!require_devices(2)) return;
+  stream s0(dev(0)), s1(dev(1));
   loss_scaler scaler(s0);
   context here(s0), elsewhere(s1);
   scaler.attach(here);
@@ -132,17 +141,16 @@ TEST(loss_scaler, attaches_only_to_a_context_on_its_device) {
     scaler.attach(elsewhere);
     ADD_FAILURE() << "expected precondition_error";
   } catch (const precondition_error& e) {
-    EXPECT_NE(std::string(e.what()).find("the scaler's state is on host:0 but the context computes on host:1"),
-              std::string::npos)
-        << e.what();
+    EXPECT_CONTAINS(e.what(), "the scaler's state is on " + dev(0).str() + " but the context computes on " +
+                                  dev(1).str());
   }
   EXPECT_EQ(elsewhere.loss_scale(), nullptr);
 }
 
 // ---- unscaling, exactly -----------------------------------------------------------------------------------------
 
-TEST(loss_scaler, unscaling_matches_a_cpu_reference_exactly) {
-  stream s(host(0));
+TEST_P(loss_scaler_test, unscaling_matches_a_cpu_reference_exactly) {
+  stream s(dev());
   // f32 gradients unscaled in place (unscale_) and f16 gradients unscaled as the optimizer reads them
   std::mt19937 gen(3);
   std::uniform_real_distribution<float> dist(-100.0f, 100.0f);
@@ -183,11 +191,12 @@ TEST(loss_scaler, unscaling_matches_a_cpu_reference_exactly) {
 
 // ---- a skipped step changes nothing, on every rank ----------------------------------------------------------------
 
-TEST(mixed_precision, an_overflow_on_one_rank_skips_the_step_on_every_rank) {
+TEST_P(mixed_precision_test, an_overflow_on_one_rank_skips_the_step_on_every_rank) {
+  if (!require_devices(3)) return;
   for (int bad_rank : {0, 2}) {
     std::vector<std::vector<std::uint8_t>> before(3), after(3);
     std::vector<loss_scaler_telemetry> telemetry(3);
-    run_on_devices(device_set("host:0,host:1,host:2"), [&](rank_context& rc) {
+    run_on_devices(devices(3), [&](rank_context& rc) {
       context ctx(rc.compute_stream(), dtype::f16);
       graph model = make_model(ctx);
       // no DDP here: each rank checks its own gradients, so that only one rank sees the overflow and the
@@ -235,8 +244,9 @@ TEST(mixed_precision, an_overflow_on_one_rank_skips_the_step_on_every_rank) {
   }
 }
 
-TEST(mixed_precision, set_precision_gives_every_parameter_a_rounded_working_copy_and_a_low_precision_gradient) {
-  stream s(host(0));
+TEST_P(mixed_precision_test, set_precision_gives_every_parameter_a_rounded_working_copy_and_a_low_precision_gradient) {
+  if (!require_devices(2)) return;
+  stream s(dev());
   context ctx(s);
   graph model = make_model(ctx);
   const auto masters = parameter_values(model, s);
@@ -269,17 +279,18 @@ TEST(mixed_precision, set_precision_gives_every_parameter_a_rounded_working_copy
   }
   EXPECT_EQ(parameter_values(model, s), masters);  // switching precision never touches the master values
   // a model on another device, and a type that is not floating, are refused with what is wrong
-  stream other(host(1));
+  stream other(dev(1));
   context elsewhere(other);
   EXPECT_THROW(set_precision(model, elsewhere, dtype::f16), precondition_error);
   EXPECT_THROW(set_precision(model, ctx, dtype::i32), precondition_error);
 }
 
-TEST(mixed_precision, f16_and_bf16_training_stays_close_to_f32) {
+TEST_P(mixed_precision_test, f16_and_bf16_training_stays_close_to_f32) {
+  if (!require_devices(2)) return;
   const auto x = inputs();
   const auto y = labels();
   auto train = [&](dtype t) {
-    stream s(host(1));
+    stream s(dev(1));
     context ctx(s, t);
     graph model = make_model(ctx);
     auto params = parameters_of(model).pointers();
@@ -316,8 +327,8 @@ TEST(mixed_precision, f16_and_bf16_training_stays_close_to_f32) {
 
 // ---- low-precision GEMMs against fp32 ------------------------------------------------------------------------------
 
-TEST(mixed_precision, f16_and_bf16_gemms_are_within_the_error_of_their_input_rounding) {
-  stream s(host(0));
+TEST_P(mixed_precision_test, f16_and_bf16_gemms_are_within_the_error_of_their_input_rounding) {
+  stream s(dev());
   blas_handle h(s);
   const std::int64_t m = 37, n = 29, k = 300;
   std::mt19937 gen(11);

@@ -1,7 +1,7 @@
-// Tests of nn/graph.hpp on a host device: joins (exactly, with small integers), a residual and branching net
-// against central finite differences, a residual graph against the same computation written by hand,
-// nesting (in sequential, in another graph), every build error, the gradients-ready hook, parameter names,
-// clone, steady-state allocations, and f16/bf16 against f32.
+// Tests of nn/graph.hpp on both backends (the CUDA instances skip without a GPU, or with too few): joins
+// (exactly, with small integers), a residual and branching net against central finite differences, a residual
+// graph against the same computation written by hand, nesting (in sequential, in another graph), every build
+// error, the gradients-ready hook, parameter names, clone, steady-state allocations, and f16/bf16 against f32.
 #include <gtest/gtest.h>
 
 #include <algorithm>
@@ -21,13 +21,12 @@
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/memory.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 
 namespace {
-
-const device host0{device_kind::host, 0};
-const device host1{device_kind::host, 1};
 
 // The elements of a floating tensor as floats; synchronizes `s`.
 std::vector<float> read(const tensor_view& t, stream_ref s) {
@@ -142,16 +141,21 @@ class spy {
 };
 static_assert(layer<spy>);
 
+// Every test of the graph runs once per backend.
+class graph_test : public backend_test {};
+
 }  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, graph_test, all_backends(), backend_name);
 
 // Joins alone, with small integers: forward and backward compare exactly, in every floating type, for
 // ragged batch sizes that first grow then shrink (buffers reused at a smaller size). "ten" sums ten operands
 // and the input gradient sums thirteen contributions (two from "twice", one column range of "cat", ten from
 // "ten"): more than one launch of eight operands each.
-TEST(graph, joins_compute_exact_sums_and_concatenations_forward_and_backward) {
+TEST_P(graph_test, joins_compute_exact_sums_and_concatenations_forward_and_backward) {
   for (const dtype type : {dtype::f32, dtype::f16, dtype::bf16}) {
     SCOPED_TRACE(std::string(name_of(type)));
-    context ctx(default_stream(host0), type);
+    context ctx(default_stream(dev()), type);
     graph g(shape{3});
     g.add_sum("twice", {"input", "input"});
     g.add_sum("ten", std::vector<std::string>(10, "input"));
@@ -192,8 +196,8 @@ TEST(graph, joins_compute_exact_sums_and_concatenations_forward_and_backward) {
 // moves L by ~1e-6, i.e. ~5e-5 in the quotient. The worst error observed is 1.2e-4 on a gradient of 0.43;
 // 5e-4 + 5e-3 * |g| leaves a margin of 4x or more, while a lost or misplaced contribution to any node
 // changes some gradient by 0.1 or more (checked by breaking the accumulation on purpose).
-TEST(graph, gradients_match_central_finite_differences) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, gradients_match_central_finite_differences) {
+  context ctx(default_stream(dev()));
   initializer init(7);
   graph g = make_net(ctx, init);
   const std::int64_t rows = 5;
@@ -259,8 +263,8 @@ TEST(graph, gradients_match_central_finite_differences) {
 
 // x -> fc1 -> relu -> fc2, out = x + fc2: the graph's arithmetic is the hand-written chain's, bit for bit
 // (the same GEMMs; a + b summed in f32 and rounded once either way).
-TEST(graph, residual_graph_equals_the_computation_written_by_hand) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, residual_graph_equals_the_computation_written_by_hand) {
+  context ctx(default_stream(dev()));
   initializer init(3);
   linear fc1(4, 8, ctx, init), fc2(8, 4, ctx, init);
   linear hand1 = fc1.clone(ctx), hand2 = fc2.clone(ctx);
@@ -344,8 +348,8 @@ run_result run(L& model, context& ctx, std::int64_t rows) {
 
 // The same layers (same seed, same creation order) as a flat graph, as sequential<linear, graph, linear> and
 // as a graph holding a graph: identical results, and parameter names qualified by position or node name.
-TEST(graph, nests_in_sequential_and_in_another_graph) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, nests_in_sequential_and_in_another_graph) {
+  context ctx(default_stream(dev()));
   const std::int64_t rows = 5;
   initializer flat_init(11);
   graph flat = make_flat(ctx, flat_init);
@@ -385,8 +389,8 @@ TEST(graph, nests_in_sequential_and_in_another_graph) {
   EXPECT_EQ(boxed_run.names, in_graph.names);
 }
 
-TEST(graph, nodes_may_be_added_in_any_order_and_the_order_breaks_ties_by_insertion) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, nodes_may_be_added_in_any_order_and_the_order_breaks_ties_by_insertion) {
+  context ctx(default_stream(dev()));
   initializer init(1);
   graph g(shape{3});
   g.add("fc2", linear(4, 2, ctx, init), "s");
@@ -407,8 +411,8 @@ TEST(graph, nodes_may_be_added_in_any_order_and_the_order_breaks_ties_by_inserti
   expect_precondition_error([&] { (void)g.find<linear>("fc3"); }, {"fc3"});
 }
 
-TEST(graph, build_rejects_malformed_graphs_naming_the_nodes) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, build_rejects_malformed_graphs_naming_the_nodes) {
+  context ctx(default_stream(dev()));
   initializer init(1);
 
   expect_precondition_error([] { graph(shape{3}).build(); }, {"no nodes"});
@@ -486,8 +490,8 @@ TEST(graph, build_rejects_malformed_graphs_naming_the_nodes) {
   }
 }
 
-TEST(graph, parameters_are_named_by_node_in_topological_order) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, parameters_are_named_by_node_in_topological_order) {
+  context ctx(default_stream(dev()));
   initializer init(7);
   graph g = make_net(ctx, init);
   std::vector<std::string> names;
@@ -499,8 +503,8 @@ TEST(graph, parameters_are_named_by_node_in_topological_order) {
                                                  "skip", "out"}));
 }
 
-TEST(graph, gradients_ready_hook_fires_per_layer_node_in_reverse_topological_order) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, gradients_ready_hook_fires_per_layer_node_in_reverse_topological_order) {
+  context ctx(default_stream(dev()));
   initializer init(7);
   graph g = make_net(ctx, init);
   std::vector<std::vector<parameter*>> reported;
@@ -522,8 +526,8 @@ TEST(graph, gradients_ready_hook_fires_per_layer_node_in_reverse_topological_ord
 
 // A node read once gets its consumer's gradient as it is (no copy); a node read twice gets the sum in the
 // graph's memory; the layers fed by the input are told whether their input gradient is needed.
-TEST(graph, gradients_pass_through_single_consumers_and_input_grad_reaches_the_first_layers) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, gradients_pass_through_single_consumers_and_input_grad_reaches_the_first_layers) {
+  context ctx(default_stream(dev()));
   tensor x = make_tensor(small_values(6, 1), shape{2, 3}, dtype::f32, ctx.stream());
   tensor gy = make_tensor(small_values(6, 2), shape{2, 3}, dtype::f32, ctx.stream());
   {
@@ -549,7 +553,7 @@ TEST(graph, gradients_pass_through_single_consumers_and_input_grad_reaches_the_f
     EXPECT_EQ(s1.last_need, input_grad::not_required);
     EXPECT_EQ(g.find<spy>("s2")->last_gy, gy.data());
     EXPECT_NE(s1.last_gy, gy.data());
-    const auto g1 = read(tensor_view(const_cast<void*>(s1.last_gy), dtype::f32, shape{2, 3}, host0), ctx.stream());
+    const auto g1 = read(tensor_view(const_cast<void*>(s1.last_gy), dtype::f32, shape{2, 3}, dev()), ctx.stream());
     const auto gyv = read(gy, ctx.stream());
     for (std::size_t i = 0; i < g1.size(); ++i) EXPECT_EQ(g1[i], 2 * gyv[i]) << i;
   }
@@ -563,9 +567,10 @@ TEST(graph, gradients_pass_through_single_consumers_and_input_grad_reaches_the_f
   }
 }
 
-TEST(graph, clone_to_another_device_computes_the_same_with_independent_parameters) {
-  context ctx0(default_stream(host0));
-  context ctx1(default_stream(host1));
+TEST_P(graph_test, clone_to_another_device_computes_the_same_with_independent_parameters) {
+  if (!require_devices(2)) return;
+  context ctx0(default_stream(dev(0)));
+  context ctx1(default_stream(dev(1)));
   initializer init(5);
   graph g0 = make_net(ctx0, init);
   g0.build();
@@ -578,7 +583,7 @@ TEST(graph, clone_to_another_device_computes_the_same_with_independent_parameter
   tensor gy0 = make_tensor(gs, shape{4, 2}, dtype::f32, ctx0.stream());
   tensor gy1 = make_tensor(gs, shape{4, 2}, dtype::f32, ctx1.stream());
   const tensor_view y1 = g1.forward(x1, ctx1);
-  EXPECT_EQ(y1.get_device(), host1);
+  EXPECT_EQ(y1.get_device(), dev(1));
   EXPECT_EQ(read(g0.forward(x0, ctx0), ctx0.stream()), read(y1, ctx1.stream()));
   EXPECT_EQ(read(g0.backward(gy0, ctx0, input_grad::required), ctx0.stream()),
             read(g1.backward(gy1, ctx1, input_grad::required), ctx1.stream()));
@@ -587,7 +592,7 @@ TEST(graph, clone_to_another_device_computes_the_same_with_independent_parameter
   for (std::size_t i = 0; i < p0.size(); ++i) {
     EXPECT_EQ(p0[i].name, p1[i].name);
     EXPECT_NE(p0[i].param, p1[i].param);
-    EXPECT_EQ(p1[i].param->get_device(), host1);
+    EXPECT_EQ(p1[i].param->get_device(), dev(1));
     EXPECT_EQ(read(p0[i].param->grad(), ctx0.stream()), read(p1[i].param->grad(), ctx1.stream())) << p0[i].name;
   }
   EXPECT_EQ(g1.order(), g0.order());
@@ -600,8 +605,8 @@ TEST(graph, clone_to_another_device_computes_the_same_with_independent_parameter
   EXPECT_NE(read(g0.forward(x0, ctx0), ctx0.stream()), read(g1.forward(x1, ctx1), ctx1.stream()));
 }
 
-TEST(graph, steady_state_steps_allocate_nothing) {
-  context ctx(default_stream(host0));
+TEST_P(graph_test, steady_state_steps_allocate_nothing) {
+  context ctx(default_stream(dev()));
   initializer init(2);
   graph g = make_net(ctx, init);
   const std::int64_t rows = 8;
@@ -617,11 +622,11 @@ TEST(graph, steady_state_steps_allocate_nothing) {
     ctx.stream().synchronize();
   };
   step(rows);
-  const std::uint64_t after_first = get_memory_stats(host0).allocations;
+  const std::uint64_t after_first = get_memory_stats(dev()).allocations;
   step(rows);
-  EXPECT_EQ(get_memory_stats(host0).allocations, after_first) << "a second step of the same batch allocated";
+  EXPECT_EQ(get_memory_stats(dev()).allocations, after_first) << "a second step of the same batch allocated";
   step(rows - 3);
-  EXPECT_EQ(get_memory_stats(host0).allocations, after_first) << "a smaller batch allocated";
+  EXPECT_EQ(get_memory_stats(dev()).allocations, after_first) << "a smaller batch allocated";
 }
 
 // f16 and bf16: the same net from the same seed (the fp32 master values are equal), run in the reduced
@@ -630,12 +635,12 @@ TEST(graph, steady_state_steps_allocate_nothing) {
 // bf16), about ten roundings along the longest path, with the GEMMs and joins accumulating in f32: the worst
 // errors observed are 1.1e-3 (f16) and 1.7e-2 (bf16); the bounds 5e-3 and 4e-2 are loose but still fail
 // for a wrong dtype dispatch or a missing contribution.
-TEST(graph, f16_and_bf16_compute_types_run_close_to_f32) {
+TEST_P(graph_test, f16_and_bf16_compute_types_run_close_to_f32) {
   const std::int64_t rows = 6;
   const auto xs = smooth_values(static_cast<std::size_t>(rows * 3), 3);
   const auto ts = smooth_values(static_cast<std::size_t>(rows * 2), 4);
   auto run_in = [&](dtype type) {
-    context ctx(default_stream(host0), type);
+    context ctx(default_stream(dev()), type);
     initializer init(9);
     graph g = make_net(ctx, init);
     tensor x = make_tensor(xs, shape{rows, 3}, type, ctx.stream());

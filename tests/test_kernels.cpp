@@ -179,8 +179,8 @@ TEST_P(kernel_test, casts_between_the_two_half_precisions_go_through_f32) {
 }
 
 TEST_P(kernel_test, kernels_refuse_memory_of_another_device) {
-  if (device_count(kind()) < 2) GTEST_SKIP() << "needs two devices";
-  stream s0(dev()), s1(device{kind(), 1});
+  if (!require_devices(2)) return;
+  stream s0(dev()), s1(dev(1));
   device_buffer<float> x(10, s0), y(10, s1);
   EXPECT_THROW(scale<float>(y.span(), 2.0f, s0), precondition_error);
   EXPECT_THROW(axpy<float>(1.0f, x.span(), y.span(), s0), precondition_error);
@@ -188,14 +188,6 @@ TEST_P(kernel_test, kernels_refuse_memory_of_another_device) {
   s0.synchronize();
   s1.synchronize();
 }
-
-namespace {
-// A user's own kernel body: the launcher runs any plain functor.
-struct iota_squares {
-  std::int64_t* out;
-  LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = static_cast<std::int64_t>(i) * static_cast<std::int64_t>(i); }
-};
-}  // namespace
 
 TEST(launch, the_32_bit_index_division_gives_the_64_bit_quotient) {
   const std::uint64_t big = std::uint64_t{1} << 32;
@@ -206,16 +198,26 @@ TEST(launch, the_32_bit_index_division_gives_the_64_bit_quotient) {
   }
 }
 
-TEST(launch, runs_a_user_functor_over_every_index) {
-  for (device_kind k : {device_kind::host, device_kind::cuda}) {
-    if (k == device_kind::cuda && !cuda_available()) continue;
-    stream s(device{k, 0});
-    for (std::size_t n : sizes) {
-      device_buffer<std::int64_t> out(n, s);
-      launch_elementwise(n, iota_squares{out.data()}, s, "iota_squares");
-      const auto v = to_vector(device_span<const std::int64_t>(out.span()), s);
-      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<std::int64_t>(i * i));
-    }
+namespace {
+// A user's own kernel body: the launcher runs any plain functor.
+struct iota_squares {
+  std::int64_t* out;
+  LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = static_cast<std::int64_t>(i) * static_cast<std::int64_t>(i); }
+};
+
+// Parameterized over the backend; the CUDA instance skips without a GPU.
+class launch_test : public backend_test {};
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, launch_test, all_backends(), backend_name);
+
+TEST_P(launch_test, runs_a_user_functor_over_every_index) {
+  stream s(dev());
+  for (std::size_t n : sizes) {
+    device_buffer<std::int64_t> out(n, s);
+    launch_elementwise(n, iota_squares{out.data()}, s, "iota_squares");
+    const auto v = to_vector(device_span<const std::int64_t>(out.span()), s);
+    for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(v[i], static_cast<std::int64_t>(i * i)) << "n=" << n;
   }
 }
 

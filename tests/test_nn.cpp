@@ -1,6 +1,6 @@
-// Tests of nn/ and optim/ on the host backend: every layer and loss by finite differences, a user's own layer
-// written against the `layer` concept, sequential chains, cloning, steady-state memory, and the optimizers
-// against hand-computed steps.
+// Tests of nn/ and optim/ on both backends (the CUDA instances skip without a GPU, or with too few): every layer
+// and loss by finite differences, a user's own layer written against the `layer` concept, sequential chains,
+// cloning, steady-state memory, and the optimizers against hand-computed steps.
 #include <gtest/gtest.h>
 
 #include <cmath>
@@ -21,13 +21,12 @@
 #include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/runtime/copy.hpp"
+#include "test_support.hpp"
 
 using namespace lockstep;
+using namespace lockstep_test;
 
 namespace {
-
-constexpr device host0{device_kind::host, 0};
-constexpr device host1{device_kind::host, 1};
 
 std::vector<float> random_values(std::size_t n, std::uint32_t seed, float lo = -1.0f, float hi = 1.0f) {
   std::mt19937 gen(seed);
@@ -174,27 +173,48 @@ class scaled_residual {
 };
 static_assert(layer<scaled_residual>);
 
+// Every suite below runs once per backend.
+class finite_differences_test : public backend_test {};
+class loss_test : public backend_test {};
+class dropout_test : public backend_test {};
+class clone_test : public backend_test {};
+class memory_test : public backend_test {};
+class sgd_test : public backend_test {};
+class adamw_test : public backend_test {};
+class optimizer_test : public backend_test {};
+class lr_schedule_test : public backend_test {};
+
 }  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, finite_differences_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, loss_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, dropout_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, clone_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, memory_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, sgd_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, adamw_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, optimizer_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, lr_schedule_test, all_backends(), backend_name);
 
 // ---- layers by finite differences ------------------------------------------------------------------------------
 
-TEST(finite_differences, linear) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, linear) {
+  context ctx(default_stream(dev()));
   initializer init(1);
   linear l(5, 4, ctx, init);
   check_layer_gradients(l, ctx, random_values(15, 2), shape{3, 5});
 }
 
-TEST(finite_differences, linear_without_bias) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, linear_without_bias) {
+  context ctx(default_stream(dev()));
   initializer init(1);
   linear l(4, 3, ctx, init, bias::no);
   EXPECT_EQ(parameters_of(l).size(), 1u);
   check_layer_gradients(l, ctx, random_values(8, 3), shape{2, 4});
 }
 
-TEST(finite_differences, relu_gelu_tanh) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, relu_gelu_tanh) {
+  context ctx(default_stream(dev()));
   relu r;
   check_layer_gradients(r, ctx, values_off_zero(12, 4, 0.05f), shape{3, 4});
   gelu g;
@@ -203,16 +223,16 @@ TEST(finite_differences, relu_gelu_tanh) {
   check_layer_gradients(t, ctx, random_values(12, 6, -2.0f, 2.0f), shape{3, 4});
 }
 
-TEST(finite_differences, dropout_in_training) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, dropout_in_training) {
+  context ctx(default_stream(dev()));
   ctx.set_seed(7);
   initializer init(0);
   dropout d(0.3f, init);
   check_layer_gradients(d, ctx, random_values(40, 8), shape{4, 10});
 }
 
-TEST(finite_differences, a_users_own_layer) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, a_users_own_layer) {
+  context ctx(default_stream(dev()));
   initializer init(3);
   scaled_residual r(4, 0.5f, ctx, init);
   check_layer_gradients(r, ctx, random_values(12, 9), shape{3, 4});
@@ -221,8 +241,8 @@ TEST(finite_differences, a_users_own_layer) {
   EXPECT_EQ(names[0].name, "fc.weight");
 }
 
-TEST(finite_differences, sequential_chain_with_a_users_layer) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, sequential_chain_with_a_users_layer) {
+  context ctx(default_stream(dev()));
   initializer init(4);
   sequential net(linear(6, 5, ctx, init), tanh_layer(), scaled_residual(5, 0.25f, ctx, init), linear(5, 3, ctx, init));
   check_layer_gradients(net, ctx, random_values(12, 10), shape{2, 6});
@@ -263,8 +283,8 @@ void check_loss_gradients(Loss& loss, context& ctx, const std::vector<float>& y_
 }
 }  // namespace
 
-TEST(finite_differences, softmax_cross_entropy_sum_and_mean) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, softmax_cross_entropy_sum_and_mean) {
+  context ctx(default_stream(dev()));
   const stream_ref s = ctx.stream();
   const tensor labels = make_labels({2, 0, 3}, s);
   softmax_cross_entropy sum_loss(reduction::sum), mean_loss(reduction::mean);
@@ -274,8 +294,8 @@ TEST(finite_differences, softmax_cross_entropy_sum_and_mean) {
   check_loss_gradients(mean_loss, ctx, logits, shape{3, 4}, labels, 12);  // mean over a global batch of 12
 }
 
-TEST(losses, softmax_cross_entropy_values_and_stability) {
-  context ctx(default_stream(host0));
+TEST_P(loss_test, softmax_cross_entropy_values_and_stability) {
+  context ctx(default_stream(dev()));
   const stream_ref s = ctx.stream();
   softmax_cross_entropy loss(reduction::mean);
   // uniform logits over 4 classes: loss log(4); huge logits must not overflow
@@ -293,8 +313,8 @@ TEST(losses, softmax_cross_entropy_values_and_stability) {
   EXPECT_THROW(loss.forward(logits, make_labels({1}, s), ctx), precondition_error);
 }
 
-TEST(finite_differences, mse) {
-  context ctx(default_stream(host0));
+TEST_P(finite_differences_test, mse) {
+  context ctx(default_stream(dev()));
   const stream_ref s = ctx.stream();
   const tensor target = make_tensor(random_values(6, 12), shape{2, 3}, s);
   mse loss(reduction::mean);
@@ -303,8 +323,8 @@ TEST(finite_differences, mse) {
   check_loss_gradients(total, ctx, random_values(6, 14), shape{2, 3}, target, 0);
 }
 
-TEST(losses, accuracy_counts_argmax_hits_across_batches) {
-  context ctx(default_stream(host0));
+TEST_P(loss_test, accuracy_counts_argmax_hits_across_batches) {
+  context ctx(default_stream(dev()));
   const stream_ref s = ctx.stream();
   accuracy_counter acc;
   tensor logits = make_tensor({0.1f, 0.9f, 0.0f, 2.0f, 1.0f, 0.0f, 0.0f, 0.0f, 3.0f}, shape{3, 3}, s);
@@ -318,8 +338,8 @@ TEST(losses, accuracy_counts_argmax_hits_across_batches) {
 
 // ---- dropout -----------------------------------------------------------------------------------------------------
 
-TEST(dropout, masks_depend_on_seed_step_and_global_row_only) {
-  context ctx(default_stream(host0));
+TEST_P(dropout_test, masks_depend_on_seed_step_and_global_row_only) {
+  context ctx(default_stream(dev()));
   initializer init(0);
   dropout d(0.5f, init);
   const stream_ref s = ctx.stream();
@@ -349,8 +369,9 @@ TEST(dropout, masks_depend_on_seed_step_and_global_row_only) {
 
 // ---- cloning and memory -----------------------------------------------------------------------------------------
 
-TEST(clone, a_replica_on_another_device_computes_the_same_and_owns_its_parameters) {
-  context c0(default_stream(host0)), c1(default_stream(host1));
+TEST_P(clone_test, a_replica_on_another_device_computes_the_same_and_owns_its_parameters) {
+  if (!require_devices(2)) return;
+  context c0(default_stream(dev(0))), c1(default_stream(dev(1)));
   initializer init(5);
   // with a user's own layer: sequential::clone clones it through its clone(ctx)
   sequential net(linear(4, 8, c0, init), relu(), scaled_residual(8, 0.5f, c0, init), linear(8, 2, c0, init));
@@ -361,13 +382,14 @@ TEST(clone, a_replica_on_another_device_computes_the_same_and_owns_its_parameter
   EXPECT_EQ(read(net.forward(x0, c0), c0.stream()), read(replica.forward(x1, c1), c1.stream()));
   const auto rp = parameters_of(replica);
   ASSERT_EQ(rp.size(), 6u);
-  for (const auto& p : rp) EXPECT_EQ(p.param->get_device(), host1) << p.name;
+  for (const auto& p : rp) EXPECT_EQ(p.param->get_device(), dev(1)) << p.name;
   write(rp[0].param->value(), std::vector<float>(32, 0.0f), c1.stream());
   EXPECT_NE(read(parameters_of(net)[0].param->value(), c0.stream()), std::vector<float>(32, 0.0f));
 }
 
-TEST(memory, the_steady_state_training_step_allocates_nothing) {
-  stream s(host1);
+TEST_P(memory_test, the_steady_state_training_step_allocates_nothing) {
+  if (!require_devices(2)) return;
+  stream s(dev(1));
   context ctx(s);
   initializer init(6);
   sequential net(linear(20, 32, ctx, init), relu(), linear(32, 10, ctx, init));
@@ -384,11 +406,11 @@ TEST(memory, the_steady_state_training_step_allocates_nothing) {
   };
   train_step(x, y);
   s.synchronize();
-  const auto before = get_memory_stats(host1);
+  const auto before = get_memory_stats(dev(1));
   for (int i = 0; i < 10; ++i) train_step(x, y);
   train_step(x.view().slice_rows(0, 7), y.view().slice_rows(0, 7));  // a smaller last batch
   s.synchronize();
-  const auto after = get_memory_stats(host1);
+  const auto after = get_memory_stats(dev(1));
   EXPECT_EQ(after.allocations, before.allocations);
   EXPECT_EQ(after.system_allocations, before.system_allocations);
 }
@@ -397,9 +419,9 @@ TEST(memory, the_steady_state_training_step_allocates_nothing) {
 
 namespace {
 struct optim_fixture {
-  stream s{host0};
+  stream s;
   parameter p{"w", shape{3}, s};
-  optim_fixture(const std::vector<float>& values) { write(p.value(), values, s); }
+  optim_fixture(device d, const std::vector<float>& values) : s(d) { write(p.value(), values, s); }
   void set_grad(const std::vector<float>& g) {
     write(p.grad(), g, s);
     (void)p.begin_accumulate();
@@ -408,9 +430,9 @@ struct optim_fixture {
 };
 }  // namespace
 
-TEST(sgd, momentum_weight_decay_and_nesterov_match_pytorch_formulas) {
+TEST_P(sgd_test, momentum_weight_decay_and_nesterov_match_pytorch_formulas) {
   for (nesterov n : {nesterov::no, nesterov::yes}) {
-    optim_fixture f({1.0f, 2.0f, -3.0f});
+    optim_fixture f(dev(), {1.0f, 2.0f, -3.0f});
     parameter* ps[] = {&f.p};
     const sgd_options o{.lr = 0.1f, .momentum = 0.9f, .dampening = 0.0f, .weight_decay = 0.01f, .nesterov = n};
     sgd opt(ps, o);
@@ -432,8 +454,8 @@ TEST(sgd, momentum_weight_decay_and_nesterov_match_pytorch_formulas) {
   }
 }
 
-TEST(sgd, dampening_and_plain_sgd) {
-  optim_fixture f({1.0f, 1.0f, 1.0f});
+TEST_P(sgd_test, dampening_and_plain_sgd) {
+  optim_fixture f(dev(), {1.0f, 1.0f, 1.0f});
   parameter* ps[] = {&f.p};
   sgd plain(ps, sgd_options{.lr = 0.5f});
   f.set_grad({1.0f, -2.0f, 0.0f});
@@ -445,8 +467,8 @@ TEST(sgd, dampening_and_plain_sgd) {
   EXPECT_THROW(sgd(ps, sgd_options{.lr = -1.0f}), precondition_error);
 }
 
-TEST(adamw, matches_pytorch_formulas) {
-  optim_fixture f({1.0f, -0.5f, 0.25f});
+TEST_P(adamw_test, matches_pytorch_formulas) {
+  optim_fixture f(dev(), {1.0f, -0.5f, 0.25f});
   parameter* ps[] = {&f.p};
   const adamw_options o{.lr = 0.01f, .beta1 = 0.9f, .beta2 = 0.99f, .eps = 1e-8f, .weight_decay = 0.1f};
   adamw opt(ps, o);
@@ -469,8 +491,8 @@ TEST(adamw, matches_pytorch_formulas) {
   }
 }
 
-TEST(optimizer, a_skipped_step_changes_nothing_and_the_multiplier_scales_gradients) {
-  optim_fixture f({1.0f, 2.0f, 3.0f});
+TEST_P(optimizer_test, a_skipped_step_changes_nothing_and_the_multiplier_scales_gradients) {
+  optim_fixture f(dev(), {1.0f, 2.0f, 3.0f});
   parameter* ps[] = {&f.p};
   sgd opt(ps, sgd_options{.lr = 1.0f, .momentum = 0.5f});
   auto skip = to_device(std::vector<float>{1.0f}, f.s);
@@ -485,8 +507,8 @@ TEST(optimizer, a_skipped_step_changes_nothing_and_the_multiplier_scales_gradien
   EXPECT_EQ(opt.steps_taken(f.s), 1);
 }
 
-TEST(optimizer, one_launch_updates_many_tensors_of_odd_sizes) {
-  stream s(host0);
+TEST_P(optimizer_test, one_launch_updates_many_tensors_of_odd_sizes) {
+  stream s(dev());
   std::vector<parameter> params;
   params.reserve(30);
   for (int i = 0; i < 30; ++i) {
@@ -507,14 +529,15 @@ TEST(optimizer, one_launch_updates_many_tensors_of_odd_sizes) {
   }
 }
 
-TEST(optimizer, unused_parameters_see_a_zero_gradient_and_groups_are_checked) {
-  optim_fixture f({1.0f, 2.0f, 3.0f});
+TEST_P(optimizer_test, unused_parameters_see_a_zero_gradient_and_groups_are_checked) {
+  if (!require_devices(2)) return;
+  optim_fixture f(dev(), {1.0f, 2.0f, 3.0f});
   write(f.p.grad(), {9.0f, 9.0f, 9.0f}, f.s);  // stale memory, but the gradient is logically zero
   f.p.zero_grad();
   parameter* ps[] = {&f.p};
   sgd opt(ps, sgd_options{.lr = 1.0f});
   EXPECT_THROW(opt.add_param_group(ps, sgd_options{}), precondition_error);  // already in a group
-  stream other(host1);
+  stream other(dev(1));
   parameter q("q", shape{2}, other);
   parameter* qs[] = {&q};
   EXPECT_THROW(opt.add_param_group(qs, sgd_options{}), precondition_error);  // another device
@@ -547,8 +570,8 @@ TEST(lr_schedule, cosine_and_step_factors_match_pytorch) {
   EXPECT_EQ(constant_schedule{}(12345), 1.0);
 }
 
-TEST(lr_schedule, invalid_schedules_are_rejected_when_the_scheduler_is_made) {
-  optim_fixture f({1.0f, 1.0f, 1.0f});
+TEST_P(lr_schedule_test, invalid_schedules_are_rejected_when_the_scheduler_is_made) {
+  optim_fixture f(dev(), {1.0f, 1.0f, 1.0f});
   parameter* ps[] = {&f.p};
   sgd opt(ps, sgd_options{.lr = 0.1f});
   EXPECT_THROW(lr_scheduler(opt, cosine_schedule{}), precondition_error);  // total_steps 0
@@ -559,11 +582,11 @@ TEST(lr_schedule, invalid_schedules_are_rejected_when_the_scheduler_is_made) {
   EXPECT_EQ(opt.options().lr, 0.1f);  // a rejected scheduler changed nothing
 }
 
-TEST(lr_schedule, queued_steps_use_the_rate_they_were_queued_with_in_every_group) {
+TEST_P(lr_schedule_test, queued_steps_use_the_rate_they_were_queued_with_in_every_group) {
   // Plain SGD (p -= lr g) on two groups with base rates 0.5 and 0.25, halved every step; the gradients are
   // written once and the three steps queued without waiting for the device: each update must use its own
   // step's rate. A group added later keeps its own base rate.
-  stream s{host0};
+  stream s{dev()};
   parameter a{"a", shape{3}, s}, b{"b", shape{3}, s}, c{"c", shape{3}, s};
   const std::vector<float> start = {1.0f, 2.0f, 3.0f}, g = {1.0f, -2.0f, 4.0f};
   for (parameter* p : {&a, &b}) {
@@ -602,14 +625,14 @@ TEST(lr_schedule, queued_steps_use_the_rate_they_were_queued_with_in_every_group
   EXPECT_EQ(opt.options(0).lr, 0.5f / 16);
 }
 
-TEST(optimizer, a_group_added_after_some_steps_starts_at_its_own_first_step) {
+TEST_P(optimizer_test, a_group_added_after_some_steps_starts_at_its_own_first_step) {
   // PyTorch counts steps per parameter: a group added later (unfreezing layers) gets step 1's bias corrections
   // (AdamW) and a momentum buffer started at its first gradient (SGD, visible with dampening). Its updates must
   // be those of a fresh optimizer, bit for bit, while the first group keeps counting.
   const std::vector<float> start = {0.5f, -1.25f, 2.0f};
   const std::vector<std::vector<float>> grads = {{0.5f, -1.0f, 2.0f}, {0.25f, 0.5f, -1.0f}, {1.0f, 1.0f, 1.0f}};
   auto check = [&]<class Optimizer, class Options>(const Options& o) {
-    optim_fixture early({1.0f, 2.0f, 3.0f}), late(start), alone(start);
+    optim_fixture early(dev(), {1.0f, 2.0f, 3.0f}), late(dev(), start), alone(dev(), start);
     parameter* e[] = {&early.p};
     parameter* l[] = {&late.p};
     parameter* a[] = {&alone.p};

@@ -467,6 +467,16 @@ TEST(pinned, buffers_are_page_aligned_and_writable) {
   EXPECT_EQ(q.size(), 3000u);
 }
 
+TEST(pinned, staging_for_a_host_device_is_not_page_locked_and_for_a_gpu_it_is) {
+  // Host devices read ordinary memory: pinning it would take a CUDA context (on GPU 0) for nothing.
+  pinned_buffer<float> for_host(100, host0);
+  EXPECT_FALSE(for_host.page_locked());
+  EXPECT_EQ(reinterpret_cast<std::uintptr_t>(for_host.data()) % 4096, 0u);
+  if (!cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  pinned_buffer<float> for_gpu(100, device{device_kind::cuda, 0});
+  EXPECT_TRUE(for_gpu.page_locked());
+}
+
 // ---- copies in every direction --------------------------------------------------------------------------------
 
 namespace {
@@ -688,4 +698,32 @@ TEST(host_strict, the_switch_is_read_from_the_environment_and_checked) {
   const auto message =
       message_of<device_error>([&] { detail::apply_host_environment(c, "", "", "yes"); });
   EXPECT_CONTAINS(message, "LOCKSTEP_HOST_STRICT='yes' is not a switch");
+}
+
+// ---- a host device and a GPU in one program: events order them both ways (issue 13, defect 2) -----------------
+
+TEST(mixed_kinds, a_host_stream_waits_for_gpu_work_and_a_gpu_stream_for_host_work) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  const device gpu{device_kind::cuda, 0};
+  stream on_gpu(gpu), on_host(host0);
+  device_buffer<float> g(1 << 20, on_gpu), h(1 << 20, on_host);
+  event gpu_done(gpu), host_done(host0);
+  for (int round = 1; round <= 20; ++round) {
+    // GPU -> host device: the host stream's copy must see the GPU's fill
+    fill(g.span(), static_cast<float>(round), on_gpu);
+    gpu_done.record(on_gpu);
+    on_host.wait(gpu_done);
+    copy(h.span(), device_span<const float>(g.span()), on_host);
+    auto seen = to_vector(device_span<const float>(h.span()), on_host);
+    EXPECT_EQ(seen.front(), static_cast<float>(round));
+    EXPECT_EQ(seen.back(), static_cast<float>(round));
+    // host device -> GPU: the GPU stream's copy must see the host stream's fill, however late it runs
+    fill(h.span(), static_cast<float>(-round), on_host);
+    host_done.record(on_host);
+    on_gpu.wait(host_done);
+    copy(g.span(), device_span<const float>(h.span()), on_gpu);
+    seen = to_vector(device_span<const float>(g.span()), on_gpu);
+    EXPECT_EQ(seen.front(), static_cast<float>(-round));
+    EXPECT_EQ(seen.back(), static_cast<float>(-round));
+  }
 }

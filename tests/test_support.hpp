@@ -1,5 +1,5 @@
-// Helpers shared by lockstep's GoogleTest programs: error-message checks, a gate for queued host work, and
-// conversions between f32 and the floating storage types.
+// Helpers shared by lockstep's GoogleTest programs: error-message checks, a gate for queued host work,
+// conversions between f32 and the floating storage types, and the fixtures that run a test once per backend.
 #pragma once
 
 #include <gtest/gtest.h>
@@ -9,11 +9,13 @@
 #include <mutex>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/device/device.hpp"
+#include "lockstep/device/device_set.hpp"
 #include "lockstep/device/query.hpp"
 
 /// Expects `needle` in the string `haystack` (an error message), showing both on failure.
@@ -84,18 +86,67 @@ std::vector<float> to_floats(const std::vector<T>& v) {
   return out;
 }
 
-/// A test over (backend, floating dtype): kind(), type() and dev() (device 0 of the kind); the CUDA instances
-/// skip when there is no GPU. Name the instances with `param_name`.
-class backend_and_dtype : public ::testing::TestWithParam<std::tuple<lockstep::device_kind, lockstep::dtype>> {
+/// The backend of a test parameter: the parameter itself, or the first element of a tuple.
+inline lockstep::device_kind backend_of(lockstep::device_kind k) { return k; }
+template <class... Rest>
+lockstep::device_kind backend_of(const std::tuple<lockstep::device_kind, Rest...>& param) {
+  return std::get<0>(param);
+}
+
+/// Both backends, host first: what a backend test is instantiated over (alone, or in ::testing::Combine).
+inline auto all_backends() { return ::testing::Values(lockstep::device_kind::host, lockstep::device_kind::cuda); }
+
+/// A test run once per backend. Param is a device_kind, or a tuple whose first element is one (the backend
+/// added to a test's other parameters). kind() is the backend, dev(i) its device i, devices(k) its first k.
+/// The CUDA instances skip without a GPU ("no GPU: " and the CUDA runtime's reason); a test that needs several
+/// devices says so first with `if (!require_devices(n)) return;`.
+template <class Param>
+class on_backend : public ::testing::TestWithParam<Param> {
  protected:
   void SetUp() override {
     if (kind() == lockstep::device_kind::cuda && !lockstep::cuda_available()) {
       GTEST_SKIP() << "no GPU: " << lockstep::cuda_status().reason();
     }
   }
-  lockstep::device_kind kind() const { return std::get<0>(GetParam()); }
+
+  lockstep::device_kind kind() const { return backend_of(this->GetParam()); }
+  lockstep::device dev(int i = 0) const { return lockstep::device{kind(), i}; }
+  /// Devices 0..k-1 of the backend.
+  lockstep::device_set devices(int k) const {
+    std::vector<lockstep::device> d;
+    for (int i = 0; i < k; ++i) d.push_back(dev(i));
+    return lockstep::device_set(std::move(d));
+  }
+
+  /// True when the backend has at least n devices. Otherwise returns false after marking the test: skipped
+  /// on CUDA ("needs 2 GPUs, found 1": the machine has what it has), failed on the host backend (the test
+  /// program's environment configures its host devices, so too few of them is a mistake to report).
+  [[nodiscard]] bool require_devices(int n) const {
+    const int found = lockstep::device_count(kind());
+    if (found >= n) return true;
+    if (kind() == lockstep::device_kind::cuda) {
+      [&] { GTEST_SKIP() << "needs " << n << " GPUs, found " << found; }();
+    } else {
+      ADD_FAILURE() << "needs " << n << " host devices, found " << found << ": run with LOCKSTEP_HOST_DEVICES=" << n
+                    << " or more";
+    }
+    return false;
+  }
+};
+
+/// A test over the backend alone. Name the instances with `backend_name`.
+using backend_test = on_backend<lockstep::device_kind>;
+
+/// "host", "cuda": the instance names of a backend_test.
+inline std::string backend_name(const ::testing::TestParamInfo<lockstep::device_kind>& info) {
+  return std::string(lockstep::name_of(info.param));
+}
+
+/// A test over (backend, floating dtype): kind(), type() and dev() (device 0 of the kind); the CUDA instances
+/// skip when there is no GPU. Name the instances with `param_name`.
+class backend_and_dtype : public on_backend<std::tuple<lockstep::device_kind, lockstep::dtype>> {
+ protected:
   lockstep::dtype type() const { return std::get<1>(GetParam()); }
-  lockstep::device dev() const { return lockstep::device{kind(), 0}; }
 };
 
 /// "host_f32", "cuda_bf16": the instance names of a backend_and_dtype test.

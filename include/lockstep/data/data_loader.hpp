@@ -244,8 +244,8 @@ class data_loader {
     const std::size_t slots = plan_.prefetch;
     const device dev = compute_.get_device();
     for (std::size_t p = 0; p < slots; ++p) {
-      pinned_inputs_.emplace_back(plan_.batch_size * plan_.input_row_bytes);
-      pinned_targets_.emplace_back(plan_.batch_size * plan_.target_row_bytes);
+      pinned_inputs_.emplace_back(plan_.batch_size * plan_.input_row_bytes, dev);
+      pinned_targets_.emplace_back(plan_.batch_size * plan_.target_row_bytes, dev);
       copied_.emplace_back(dev);
       staging_.emplace_back();
     }

@@ -652,7 +652,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s);
   const bool direct = how == staging::direct && s.get_device().is_host();
   const std::size_t snapshot = direct ? 0 : out->model.device_bytes() + out->training.device_bytes();
-  out->staging = reuse.size() >= snapshot ? std::move(reuse) : pinned_buffer<std::byte>(snapshot);
+  out->staging = reuse.size() >= snapshot ? std::move(reuse) : pinned_buffer<std::byte>(snapshot, s.get_device());
   const std::map<std::string, std::string> meta{
       {"lockstep.version", concat(LOCKSTEP_VERSION_MAJOR, '.', LOCKSTEP_VERSION_MINOR, '.', LOCKSTEP_VERSION_PATCH)},
       {"lockstep.step", std::to_string(st.position.step)}};
@@ -1017,7 +1017,7 @@ inline void save_model(const std::filesystem::path& file, const parameter_list& 
                        durability d = durability::fsync) {
   detail::file_writer w;
   for (const auto& p : params) w.add_device(p.name, p.param->value());
-  pinned_buffer<std::byte> staging(s.get_device().is_host() ? 0 : w.device_bytes());
+  pinned_buffer<std::byte> staging(s.get_device().is_host() ? 0 : w.device_bytes(), s.get_device());
   w.stage(staging.data(), detail::staging::direct, s, {});
   s.synchronize();
   const auto dir = file.has_parent_path() ? file.parent_path() : std::filesystem::path(".");

@@ -55,6 +55,10 @@ class data_parallel {
     LOCKSTEP_EXPECTS(output_device_.kind == first.kind, "data_parallel: output_device ", output_device_.str(),
                      " is not of the kind of device_ids (", devices_.str(), ")");
     check_device_exists(output_device_);
+    // Scatter, gather, broadcast and reduce are copies between these GPUs: peer to peer where the hardware allows.
+    std::vector<device> involved = devices_.devices();
+    if (!devices_.contains(output_device_)) involved.push_back(output_device_);
+    peer_pairs_ = enable_peer_access(involved);
     for (const auto& p : parameters_of(model)) {
       if (p.param->get_device() != first) {
         throw device_error(detail::concat(
@@ -192,6 +196,10 @@ class data_parallel {
     timelines_[0].end(s0);
   }
 
+  /// The pairs of GPUs (from, to) where `from` reaches `to`'s memory directly (enable_peer_access): copies between
+  /// other pairs are staged by the driver through host memory. Empty on host devices and single GPUs.
+  [[nodiscard]] const std::vector<std::pair<device, device>>& peer_pairs() const noexcept { return peer_pairs_; }
+
   /// Peak memory and the time each device spent computing, communicating and idle since construction (or
   /// the last reset_report). Waits for the work measured so far.
   [[nodiscard]] std::vector<device_report> report() {
@@ -259,6 +267,7 @@ class data_parallel {
   Model* model_;
   device_set devices_;
   device output_device_;
+  std::vector<std::pair<device, device>> peer_pairs_;
   std::vector<stream> streams_;
   std::vector<std::unique_ptr<context>> contexts_;
   std::optional<stream> output_stream_;

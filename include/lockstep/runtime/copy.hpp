@@ -54,7 +54,9 @@ inline void copy_bytes(void* dst, std::optional<device> dst_dev, const void* src
     }
 #if LOCKSTEP_HAS_CUDA
     // A host device's memory is ordinary host memory: a copy between it and a GPU, ordered on the host
-    // stream, runs a synchronous cudaMemcpy on the stream's worker.
+    // stream, runs a synchronous cudaMemcpy on the stream's worker. It is not ordered after GPU work on lockstep's
+    // (non-blocking) streams: record an event there and make this host stream wait for it (stream_ref::wait
+    // takes events of either kind).
     std::optional<device> gpu = (dst_dev && dst_dev->is_cuda()) ? dst_dev : src_dev;
     enqueue_host(
         s,

@@ -13,6 +13,9 @@
 #include <cstdint>
 #include <limits>
 #include <mutex>
+#include <span>
+#include <utility>
+#include <vector>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/cuda_check.hpp"
@@ -244,6 +247,64 @@ inline memory_stats get_memory_stats(device d) {
   st.limit = total_bytes;
 #endif
   return st;
+}
+
+/// Lets each GPU of `devices` read and write the memory of every other one where the hardware allows it, so that
+/// copies between them (data_parallel's scatter, gather, broadcast and reduce) run peer to peer over NVLink or PCIe
+/// instead of staging through host memory: cudaDeviceEnablePeerAccess, and cudaMemPoolSetAccess on each device's
+/// pool (memory from a stream-ordered pool is reachable from a peer only through the pool's own access list).
+/// Returns the pairs (from, to) where `from` can now reach `to`'s memory; pairs the hardware does not connect are
+/// left out (their copies still work, staged by the driver). Host devices: nothing to enable (one address space).
+/// Idempotent; makes each device current in turn and restores the caller's.
+inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const device> devices) {
+  std::vector<std::pair<device, device>> enabled;
+#if LOCKSTEP_HAS_CUDA
+  static std::mutex mutex;
+  static std::array<std::uint64_t, 64> done{};  // done[from] bit to: enabled earlier in this process
+  std::lock_guard lock(mutex);
+  for (const device from : devices) {
+    for (const device to : devices) {
+      if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
+      LOCKSTEP_EXPECTS(from.index < 64 && to.index < 64, "enable_peer_access: lockstep supports GPU indices 0..63");
+      const std::uint64_t bit = std::uint64_t{1} << to.index;
+      if ((done[static_cast<std::size_t>(from.index)] & bit) != 0) {
+        enabled.emplace_back(from, to);
+        continue;
+      }
+      int can = 0;
+      LOCKSTEP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from.index, to.index), "asking whether ", from.str(),
+                          " can reach ", to.str());
+      if (can == 0) continue;
+      {
+        device_guard guard(from);
+        const cudaError_t e = cudaDeviceEnablePeerAccess(to.index, 0);
+        if (e == cudaErrorPeerAccessAlreadyEnabled) {
+          (void)cudaGetLastError();  // enabled by the user or another library: fine
+        } else {
+          LOCKSTEP_CUDA_CHECK(e, "enabling peer access from ", from.str(), " to ", to.str());
+        }
+      }
+      auto& acc = detail::cuda_accounting(to.index);
+      cudaMemPool_t pool = nullptr;
+      {
+        std::lock_guard pool_lock(acc.mutex);
+        device_guard guard(to);
+        pool = detail::cuda_pool(to, acc);
+      }
+      cudaMemAccessDesc access{};
+      access.location.type = cudaMemLocationTypeDevice;
+      access.location.id = from.index;
+      access.flags = cudaMemAccessFlagsProtReadWrite;
+      LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1), "giving ", from.str(), " access to the memory pool of ",
+                          to.str());
+      done[static_cast<std::size_t>(from.index)] |= bit;
+      enabled.emplace_back(from, to);
+    }
+  }
+#else
+  (void)devices;
+#endif
+  return enabled;
 }
 
 /// Resets the peaks of `d` to the current values and its counters to zero (the number of live allocations

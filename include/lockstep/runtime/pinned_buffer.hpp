@@ -7,6 +7,7 @@
 
 #include <cstddef>
 #include <new>
+#include <optional>
 #include <span>
 #include <type_traits>
 
@@ -14,6 +15,7 @@
 #include "lockstep/core/cuda_check.hpp"
 #include "lockstep/core/unique_handle.hpp"
 #include "lockstep/core/units.hpp"
+#include "lockstep/device/device_guard.hpp"
 #include "lockstep/device/query.hpp"
 
 LOCKSTEP_DETAIL_BEGIN
@@ -48,12 +50,31 @@ class pinned_buffer {
  public:
   pinned_buffer() = default;
 
-  /// Allocates `n` uninitialized elements. Throws out_of_memory_error (or cuda_error) on failure.
-  explicit pinned_buffer(std::size_t n) : size_(n) {
+  /// Allocates `n` uninitialized elements, page-locked when a GPU is present. Throws out_of_memory_error (or
+  /// cuda_error) on failure. Prefer the constructor that names the device the memory stages for.
+  explicit pinned_buffer(std::size_t n) : pinned_buffer(n, std::nullopt) {}
+
+  /// Allocates `n` uninitialized elements to stage copies to and from `near`: page-locked, under near's CUDA
+  /// context, for a GPU (a thread with no context would otherwise create one on GPU 0, about 0.5 GB in every
+  /// process of an mpirun job); ordinary page-aligned memory for a host device, which needs no pinning.
+  pinned_buffer(std::size_t n, device near) : pinned_buffer(n, std::optional<device>(near)) {}
+
+  pinned_buffer(pinned_buffer&& other) noexcept : h_(std::move(other.h_)), size_(std::exchange(other.size_, 0)) {}
+  pinned_buffer& operator=(pinned_buffer&& other) noexcept {
+    h_ = std::move(other.h_);
+    size_ = std::exchange(other.size_, 0);
+    return *this;
+  }
+
+ private:
+  pinned_buffer(std::size_t n, std::optional<device> near) : size_(n) {
+    (void)near;  // only a CUDA build has a GPU to stage for
     if (n == 0) return;
     const std::size_t bytes = n * sizeof(T);
 #if LOCKSTEP_HAS_CUDA
-    if (cuda_available()) {
+    if ((!near || near->is_cuda()) && cuda_available()) {
+      std::optional<detail::cuda_device_scope> context;
+      if (near) context.emplace(near->index);
       void* p = nullptr;
       LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "allocating ", format_bytes(bytes),
                           " of pinned host memory");
@@ -68,13 +89,7 @@ class pinned_buffer {
     h_ = unique_handle<detail::pinned_traits>(detail::pinned_allocation{p, false});
   }
 
-  pinned_buffer(pinned_buffer&& other) noexcept : h_(std::move(other.h_)), size_(std::exchange(other.size_, 0)) {}
-  pinned_buffer& operator=(pinned_buffer&& other) noexcept {
-    h_ = std::move(other.h_);
-    size_ = std::exchange(other.size_, 0);
-    return *this;
-  }
-
+ public:
   [[nodiscard]] T* data() noexcept { return static_cast<T*>(h_.get().ptr); }
   [[nodiscard]] const T* data() const noexcept { return static_cast<const T*>(h_.get().ptr); }
   [[nodiscard]] std::size_t size() const noexcept { return size_; }

@@ -81,7 +81,8 @@ class stream_ref {
   }
 
   /// Work queued on this stream after the call waits for the most recent record of `e` (cudaStreamWaitEvent).
-  /// A never-recorded event is already complete. `e` may belong to another device of the same kind.
+  /// A never-recorded event is already complete. `e` may belong to another device, of either kind: a host stream
+  /// may wait for GPU work and a GPU stream for host work (in a translation unit compiled by nvcc).
   void wait(event_ref e) const;
 
   /// The host backend's state; precondition: a host stream.
@@ -376,9 +377,90 @@ class event {
 };
 static_assert(!std::is_copy_constructible_v<event>);
 
+LOCKSTEP_ABI_END
+
+#if LOCKSTEP_HAS_CUDA
+LOCKSTEP_DETAIL_BEGIN
+/// A host stream waits for GPU work: the record of `e` current now is captured in a private event (a pooled stream
+/// of e's device waits for `e` and records it), and a task on `host` blocks on that private event when the stream
+/// reaches it. Runs even when earlier host work failed (as every wait does), so the private event is always freed.
+inline void host_stream_waits_for_cuda_event(stream_ref host, event_ref e) {
+  const device gpu = e.get_device();
+  cudaEvent_t captured = nullptr;
+  {
+    device_guard guard(gpu);
+    LOCKSTEP_CUDA_CHECK(cudaEventCreateWithFlags(&captured, cudaEventDisableTiming), "creating an event on ", gpu.str());
+    cudaStream_t helper = cuda_stream_pool::instance().take(gpu.index);
+    cudaError_t status = helper == nullptr ? cudaStreamCreateWithFlags(&helper, cudaStreamNonBlocking) : cudaSuccess;
+    if (status == cudaSuccess) status = cudaStreamWaitEvent(helper, e.cuda_event(), 0);
+    if (status == cudaSuccess) status = cudaEventRecord(captured, helper);
+    if (helper != nullptr) cuda_stream_pool::instance().give_back(gpu.index, helper);
+    if (status != cudaSuccess) {
+      LOCKSTEP_CUDA_IGNORE(cudaEventDestroy(captured));
+      throw_cuda_error(status, "cudaStreamWaitEvent", LOCKSTEP_SITE, "making ", host.get_device().str(),
+                       " wait for an event of ", gpu.str());
+    }
+  }
+  try {
+    host.host_state().enqueue(host_backend::task{[captured, gpu] {
+                                                   const cudaError_t waited = cudaEventSynchronize(captured);
+                                                   LOCKSTEP_CUDA_IGNORE(cudaEventDestroy(captured));
+                                                   LOCKSTEP_CUDA_CHECK(waited, "waiting for an event of ", gpu.str());
+                                                 },
+                                                 "wait for a GPU event", true});
+  } catch (...) {
+    LOCKSTEP_CUDA_IGNORE(cudaEventDestroy(captured));
+    throw;
+  }
+}
+
+/// A GPU stream waits for host work: a host function on the GPU stream blocks until the record of the host event
+/// current now has run. (A failure carried by that record is not passed on: a GPU stream cannot be failed from the
+/// host; the host stream reports it.) The wait occupies the CUDA runtime's callback thread, so host work it waits
+/// for must not itself wait for a GPU stream's host function.
+inline void cuda_stream_waits_for_host_event(stream_ref gpu, event_ref e) {
+  auto& state = e.host_state();
+  struct pending {
+    host_backend::event_state* state;
+    std::uint64_t generation;
+  };
+  const std::uint64_t generation = state.current_generation();
+  if (generation == 0) return;  // never recorded: nothing to wait for
+  auto* w = new pending{&state, generation};
+  state.add_ref();
+  device_guard guard(gpu.get_device());
+  const cudaError_t status = cudaLaunchHostFunc(
+      gpu.cuda_stream(),
+      [](void* p) {
+        auto* self = static_cast<pending*>(p);
+        self->state->wait(self->generation);
+        self->state->drop_ref();
+        delete self;
+      },
+      w);
+  if (status != cudaSuccess) {
+    state.drop_ref();
+    delete w;
+    throw_cuda_error(status, "cudaLaunchHostFunc", LOCKSTEP_SITE, "making a stream of ", gpu.get_device().str(),
+                     " wait for an event of ", e.get_device().str());
+  }
+}
+LOCKSTEP_DETAIL_END
+#endif
+
+LOCKSTEP_ABI_BEGIN
+
 inline void stream_ref::wait(event_ref e) const {
-  LOCKSTEP_EXPECTS(e.get_device().kind == h_.dev.kind, "a stream of ", h_.dev.str(), " cannot wait for an event of ",
-                   e.get_device().str(), ": the devices belong to different backends; synchronize the event instead");
+  if (e.get_device().kind != h_.dev.kind) {
+    // A host device and a GPU in one program (staging on host devices, a model on GPUs): ordered like two GPUs.
+#if LOCKSTEP_HAS_CUDA
+    if (h_.dev.is_host()) return detail::host_stream_waits_for_cuda_event(*this, e);
+    return detail::cuda_stream_waits_for_host_event(*this, e);
+#else
+    throw precondition_error(detail::concat("a stream of ", h_.dev.str(), " cannot wait for an event of ",
+                                            e.get_device().str(), " in a translation unit compiled without nvcc"));
+#endif
+  }
   if (h_.dev.is_host()) return e.host_state().enqueue_wait(host_state());
 #if LOCKSTEP_HAS_CUDA
   device_guard guard(h_.dev);
