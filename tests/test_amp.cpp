@@ -147,6 +147,38 @@ TEST_P(loss_scaler_test, attaches_only_to_a_context_on_its_device) {
   EXPECT_EQ(elsewhere.loss_scale(), nullptr);
 }
 
+TEST_P(loss_scaler_test, a_scaler_on_another_device_than_the_parameters_is_refused_before_a_kernel_reads_it) {
+  // data_parallel with output_device other than device_ids[0]: the loss lives on the output device, the model and
+  // its optimizer on device_ids[0]. A scaler made on the output device and read by the optimizer's kernels is an
+  // illegal address on a GPU (the process's CUDA context is lost); both misuses are refused, with the fix.
+  if (!require_devices(2)) return;
+  stream s0(dev(0)), s1(dev(1));
+  parameter w("w", shape{5}, s0, dtype::f32);
+  parameter* ps[] = {&w};
+  sgd opt(std::vector<parameter*>{&w}, {.lr = 0.5f});
+  loss_scaler on_output(s1);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { on_output.unscale_and_check(ps, s1); }),
+                  "parameter w is on " + dev(0).str() + ", the scaler on " + dev(1).str());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { on_output.unscale_and_check(ps, s0); }),
+                  "the scaler's state is on " + dev(1).str() + " but the stream is of " + dev(0).str());
+  // The step's inputs are two raw pointers: asked of the CUDA runtime on GPUs, of the address registry on strict
+  // host devices (lenient ones share one address space and cannot tell).
+  if (kind() == device_kind::cuda || host_platform_configuration().strictness == host_strictness::strict) {
+    const auto message = message_of<precondition_error>([&] { opt.step(s0, on_output.optimizer_inputs()); });
+    EXPECT_CONTAINS(message, "the optimizer step's inverse loss scale (step_inputs) on " + dev(0).str());
+    EXPECT_CONTAINS(message, dev(1).str());
+  }
+  // The fix: the scaler of the parameters' device. Gradients of 2 with a scale of 4 step w by -0.5 * 2 / 4.
+  loss_scaler here(s0, loss_scaler_options{.initial_scale = 4.0f});
+  w.materialize_grad(s0);
+  fill(w.grad().span<float>(), 2.0f, s0);
+  fill(w.value().span<float>(), 1.0f, s0);
+  here.unscale_and_check(ps, s0);
+  opt.step(s0, here.optimizer_inputs());
+  here.update(s0);
+  EXPECT_EQ(to_vector(device_span<const float>(w.value().span<float>()), s0), std::vector<float>(5, 0.75f));
+}
+
 // ---- unscaling, exactly -----------------------------------------------------------------------------------------
 
 TEST_P(loss_scaler_test, unscaling_matches_a_cpu_reference_exactly) {
