@@ -367,6 +367,26 @@ TEST_P(dropout_test, masks_depend_on_seed_step_and_global_row_only) {
   EXPECT_EQ(d.forward(x, ctx).data(), x.data());  // identity, no copy
 }
 
+TEST_P(dropout_test, one_philox_call_serves_four_elements_with_the_per_element_decisions) {
+  // dropout_op draws one Philox block per four global indices; slices that start and end inside a block (ragged
+  // offsets and sizes) must still make exactly the decisions of dropout_mask::keep(index).
+  stream s(dev());
+  const kernels::dropout_mask mask{7, 3, 11, 0.6f};
+  for (std::uint64_t first : {0u, 1u, 2u, 3u, 5u, 402u}) {
+    for (std::uint64_t n : {1u, 2u, 3u, 4u, 5u, 13u, 14u, 15u}) {
+      const auto in = make_tensor(std::vector<float>(n, 3.0f), shape{static_cast<std::int64_t>(n)}, s);
+      tensor out(shape{static_cast<std::int64_t>(n)}, dtype::f32, s);
+      launch_elementwise(kernels::dropout_op<float>::calls(first, n),
+                         kernels::dropout_op<float>{in.view().as<float>(), out.view().as<float>(), mask, first, n}, s,
+                         "dropout");
+      const auto got = read(out.view(), s);
+      for (std::uint64_t i = 0; i < n; ++i) {
+        EXPECT_EQ(got[i], mask.keep(first + i) ? 3.0f / 0.6f : 0.0f) << "first " << first << ", n " << n << ", i " << i;
+      }
+    }
+  }
+}
+
 // ---- cloning and memory -----------------------------------------------------------------------------------------
 
 TEST_P(clone_test, a_replica_on_another_device_computes_the_same_and_owns_its_parameters) {

@@ -57,8 +57,9 @@ class dropout {
 
   void apply(const tensor_view& in, const tensor_view& out, context& ctx, const char* what) const {
     dispatch_floating(in.type(), "dropout", [&]<class T>() {
-      launch_elementwise(static_cast<std::size_t>(in.numel()),
-                         kernels::dropout_op<T>{in.as<T>(), out.as<T>(), mask_, first_index_}, ctx.stream(), what);
+      const auto n = static_cast<std::uint64_t>(in.numel());
+      launch_elementwise(kernels::dropout_op<T>::calls(first_index_, n),
+                         kernels::dropout_op<T>{in.as<T>(), out.as<T>(), mask_, first_index_, n}, ctx.stream(), what);
     });
   }
 

@@ -165,30 +165,46 @@ struct activation_backward_op {
   }
 };
 
-/// Dropout's keep decision for element `global_index` of the step: a pure function of (seed, stream, step,
-/// index), so the mask is recomputed in backward instead of stored, and a batch split across devices draws
-/// the same mask as on one device.
+/// Dropout's keep decisions: a pure function of (seed, stream, step, global index), so the mask is recomputed in
+/// backward instead of stored, and a batch split across devices draws the same mask as on one device.
 struct dropout_mask {
   std::uint64_t seed;
   std::uint64_t stream;  // distinguishes dropout layers
   std::uint64_t step;
   float keep_probability;
-  LOCKSTEP_HD bool keep(std::uint64_t global_index) const {
-    const std::uint64_t offset = stream * 0x9E3779B97F4A7C15ull + step;
-    return philox_uniform(seed, offset, global_index) < keep_probability;
+  [[nodiscard]] LOCKSTEP_HD std::uint64_t offset() const { return stream * 0x9E3779B97F4A7C15ull + step; }
+  /// The decision for one element (one Philox call keeps one word of four: for tests and single elements).
+  [[nodiscard]] LOCKSTEP_HD bool keep(std::uint64_t global_index) const {
+    return philox_uniform(seed, offset(), global_index) < keep_probability;
   }
 };
 
-/// y = x * mask / keep (forward) or gx = gy * mask / keep (backward: the same mask).
+/// y = x * mask / keep (forward) or gx = gy * mask / keep (backward: the same mask). Call q serves the four global
+/// indices of Philox block first_index / 4 + q that fall in this slice: one Philox call for four elements, and the
+/// decisions of mask.keep(index) exactly.
 template <class T>
 struct dropout_op {
   const T* in;
   T* out;
   dropout_mask mask;
   std::uint64_t first_index;  // global index of element 0 of this replica's slice
-  LOCKSTEP_HD void operator()(std::size_t i) const {
-    const bool keep = mask.keep(first_index + i);
-    out[i] = convert<T>(keep ? to_float(in[i]) / mask.keep_probability : 0.0f);
+  std::uint64_t count;        // elements of the slice
+
+  /// Calls needed for `count` elements starting at global index `first` (blocks partly outside count too).
+  [[nodiscard]] static constexpr std::size_t calls(std::uint64_t first, std::uint64_t count) {
+    return count == 0 ? 0 : static_cast<std::size_t>((first + count + 3) / 4 - first / 4);
+  }
+
+  LOCKSTEP_HD void operator()(std::size_t q) const {
+    const std::uint64_t block = first_index / 4 + q;
+    const uint4x32 bits = philox_block(mask.seed, mask.offset(), block);
+    for (unsigned w = 0; w < 4; ++w) {
+      const std::uint64_t global = block * 4 + w;
+      if (global < first_index || global - first_index >= count) continue;
+      const std::size_t i = static_cast<std::size_t>(global - first_index);
+      const bool keep = uniform_float(bits.v[w]) < mask.keep_probability;
+      out[i] = convert<T>(keep ? to_float(in[i]) / mask.keep_probability : 0.0f);
+    }
   }
 };
 
