@@ -63,7 +63,7 @@ class softmax_cross_entropy {
     row_loss_.ensure(shape{logits.rows()}, dtype::f32, ctx.stream());
     loss_.ensure(shape{1}, dtype::f32, ctx.stream());
     dispatch_floating(logits.type(), "softmax_cross_entropy", [&]<class T>() {
-      launch_elementwise(rows,
+      launch_rows(rows,
                          kernels::softmax_xent_forward_op<T>{logits.as<T>(), labels.as<std::int32_t>(),
                                                              row_loss_.as<float>(), classes, factor_},
                          ctx.stream(), "softmax cross-entropy");
@@ -77,7 +77,7 @@ class softmax_cross_entropy {
     LOCKSTEP_EXPECTS(loss_.numel() == 1, "softmax_cross_entropy::backward without a forward");
     grad_.ensure(logits_.dims(), logits_.type(), ctx.stream());
     dispatch_floating(logits_.type(), "softmax_cross_entropy", [&]<class T>() {
-      launch_elementwise(static_cast<std::size_t>(logits_.rows()),
+      launch_rows(static_cast<std::size_t>(logits_.rows()),
                          kernels::softmax_xent_backward_op<T>{logits_.as<T>(), labels_.as<std::int32_t>(), grad_.as<T>(),
                                                               static_cast<std::size_t>(logits_.cols()), factor_,
                                                               ctx.loss_scale()},
@@ -168,7 +168,7 @@ class accuracy_counter {
       fill_zero(total_.span<std::int64_t>(), ctx.stream());
     }
     dispatch_floating(logits.type(), "accuracy", [&]<class T>() {
-      launch_elementwise(static_cast<std::size_t>(logits.rows()),
+      launch_rows(static_cast<std::size_t>(logits.rows()),
                          kernels::argmax_hit_op<T>{logits.as<T>(), labels.as<std::int32_t>(),
                                                    reinterpret_cast<std::uint64_t*>(hits_.data()),
                                                    static_cast<std::size_t>(logits.cols())},

@@ -78,4 +78,28 @@ void launch_2d(std::size_t rows, std::size_t cols, F f, stream_ref s, const char
 #endif
 }
 
+/// Runs `f.row(r, lanes)` for every row r in [0, rows) in stream order on `s`, for row-wise reductions (a softmax,
+/// an argmax): on a GPU a warp per row, whose 32 lanes take columns lanes.index, lanes.index + 32, ... and combine
+/// partial results with lanes.sum / max / first_max (coalesced reads, one row per warp instead of per thread); on
+/// a host stream one lane per row, so the same code is the row's serial loop.
+template <class F>
+void launch_rows(std::size_t rows, F f, stream_ref s, const char* what) {
+  static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
+  if (rows == 0) return;
+  if (s.get_device().is_host()) {
+    detail::strict_check_functor(f, s.get_device(), what);
+    detail::enqueue_host(
+        s,
+        [rows, f] {
+          const auto k = detail::bind_functor(f);
+          for (std::size_t r = 0; r < rows; ++r) k.row(r, detail::single_lane{});
+        },
+        what);
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  detail::launch_rows_cuda(rows, f, s, what);
+#endif
+}
+
 LOCKSTEP_ABI_END

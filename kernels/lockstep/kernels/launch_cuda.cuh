@@ -32,7 +32,46 @@ __global__ LOCKSTEP_HIDDEN void elementwise_kernel(std::size_t n, F f) {
 }
 #pragma nv_diagnostic pop
 
-inline constexpr unsigned elementwise_block = 256;
+/// The 32 lanes of a warp sharing one row under launch_rows: butterfly shuffles give every lane the combined value.
+/// The whole warp always works on the same row (rows_kernel), so the full mask is right.
+struct warp_lanes {
+  unsigned index;
+  unsigned count;
+  __device__ float sum(float v) const {
+    for (int offset = 16; offset > 0; offset /= 2) v += __shfl_xor_sync(0xffffffffu, v, offset);
+    return v;
+  }
+  __device__ float max(float v) const {
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float other = __shfl_xor_sync(0xffffffffu, v, offset);
+      v = other > v ? other : v;
+    }
+    return v;
+  }
+  __device__ first_max_candidate first_max(first_max_candidate v) const {  // larger value; on a tie the first column
+    for (int offset = 16; offset > 0; offset /= 2) {
+      const float value = __shfl_xor_sync(0xffffffffu, v.value, offset);
+      const std::uint32_t index = __shfl_xor_sync(0xffffffffu, v.index, offset);
+      if (value > v.value || (value == v.value && index < v.index)) v = first_max_candidate{value, index};
+    }
+    return v;
+  }
+};
+
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1407
+/// A warp per row (grid-stride over rows): the 32 lanes split the row's columns and combine with warp_lanes.
+template <class F>
+__global__ LOCKSTEP_HIDDEN void rows_kernel(std::size_t rows, F f) {
+  const auto k = bind_functor(f);
+  const std::size_t warp = (static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x) / 32;
+  const std::size_t warps = static_cast<std::size_t>(gridDim.x) * blockDim.x / 32;
+  const warp_lanes lanes{threadIdx.x % 32u, 32u};
+  for (std::size_t r = warp; r < rows; r += warps) k.row(r, lanes);
+}
+#pragma nv_diagnostic pop
+
+inline constexpr unsigned elementwise_block = 256;  // a multiple of 32: rows_kernel's warps are whole
 
 /// A (row, col) functor seen as a flat one: launch_2d on a GPU.
 template <class F>
@@ -65,6 +104,14 @@ void launch_elementwise_cuda(std::size_t n, F f, stream_ref s, const char* what)
   const device d = s.get_device();
   device_guard guard(d);
   elementwise_kernel<<<elementwise_grid(n, d), elementwise_block, 0, s.cuda_stream()>>>(n, f);
+  check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " on ", d.str());
+}
+
+template <class F>
+void launch_rows_cuda(std::size_t rows, F f, stream_ref s, const char* what) {
+  const device d = s.get_device();
+  device_guard guard(d);
+  rows_kernel<<<elementwise_grid(rows * 32, d), elementwise_block, 0, s.cuda_stream()>>>(rows, f);
   check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " on ", d.str());
 }
 

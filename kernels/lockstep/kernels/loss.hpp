@@ -12,28 +12,32 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/kernels/bind.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
 
-/// Maximum and sum of exp(x - max) of one row.
+/// Maximum and sum of exp(x - max) of one row, from the lanes that share it (launch_rows): each lane takes
+/// columns lane, lane + lanes, ...; one lane (a host stream) is the plain serial loop.
 template <class T>
 struct row_softmax_stats {
   float max;
   float sum;
-  LOCKSTEP_HD static row_softmax_stats of(const T* x, std::size_t n) {
-    float m = to_float(x[0]);
-    for (std::size_t c = 1; c < n; ++c) {
+  template <class Lanes>
+  LOCKSTEP_HD static row_softmax_stats of(const T* x, std::size_t n, const Lanes& lanes) {
+    float m = to_float(x[0]);  // every lane starts from a real element, so lanes without columns change nothing
+    for (std::size_t c = lanes.index; c < n; c += lanes.count) {
       const float v = to_float(x[c]);
       m = v > m ? v : m;
     }
+    m = lanes.max(m);
     float s = 0.0f;
-    for (std::size_t c = 0; c < n; ++c) s += ::expf(to_float(x[c]) - m);
-    return {m, s};
+    for (std::size_t c = lanes.index; c < n; c += lanes.count) s += ::expf(to_float(x[c]) - m);
+    return {m, lanes.sum(s)};
   }
 };
 
-/// row_loss[r] = factor * (log sum_c exp(x[r, c]) - x[r, label[r]]).
+/// row_loss[r] = factor * (log sum_c exp(x[r, c]) - x[r, label[r]]). Run by launch_rows.
 template <class T>
 struct softmax_xent_forward_op {
   const T* logits;
@@ -41,19 +45,21 @@ struct softmax_xent_forward_op {
   float* row_loss;
   std::size_t classes;
   float factor;  // 1 for a sum, 1/count for a mean
-  LOCKSTEP_HD void operator()(std::size_t r) const {
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t r, const Lanes& lanes) const {
     const T* x = logits + r * classes;
     const std::int32_t label = labels[r];
     if (label < 0 || static_cast<std::size_t>(label) >= classes) {
-      row_loss[r] = detail::bits_as_float(0x7fc00000u);  // a quiet NaN (numeric_limits is host-only constexpr for nvcc)
+      // a quiet NaN (numeric_limits is host-only constexpr for nvcc)
+      if (lanes.index == 0) row_loss[r] = detail::bits_as_float(0x7fc00000u);
       return;
     }
-    const auto st = row_softmax_stats<T>::of(x, classes);
-    row_loss[r] = factor * (::logf(st.sum) + st.max - to_float(x[label]));
+    const auto st = row_softmax_stats<T>::of(x, classes, lanes);
+    if (lanes.index == 0) row_loss[r] = factor * (::logf(st.sum) + st.max - to_float(x[label]));
   }
 };
 
-/// grad[r, c] = factor * scale * (softmax(x[r])[c] - [c == label[r]]).
+/// grad[r, c] = factor * scale * (softmax(x[r])[c] - [c == label[r]]). Run by launch_rows.
 template <class T>
 struct softmax_xent_backward_op {
   const T* logits;
@@ -62,18 +68,19 @@ struct softmax_xent_backward_op {
   std::size_t classes;
   float factor;
   const float* scale;  // device loss scale, or nullptr for 1
-  LOCKSTEP_HD void operator()(std::size_t r) const {
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t r, const Lanes& lanes) const {
     const T* x = logits + r * classes;
     T* g = grad + r * classes;
     const std::int32_t label = labels[r];
     if (label < 0 || static_cast<std::size_t>(label) >= classes) {
-      for (std::size_t c = 0; c < classes; ++c) g[c] = convert<T>(0.0f);
+      for (std::size_t c = lanes.index; c < classes; c += lanes.count) g[c] = convert<T>(0.0f);
       return;
     }
-    const auto st = row_softmax_stats<T>::of(x, classes);
+    const auto st = row_softmax_stats<T>::of(x, classes, lanes);
     const float f = factor * (scale ? *scale : 1.0f);
     const float inv_sum = 1.0f / st.sum;
-    for (std::size_t c = 0; c < classes; ++c) {
+    for (std::size_t c = lanes.index; c < classes; c += lanes.count) {
       const float p = ::expf(to_float(x[c]) - st.max) * inv_sum;
       g[c] = convert<T>(f * (p - (static_cast<std::size_t>(label) == c ? 1.0f : 0.0f)));
     }
@@ -106,25 +113,23 @@ struct mse_backward_op {
   }
 };
 
-/// hit[r] = 1 when the first maximum of row r is at the label, else 0.
+/// hit[r] = 1 when the first maximum of row r is at the label, else 0. Run by launch_rows.
 template <class T>
 struct argmax_hit_op {
   const T* logits;
   const std::int32_t* labels;
   std::uint64_t* hit;
   std::size_t classes;
-  LOCKSTEP_HD void operator()(std::size_t r) const {
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t r, const Lanes& lanes) const {
     const T* x = logits + r * classes;
-    std::size_t best = 0;
-    float best_value = to_float(x[0]);
-    for (std::size_t c = 1; c < classes; ++c) {
+    detail::first_max_candidate best{to_float(x[0]), 0};  // a real element in every lane (see row_softmax_stats)
+    for (std::size_t c = lanes.index; c < classes; c += lanes.count) {
       const float v = to_float(x[c]);
-      if (v > best_value) {
-        best_value = v;
-        best = c;
-      }
+      if (v > best.value) best = detail::first_max_candidate{v, static_cast<std::uint32_t>(c)};
     }
-    hit[r] = (labels[r] >= 0 && static_cast<std::size_t>(labels[r]) == best) ? 1u : 0u;
+    best = lanes.first_max(best);
+    if (lanes.index == 0) hit[r] = (labels[r] >= 0 && static_cast<std::uint32_t>(labels[r]) == best.index) ? 1u : 0u;
   }
 };
 

@@ -62,6 +62,10 @@ struct multi_tensor_table {
 };
 
 #if LOCKSTEP_HAS_CUDA
+// A functor from an anonymous namespace makes the kernel internal, where the visibility attribute does not apply
+// (#1407): harmless, silenced as for elementwise_kernel (launch_cuda.cuh).
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1407
 template <int K, class F>
 __global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table, F f) {
   const tensor_group<K>& g = table.groups[table.block_group[blockIdx.x]];
@@ -70,6 +74,7 @@ __global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table,
   const auto k = bind_functor(f);
   for (std::size_t i = begin + threadIdx.x; i < end; i += blockDim.x) k(g, i);
 }
+#pragma nv_diagnostic pop
 
 template <int K, class F>
 void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
