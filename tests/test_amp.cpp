@@ -12,6 +12,7 @@
 #include "lockstep/amp/loss_scaler.hpp"
 #include "lockstep/amp/precision.hpp"
 #include "lockstep/blas/gemm.hpp"
+#include "lockstep/optim/clip.hpp"
 #include "lockstep/comm/run_on_devices.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "parallel_common.hpp"
@@ -45,11 +46,13 @@ std::vector<std::uint8_t> state_bytes(Model& m, const sgd& opt, stream_ref s) {
 // Every suite runs once per backend.
 class loss_scaler_test : public backend_test {};
 class mixed_precision_test : public backend_test {};
+class clip_test : public backend_test {};
 
 }  // namespace
 
 INSTANTIATE_TEST_SUITE_P(all, loss_scaler_test, all_backends(), backend_name);
 INSTANTIATE_TEST_SUITE_P(all, mixed_precision_test, all_backends(), backend_name);
+INSTANTIATE_TEST_SUITE_P(all, clip_test, all_backends(), backend_name);
 
 // ---- the scaler's dynamics --------------------------------------------------------------------------------------
 
@@ -394,4 +397,154 @@ TEST_P(mixed_precision_test, f16_and_bf16_gemms_are_within_the_error_of_their_in
   };
   run.operator()<lockstep::half>(0x1p-11);
   run.operator()<bfloat16>(0x1p-8);
+}
+
+// ---- clipping gradients by their total norm ------------------------------------------------------------------
+
+namespace {
+
+// A parameter of `n` elements whose fp32 values and gradient (stored in `type`) are given.
+std::unique_ptr<parameter> make_param(const std::string& name, const std::vector<float>& values,
+                                      const std::vector<float>& grad, dtype type, stream_ref s) {
+  auto p = std::make_unique<parameter>(name, shape{static_cast<std::int64_t>(values.size())}, s, type);
+  copy(p->value().span<float>(), std::span<const float>(values), s);
+  p->refresh_working_copy(s);
+  p->materialize_grad(s);
+  with_float_type(type, [&]<class T>() {
+    const auto stored = from_floats<T>(grad);
+    auto staged = to_device(stored, s);
+    copy(p->grad().span<T>(), device_span<const T>(staged.span()), s);
+    s.synchronize();
+  });
+  return p;
+}
+
+std::vector<float> values_of(const parameter& p, stream_ref s) { return to_vector(p.value().span<const float>(), s); }
+
+}  // namespace
+
+TEST_P(clip_test, the_clipped_sgd_step_is_pytorchs_clip_grad_norm_then_step) {
+  // PyTorch 1.13: a = [0.25, -1, 2], b = [1, 0.5, -0.75, 3] with gradients [1, -2, 3] and [0.5, 4, -1, 2];
+  // clip_grad_norm_([a, b], max_norm=2, norm_type=2 or inf), then SGD(lr=0.5, momentum=0.9, weight_decay=0.01).
+  struct expected_case {
+    grad_norm norm;
+    float total;
+    std::vector<float> a, b;
+  };
+  const expected_case cases[] = {
+      {grad_norm::l2, 5.93717098236084f, {0.08031964302062988f, -0.6581392884254456f, 1.4847089052200317f},
+       {0.9107848405838013f, -0.17622143030166626f, -0.5778196454048157f, 2.648139238357544f}},
+      {grad_norm::inf, 4.0f, {-0.001249939203262329f, -0.49500012397766113f, 1.2400002479553223f},
+       {0.8700000047683716f, -0.5024998188018799f, -0.49625006318092346f, 2.4850001335144043f}},
+  };
+  stream s(dev());
+  for (const auto& c : cases) {
+    auto a = make_param("a", {0.25f, -1.0f, 2.0f}, {1.0f, -2.0f, 3.0f}, dtype::f32, s);
+    auto b = make_param("b", {1.0f, 0.5f, -0.75f, 3.0f}, {0.5f, 4.0f, -1.0f, 2.0f}, dtype::f32, s);
+    parameter* ps[] = {a.get(), b.get()};
+    sgd opt(ps, {.lr = 0.5f, .momentum = 0.9f, .weight_decay = 0.01f});
+    gradient_clipper clip(s);
+    opt.step(s, clip.clip_grad_norm(ps, {.max_norm = 2.0f, .norm = c.norm}, s));
+    EXPECT_NEAR(clip.total_norm(s), c.total, 1e-6 * c.total);
+    const auto va = values_of(*a, s), vb = values_of(*b, s);
+    for (std::size_t i = 0; i < 3; ++i) EXPECT_NEAR(va[i], c.a[i], 1e-6 * std::fabs(c.a[i]) + 1e-7) << i;
+    for (std::size_t i = 0; i < 4; ++i) EXPECT_NEAR(vb[i], c.b[i], 1e-6 * std::fabs(c.b[i]) + 1e-7) << i;
+  }
+}
+
+TEST_P(clip_test, the_norm_of_scaled_low_precision_gradients_matches_a_double_reference_for_ragged_sizes) {
+  stream s(dev());
+  for (dtype type : {dtype::f32, dtype::f16, dtype::bf16}) {
+    for (std::size_t n : {255u, 256u, 257u}) {  // around the host reduction's block of 256
+      SCOPED_TRACE(::testing::Message() << name_of(type) << ", n = " << n);
+      std::vector<std::unique_ptr<parameter>> owned;
+      std::vector<parameter*> ps;
+      double sum = 0.0, largest = 0.0;
+      for (std::size_t k = 0; k < 3; ++k) {  // sizes n, n + 1, n + 2, gradients scaled by 1024 as the scaler does
+        std::vector<float> grad(n + k);
+        for (std::size_t i = 0; i < grad.size(); ++i) {
+          grad[i] = static_cast<float>(static_cast<int>((i * 37 + k * 11) % 61) - 30) * 1024.0f / 64.0f;
+        }
+        owned.push_back(make_param(detail::concat("p", k), std::vector<float>(grad.size(), 0.0f), grad, type, s));
+        ps.push_back(owned.back().get());
+        for (float g : to_floats(from_floats<float>(grad))) {  // the values as stored (exact in every type here)
+          sum += static_cast<double>(g) * g / (1024.0 * 1024.0);
+          largest = std::max(largest, std::fabs(static_cast<double>(g)) / 1024.0);
+        }
+      }
+      loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1024.0f});
+      scaler.unscale_and_check(ps, s);
+      gradient_clipper clip(s);
+      (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f}, s, scaler.optimizer_inputs());
+      EXPECT_NEAR(clip.total_norm(s), std::sqrt(sum), 1e-6 * std::sqrt(sum));
+      (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, scaler.optimizer_inputs());
+      EXPECT_EQ(clip.total_norm(s), static_cast<float>(largest));
+    }
+  }
+}
+
+TEST_P(clip_test, below_the_maximum_the_step_is_unclipped_and_a_non_finite_norm_skips_it) {
+  stream s(dev());
+  auto w = make_param("w", {1.0f, 2.0f}, {0.3f, -0.4f}, dtype::f32, s);  // norm 0.5
+  parameter* ps[] = {w.get()};
+  sgd opt(ps, {.lr = 1.0f});
+  gradient_clipper clip(s);
+  opt.step(s, clip.clip_grad_norm(ps, {.max_norm = 0.6f}, s));
+  EXPECT_EQ(values_of(*w, s), (std::vector<float>{1.0f - 0.3f, 2.0f + 0.4f}));
+  // a NaN gradient: the step is skipped (own flag without a scaler)
+  auto bad = make_param("bad", {1.0f, 2.0f}, {std::nanf(""), 1.0f}, dtype::f32, s);
+  parameter* bad_ps[] = {bad.get()};
+  sgd bad_opt(bad_ps, {.lr = 1.0f});
+  bad_opt.step(s, clip.clip_grad_norm(bad_ps, {.max_norm = 1.0f}, s));
+  EXPECT_EQ(values_of(*bad, s), (std::vector<float>{1.0f, 2.0f}));
+  EXPECT_TRUE(std::isnan(clip.total_norm(s)));
+  EXPECT_EQ(bad_opt.steps_taken(s), 0);
+  // finite gradients whose squares overflow fp32: the loss scaler's flag is set, so it backs off and skips too
+  auto huge = make_param("huge", {1.0f}, {1e30f}, dtype::f32, s);
+  parameter* huge_ps[] = {huge.get()};
+  sgd huge_opt(huge_ps, {.lr = 1.0f});
+  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1.0f, .min_scale = 0.25f});
+  scaler.unscale_and_check(huge_ps, s);
+  huge_opt.step(s, clip.clip_grad_norm(huge_ps, {.max_norm = 1.0f}, s, scaler.optimizer_inputs()));
+  scaler.update(s);
+  EXPECT_EQ(values_of(*huge, s), std::vector<float>{1.0f});
+  const auto t = scaler.read(s);
+  EXPECT_EQ(t.skipped_steps, 1);
+  EXPECT_LT(t.scale, 1.0f);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)clip.clip_grad_norm(ps, {.max_norm = 0.0f}, s); }),
+                  "max_norm must be positive and finite, got 0");
+}
+
+TEST_P(clip_test, shards_on_three_ranks_give_the_norm_of_all_the_gradients) {
+  if (!require_devices(3)) return;
+  // Nine gradients of ragged sizes; rank r holds gradients r, r + 3, r + 6 (as ZeRO shards would).
+  std::vector<std::vector<float>> grads;
+  double sum = 0.0;
+  for (std::size_t k = 0; k < 9; ++k) {
+    grads.emplace_back(100 + 7 * k);
+    for (std::size_t i = 0; i < grads[k].size(); ++i) {
+      grads[k][i] = static_cast<float>(static_cast<int>((i * 13 + k) % 41) - 20) / 8.0f;
+      sum += static_cast<double>(grads[k][i]) * grads[k][i];
+    }
+  }
+  std::vector<float> norms(3), inf_norms(3);
+  run_on_devices(devices(3), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    std::vector<std::unique_ptr<parameter>> owned;
+    std::vector<parameter*> ps;
+    for (std::size_t k = static_cast<std::size_t>(rc.rank()); k < 9; k += 3) {
+      owned.push_back(make_param(detail::concat("g", k), std::vector<float>(grads[k].size(), 0.0f), grads[k],
+                                 dtype::f32, s));
+      ps.push_back(owned.back().get());
+    }
+    gradient_clipper clip(s);
+    (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f}, s, {}, rc.comm());
+    norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
+    (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
+    inf_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
+  });
+  for (int r = 0; r < 3; ++r) {
+    EXPECT_NEAR(norms[static_cast<std::size_t>(r)], std::sqrt(sum), 1e-6 * std::sqrt(sum)) << "rank " << r;
+    EXPECT_EQ(inf_norms[static_cast<std::size_t>(r)], 20.0f / 8.0f) << "rank " << r;
+  }
 }

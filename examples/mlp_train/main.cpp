@@ -80,6 +80,10 @@ class any_optimizer {
       scaler_.emplace(s, loss_scaler_options::for_precision(o.precision));
       scaler_->attach(loss_ctx);
     }
+    if (o.clip_grad_norm > 0.0f) {
+      clipper_.emplace(s);
+      max_norm_ = o.clip_grad_norm;
+    }
   }
   /// Check (with every rank of `ranks`), step (skipped on overflow), update the scale: all on `s`.
   void step(stream_ref s, std::optional<communicator_ref> ranks = std::nullopt) {
@@ -88,6 +92,8 @@ class any_optimizer {
       scaler_->unscale_and_check(params_, s, ranks);
       in = scaler_->optimizer_inputs();
     }
+    // after the overflow check, on the unscaled gradients; every rank holds all of them (reduced), so no ranks
+    if (clipper_) in = clipper_->clip_grad_norm(params_, {.max_norm = max_norm_}, s, in);
     sgd_ ? sgd_->step(s, in) : adamw_->step(s, in);
     if (scaler_) scaler_->update(s);
     if (sgd_schedule_) sgd_schedule_->step();
@@ -112,6 +118,11 @@ class any_optimizer {
     if (!scaler_) return std::nullopt;
     return scaler_->read(s);
   }
+  /// The total gradient norm of the last step (before clipping), under --clip-grad-norm; synchronizes `s`.
+  [[nodiscard]] std::optional<float> last_grad_norm(stream_ref s) const {
+    if (!clipper_) return std::nullopt;
+    return clipper_->total_norm(s);
+  }
 
  private:
   std::vector<parameter*> params_;
@@ -120,6 +131,8 @@ class any_optimizer {
   std::optional<lr_scheduler<sgd, cosine_schedule>> sgd_schedule_;
   std::optional<lr_scheduler<adamw, cosine_schedule>> adamw_schedule_;
   std::optional<loss_scaler> scaler_;
+  std::optional<gradient_clipper> clipper_;
+  float max_norm_ = 0.0f;
 };
 
 // Counts, on the device, the steps whose loss is not finite and keeps the first one's number: a step never waits
@@ -189,6 +202,7 @@ struct run_result {
   std::int64_t steps = 0;
   float final_loss = 0;
   std::optional<loss_scaler_telemetry> scaler;
+  std::optional<float> last_grad_norm;  // under --clip-grad-norm
   std::vector<device_report> devices;
 };
 
@@ -500,6 +514,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
       [&] { compute.synchronize(); },
       [&] { return memory_in_use({dev}); });
   r.scaler = optimizer.scaler_state(compute);
+  r.last_grad_norm = optimizer.last_grad_norm(compute);
   r.devices.push_back(time.report());
   if (r.stopped.empty() || r.stopped == "--stop-after") evaluate(model, data.test, ctx, o, r);
   return r;
@@ -548,6 +563,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
       },
       [&] { return memory_in_use(devices.devices()); });
   r.scaler = optimizer.scaler_state(s0);
+  r.last_grad_norm = optimizer.last_grad_norm(s0);
   r.devices = dp.report();
   if (r.stopped.empty() || r.stopped == "--stop-after") evaluate(model, data.test, dp.replica_context(0), o, r);
   return r;
@@ -608,6 +624,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
       [&] { comm.synchronize(compute); },
       [&] { return memory_in_use({ctx.get_device()}); });
   r.scaler = optimizer.scaler_state(compute);
+  r.last_grad_norm = optimizer.last_grad_norm(compute);
   r.devices.push_back(ddp.report());
   if (rank == 0 && (r.stopped.empty() || r.stopped == "--stop-after")) evaluate(model, data.test, ctx, o, r);
   return r;
@@ -768,6 +785,8 @@ int run(const mlp_options& o) {
   j["optimizer"] = o.optimizer;
   j["lr"] = o.lr;
   j["lr_schedule"] = o.lr_schedule;
+  if (o.clip_grad_norm > 0.0f) j["clip_grad_norm"] = o.clip_grad_norm;
+  if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;
   j["precision"] = std::string(name_of(o.precision));
   j["mode"] = processes ? "ddp-mpi" : o.mode;
   j["final_loss"] = r.final_loss;

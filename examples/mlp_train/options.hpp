@@ -24,6 +24,7 @@ struct mlp_options {
   float lr = 0.05f;
   float momentum = 0.9f;
   float weight_decay = 0.0f;
+  float clip_grad_norm = 0.0f;  // 0: no clipping
   std::vector<std::int64_t> hidden = {256, 256};
   std::string optimizer = "sgd";
   std::string lr_schedule = "cosine";
@@ -56,6 +57,7 @@ inline constexpr const char* usage_text =
     "  --lr-schedule S       cosine (default: from --lr down to 0 over the run, stepped every batch) or constant\n"
     "  --momentum X          SGD momentum (default 0.9)\n"
     "  --weight-decay X      weight decay (default 0)\n"
+    "  --clip-grad-norm X    clip the gradients' total 2-norm to X before each step (default: no clipping)\n"
     "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
     "  --optimizer NAME      sgd (default) or adamw\n"
     "  --precision P         f32 (default), f16 or bf16\n"
@@ -157,6 +159,11 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--weight-decay") {
       o.weight_decay = parse_float(flag, value());
       if (!(o.weight_decay >= 0.0f)) throw usage_error("--weight-decay must be >= 0, got " + std::string(argv[i]));
+    } else if (flag == "--clip-grad-norm") {
+      o.clip_grad_norm = parse_float(flag, value());
+      if (!(o.clip_grad_norm > 0.0f) || o.clip_grad_norm - o.clip_grad_norm != 0.0f) {
+        throw usage_error("--clip-grad-norm must be a positive number, got " + std::string(argv[i]));
+      }
     } else if (flag == "--hidden") {
       o.hidden.clear();
       std::string_view list = value();

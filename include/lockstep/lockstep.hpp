@@ -48,6 +48,7 @@
 #include "lockstep/nn/sequential.hpp"
 
 #include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/clip.hpp"
 #include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
 

@@ -26,6 +26,7 @@
 #include <cstdlib>
 #include <limits>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -252,6 +253,15 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
     if (send_used) strict_expect_memory_of(dev, c.send, c.kind == collective_kind::reduce_scatter ? all : bytes, name.c_str());
     if (recv_used) strict_expect_memory_of(dev, c.recv, c.kind == collective_kind::all_gather ? all : bytes, name.c_str());
   }
+}
+
+/// For a collective running on host stream `on`: when earlier work on the stream failed, its buffers hold nothing
+/// valid, and the sentence why `where` (the collective, its number and rank) must not run. The caller then fails it
+/// on every rank (a clique aborts, MPI breaks the communicator) rather than let the others complete a step with
+/// this rank's stale data.
+inline std::optional<std::string> reason_not_to_run(host_backend::stream_state& on, std::string_view where) {
+  if (auto f = on.failure()) return concat(where, " could not run: earlier work on its stream failed: ", f->context);
+  return std::nullopt;
 }
 
 /// Checks that a span given to a collective lives on the communicator's device.

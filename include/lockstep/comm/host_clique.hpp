@@ -684,11 +684,10 @@ class clique_member final : public communicator_impl {
         [state = state_, rank = rank_, seq, c, on] {
           // Work this collective depends on failed: its buffers hold nothing valid. Fail the collective on every
           // rank (abort) rather than let the others complete a step with this rank's stale data.
-          if (auto f = on->failure()) {
-            const std::string why = concat(name_of(c.kind), " #", seq, " on ", rank_name(rank, state->device_of(rank)),
-                                           " could not run: earlier work on its stream failed: ", f->context);
-            state->abort(why);
-            throw error(why);
+          if (auto why = reason_not_to_run(*on, concat(name_of(c.kind), " #", seq, " on ",
+                                                       rank_name(rank, state->device_of(rank))))) {
+            state->abort(*why);
+            throw error(*why);
           }
           state->run(rank, seq, c);
         },

@@ -397,10 +397,9 @@ class state {
       wait_for_turn(seq, where);
       // Work this collective depends on failed: its buffers hold nothing valid. Fail it on every rank (break the
       // communicator) rather than let the others complete a step with this rank's stale data.
-      if (auto f = on.failure()) {
-        const std::string why = concat(where, " could not run: earlier work on its stream failed: ", f->context);
-        break_communicator(why, notify::peers);
-        throw error(why);
+      if (auto why = reason_not_to_run(on, where)) {
+        break_communicator(*why, notify::peers);
+        throw error(*why);
       }
       // An abort message that already arrived must win over starting a collective the others left.
       if (poll_control()) throw error(concat(where, " was aborted: ", reason()));
@@ -767,23 +766,19 @@ class member final : public communicator_impl {
 
   void enqueue(const collective_call& c, stream_ref s) override {
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
+    host_backend::stream_state* on = &s.host_state();
     std::shared_ptr<state::call_check> check;
+    const char* failed = "could not post its call records";
     try {
       check = state_->post_check(seq, c);
-    } catch (const std::exception& e) {
-      // the sequence number is taken: without its records the ranks could never agree again
-      state_->break_communicator(concat(name_of(c.kind), " #", seq, " could not post its call records: ", e.what()),
-                                 state::notify::peers);
-      throw;
-    }
-    host_backend::stream_state* on = &s.host_state();
-    try {
+      failed = "could not be queued";
       enqueue_host(
           s, [st = state_, seq, c, check, on] { st->run(seq, c, check, *on); }, name_of(c.kind).data(), true);
-    } catch (const std::exception& e) {  // out of memory: the sequence number is lost, the records may be in flight
+    } catch (const std::exception& e) {
+      // The sequence number is taken: without its records, or with records in flight and no collective behind them
+      // (out of memory while queuing), the ranks could never agree again.
       if (check) state_->abandon_check(check);
-      state_->break_communicator(concat(name_of(c.kind), " #", seq, " could not be queued: ", e.what()),
-                                 state::notify::peers);
+      state_->break_communicator(concat(name_of(c.kind), " #", seq, " ", failed, ": ", e.what()), state::notify::peers);
       throw;
     }
   }

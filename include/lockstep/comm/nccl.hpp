@@ -308,16 +308,12 @@ class shared_comms {
       // keep the first reason, or none: the abort itself matters more
     }
     aborted_.store(true, std::memory_order_release);
-    int previous = 0;
-    // restore only a device the thread had a context on (see detail::cuda_context_is_current)
-    const bool restore = detail::cuda_context_is_current() && cudaGetDevice(&previous) == cudaSuccess;
     for (auto& e : endpoints_) {
       std::lock_guard lock(e->mutex);
       if (e->comm == nullptr) continue;
-      (void)cudaSetDevice(e->dev.index);
+      detail::cuda_device_scope current(e->dev.index);  // restores only a device the thread had a context on
       (void)ncclCommAbort(std::exchange(e->comm, nullptr));
     }
-    if (restore) (void)cudaSetDevice(previous);
     (void)cudaGetLastError();
   }
 
@@ -327,12 +323,10 @@ class shared_comms {
   /// failed or did not finish is aborted instead. Then frees the barrier words: only now, because cudaFree
   /// synchronizes the device and would wait for a kernel stuck on a missing peer. Never throws.
   void release() noexcept {
-    int previous = 0;
-    const bool restore = detail::cuda_context_is_current() && cudaGetDevice(&previous) == cudaSuccess;
     std::vector<ncclComm_t> finalizing;
     for (auto& e : endpoints_) {
       if (e->comm == nullptr) continue;
-      (void)cudaSetDevice(e->dev.index);
+      detail::cuda_device_scope current(e->dev.index);
       ncclResult_t async = ncclSuccess;
       const bool healthy = ncclCommGetAsyncError(e->comm, &async) == ncclSuccess && async == ncclSuccess;
       const ncclResult_t r = healthy ? ncclCommFinalize(e->comm) : ncclInternalError;
@@ -357,7 +351,7 @@ class shared_comms {
       }
     }
     for (auto& e : endpoints_) {
-      (void)cudaSetDevice(e->dev.index);
+      detail::cuda_device_scope current(e->dev.index);
       for (auto& p : e->in_flight) {
         (void)cudaEventDestroy(p.before);
         (void)cudaEventDestroy(p.done);
@@ -367,7 +361,6 @@ class shared_comms {
       e->spare_events.clear();
       if (e->scratch != nullptr) (void)cudaFree(std::exchange(e->scratch, nullptr));
     }
-    if (restore) (void)cudaSetDevice(previous);
     (void)cudaGetLastError();
   }
 

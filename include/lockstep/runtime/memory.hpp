@@ -265,7 +265,8 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
   for (const device from : devices) {
     for (const device to : devices) {
       if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
-      LOCKSTEP_EXPECTS(from.index < 64 && to.index < 64, "enable_peer_access: lockstep supports GPU indices 0..63");
+      detail::check_cuda_index(from);
+      detail::check_cuda_index(to);
       const std::uint64_t bit = std::uint64_t{1} << to.index;
       if ((done[static_cast<std::size_t>(from.index)] & bit) != 0) {
         enabled.emplace_back(from, to);

@@ -159,6 +159,13 @@ struct cuda_stream_pool {
 };
 #endif
 
+/// lockstep's per-GPU tables (stream pools, accounting, peer access) have 64 entries: indices 64 and above would
+/// alias, so they are refused.
+inline void check_cuda_index(device d) {
+  LOCKSTEP_EXPECTS(!d.is_cuda() || d.index < 64, d.str(), ": lockstep supports GPU indices 0..63 (its per-device "
+                   "tables have 64 entries); restrict the visible GPUs with CUDA_VISIBLE_DEVICES");
+}
+
 struct stream_traits {
   using handle_type = native_handle;
   static constexpr handle_type null() noexcept { return {device{}, nullptr}; }
@@ -194,8 +201,7 @@ class stream {
     }
 #if LOCKSTEP_HAS_CUDA
     check_device_exists(d);
-    LOCKSTEP_EXPECTS(d.index < 64, d.str(), ": lockstep supports GPU indices 0..63 (its per-device tables have 64 "
-                                           "entries); restrict the visible GPUs with CUDA_VISIBLE_DEVICES");
+    detail::check_cuda_index(d);
     cudaStream_t s = detail::cuda_stream_pool::instance().take(d.index);
     if (s == nullptr) {
       device_guard guard(d);
@@ -230,8 +236,7 @@ inline stream_ref default_stream(device d) {
   }
   check_device_exists(d);
 #if LOCKSTEP_HAS_CUDA
-  LOCKSTEP_EXPECTS(d.index < 64, d.str(), ": lockstep supports GPU indices 0..63 (its per-device tables have 64 "
-                                         "entries); restrict the visible GPUs with CUDA_VISIBLE_DEVICES");
+  detail::check_cuda_index(d);
   return stream_ref(detail::native_handle{d, static_cast<void*>(cudaStreamLegacy)});
 #else
   throw device_error("unreachable: no CUDA device in a host-only translation unit");

@@ -238,5 +238,58 @@ struct adamw_update_op {
   LOCKSTEP_HD void operator()(const tensor_group<5>& g, std::size_t i) const { bind()(g, i); }
 };
 
+/// Gradient clipping's device state (optim/clip.hpp): the local reduction, the total norm, the step's gradient
+/// multiplier with the clip coefficient folded in, and the clipper's own skip flag.
+struct clip_state {
+  float reduced;     // sum of squares (l2) or maximum |g| (inf) of the raw gradients, over ranks once all-reduced
+  float total_norm;  // of the unscaled gradients
+  float multiplier;  // the incoming multiplier (inverse loss scale) times min(1, max_norm / (total_norm + 1e-6))
+  float skip;        // non-zero when the total norm is not finite and no other skip flag was given
+};
+
+/// state.reduced = the sum (l2) or NaN-propagating maximum (inf) of the per-tensor partials, in index order. One
+/// element.
+struct clip_reduce_partials_op {
+  const float* partials;
+  std::size_t count;
+  bool maximum;
+  clip_state* state;
+  LOCKSTEP_HD void operator()(std::size_t) const {
+    float r = 0.0f;
+    for (std::size_t i = 0; i < count; ++i) {
+      const float v = partials[i];
+      r = maximum ? ((r != r || r > v) ? r : v) : r + v;
+    }
+    state->reduced = r;
+  }
+};
+
+/// PyTorch's clip_grad_norm_ on the unscaled gradients g * m: total = sqrt(sum g^2) |m| (or max |g| |m|),
+/// coefficient = min(1, max_norm / (total + 1e-6)), folded into the step's multiplier. A total that is not finite
+/// sets `skip_out` (the loss scaler's flag, which then backs off as for an overflow, or the clipper's own): the
+/// step is skipped, as it is for non-finite gradients. One element.
+struct clip_finish_op {
+  clip_state* state;
+  const float* multiplier_in;  // inverse loss scale, or null for 1
+  float* skip_out;
+  float max_norm;
+  bool l2;
+  LOCKSTEP_HD void operator()(std::size_t) const {
+    const float m = multiplier_in ? *multiplier_in : 1.0f;
+    const float am = m < 0.0f ? -m : m;
+    const float r = state->reduced;
+    const float total = (l2 ? ::sqrtf(r) : r) * am;
+    state->total_norm = total;
+    const float coef = max_norm / (total + 1e-6f);
+    state->multiplier = m * (coef < 1.0f ? coef : 1.0f);
+    const bool finite = total == total && total - total == 0.0f;  // not NaN, not +-inf
+    if (skip_out == &state->skip) {
+      *skip_out = finite ? 0.0f : 1.0f;
+    } else if (!finite) {
+      *skip_out = 1.0f;
+    }
+  }
+};
+
 }  // namespace kernels
 LOCKSTEP_ABI_END

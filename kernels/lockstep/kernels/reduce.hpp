@@ -37,6 +37,14 @@ struct to_float_op {
 };
 
 template <class T>
+struct square_op {
+  LOCKSTEP_HD float operator()(T x) const {
+    const float v = to_float(x);
+    return v * v;
+  }
+};
+
+template <class T>
 struct abs_op {
   LOCKSTEP_HD float operator()(T x) const {
     const float v = to_float(x);
