@@ -527,7 +527,7 @@ TEST_P(clip_test, shards_on_three_ranks_give_the_norm_of_all_the_gradients) {
       sum += static_cast<double>(grads[k][i]) * grads[k][i];
     }
   }
-  std::vector<float> norms(3), inf_norms(3);
+  std::vector<float> norms(3), inf_norms(3), nan_norms(3);
   run_on_devices(devices(3), [&](rank_context& rc) {
     const stream_ref s = rc.compute_stream();
     std::vector<std::unique_ptr<parameter>> owned;
@@ -542,9 +542,17 @@ TEST_P(clip_test, shards_on_three_ranks_give_the_norm_of_all_the_gradients) {
     norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
     (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
     inf_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
+    // a NaN on one rank makes every rank's max-norm infinite (NCCL's max would drop a NaN), so all skip
+    if (rc.rank() == 1) {
+      auto nan = to_device(std::vector<float>{std::nanf("")}, s);
+      copy(ps[0]->grad().span<float>().subspan(3, 1), device_span<const float>(nan.span()), s);
+    }
+    (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
+    nan_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
   });
   for (int r = 0; r < 3; ++r) {
     EXPECT_NEAR(norms[static_cast<std::size_t>(r)], std::sqrt(sum), 1e-6 * std::sqrt(sum)) << "rank " << r;
     EXPECT_EQ(inf_norms[static_cast<std::size_t>(r)], 20.0f / 8.0f) << "rank " << r;
+    EXPECT_TRUE(std::isinf(nan_norms[static_cast<std::size_t>(r)])) << "rank " << r;
   }
 }

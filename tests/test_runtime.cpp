@@ -651,6 +651,10 @@ TEST(host_strict, a_span_must_hold_memory_of_the_device_it_names) {
   const device_span<float> too_long(a.data() + 60, 8, host0);
   message = message_of<precondition_error>([&] { fill_zero(too_long, s0); });
   EXPECT_CONTAINS(message, "run 16 B past the end of its allocation on host:0");
+  // ... also into the slack of its pool block (100 floats get a 512 B block; the allocation is 400 B)
+  device_buffer<float> c(100, s0);
+  message = message_of<precondition_error>([&] { fill_zero(device_span<float>(c.data(), 110, host0), s0); });
+  EXPECT_CONTAINS(message, "run 40 B past the end of its allocation on host:0 (400 B)");
   // a peer copy touches both devices, as cudaMemcpyPeerAsync does: allowed from either side
   fill(a.span(), 7.0f, s0);
   s0.synchronize();

@@ -765,8 +765,8 @@ class member final : public communicator_impl {
   }
 
   void enqueue(const collective_call& c, stream_ref s) override {
+    host_backend::stream_state* on = &s.host_state();  // before the sequence number is taken
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
-    host_backend::stream_state* on = &s.host_state();
     std::shared_ptr<state::call_check> check;
     const char* failed = "could not post its call records";
     try {

@@ -192,10 +192,12 @@ inline void check_host_environment_unchanged() {
   if (!p.started || p.configured_by_code) return;
   const std::string devices = detail::getenv_string("LOCKSTEP_HOST_DEVICES");
   const std::string memory = detail::getenv_string("LOCKSTEP_HOST_DEVICE_MEMORY");
-  if (devices != p.env_devices || memory != p.env_memory) {
+  const std::string strict = detail::getenv_string("LOCKSTEP_HOST_STRICT");
+  if (devices != p.env_devices || memory != p.env_memory || strict != p.env_strict) {
     throw device_error(detail::concat(
-        "LOCKSTEP_HOST_DEVICES/LOCKSTEP_HOST_DEVICE_MEMORY changed after the host platform started (was '",
-        p.env_devices, "'/'", p.env_memory, "', now '", devices, "'/'", memory,
+        "LOCKSTEP_HOST_DEVICES/LOCKSTEP_HOST_DEVICE_MEMORY/LOCKSTEP_HOST_STRICT changed after the host platform "
+        "started (was '", p.env_devices, "'/'", p.env_memory, "'/'", p.env_strict, "', now '", devices, "'/'", memory,
+        "'/'", strict,
         "'): they are read once, at the first use of a host device, so ", p.config.device_count,
         " host devices remain. Set them before the program starts, or call configure_host_platform() at the "
         "top of main()."));

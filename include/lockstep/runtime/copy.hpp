@@ -43,10 +43,9 @@ inline void copy_bytes(void* dst, std::optional<device> dst_dev, const void* src
   LOCKSTEP_EXPECTS(dst != nullptr && src != nullptr, "copy of ", bytes, " B from ", where(src_dev), " to ",
                    where(dst_dev), " with a null pointer");
   const bool any_cuda = (dst_dev && dst_dev->is_cuda()) || (src_dev && src_dev->is_cuda());
-  if (host_strict()) {  // the spans' devices are where their memory lives
-    if (dst_dev) strict_expect_memory_of(*dst_dev, dst, bytes, "copy destination");
-    if (src_dev) strict_expect_memory_of(*src_dev, src, bytes, "copy source");
-  }
+  // strict host devices: the spans' devices are where their memory lives (nothing is asked for GPU memory)
+  if (dst_dev) strict_expect_memory_of(*dst_dev, dst, bytes, "copy destination");
+  if (src_dev) strict_expect_memory_of(*src_dev, src, bytes, "copy source");
   if (sd.is_host()) {
     if (!any_cuda) {
       enqueue_host(s, [dst, src, bytes] { std::memcpy(dst, src, bytes); }, "copy");

@@ -281,6 +281,9 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
         const cudaError_t e = cudaDeviceEnablePeerAccess(to.index, 0);
         if (e == cudaErrorPeerAccessAlreadyEnabled) {
           (void)cudaGetLastError();  // enabled by the user or another library: fine
+        } else if (e == cudaErrorTooManyPeers || e == cudaErrorPeerAccessUnsupported) {
+          (void)cudaGetLastError();  // beyond the hardware's peer limit, or refused after all: not connected
+          continue;
         } else {
           LOCKSTEP_CUDA_CHECK(e, "enabling peer access from ", from.str(), " to ", to.str());
         }

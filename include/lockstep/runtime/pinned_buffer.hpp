@@ -73,6 +73,7 @@ class pinned_buffer {
     const std::size_t bytes = n * sizeof(T);
 #if LOCKSTEP_HAS_CUDA
     if ((!near || near->is_cuda()) && cuda_available()) {
+      if (near) check_device_exists(*near);
       std::optional<detail::cuda_device_scope> context;
       if (near) context.emplace(near->index);
       void* p = nullptr;

@@ -82,7 +82,10 @@ class stream_ref {
 
   /// Work queued on this stream after the call waits for the most recent record of `e` (cudaStreamWaitEvent).
   /// A never-recorded event is already complete. `e` may belong to another device, of either kind: a host stream
-  /// may wait for GPU work and a GPU stream for host work (in a translation unit compiled by nvcc).
+  /// may wait for GPU work and a GPU stream for host work (in a translation unit compiled by nvcc). A GPU stream's
+  /// wait for host work blocks a CUDA host function: keep host -> GPU waits one way (host work that a GPU stream
+  /// waits for must not wait, even indirectly, for a GPU stream that waits for host work), and not in a stream
+  /// being captured into a graph (refused).
   void wait(event_ref e) const;
 
   /// The host backend's state; precondition: a host stream.
@@ -402,12 +405,14 @@ inline void host_stream_waits_for_cuda_event(stream_ref host, event_ref e) {
     if (helper != nullptr) cuda_stream_pool::instance().give_back(gpu.index, helper);
     if (status != cudaSuccess) {
       LOCKSTEP_CUDA_IGNORE(cudaEventDestroy(captured));
-      throw_cuda_error(status, "cudaStreamWaitEvent", LOCKSTEP_SITE, "making ", host.get_device().str(),
-                       " wait for an event of ", gpu.str());
+      throw_cuda_error(status, "cudaStreamWaitEvent/cudaEventRecord", LOCKSTEP_SITE, "capturing an event of ",
+                       gpu.str(), " for ", host.get_device().str(), " to wait for");
     }
   }
   try {
     host.host_state().enqueue(host_backend::task{[captured, gpu] {
+                                                   // the worker has no context: use the GPU's, create none on GPU 0
+                                                   cuda_device_scope current(gpu.index);
                                                    const cudaError_t waited = cudaEventSynchronize(captured);
                                                    LOCKSTEP_CUDA_IGNORE(cudaEventDestroy(captured));
                                                    LOCKSTEP_CUDA_CHECK(waited, "waiting for an event of ", gpu.str());
@@ -421,8 +426,9 @@ inline void host_stream_waits_for_cuda_event(stream_ref host, event_ref e) {
 
 /// A GPU stream waits for host work: a host function on the GPU stream blocks until the record of the host event
 /// current now has run. (A failure carried by that record is not passed on: a GPU stream cannot be failed from the
-/// host; the host stream reports it.) The wait occupies the CUDA runtime's callback thread, so host work it waits
-/// for must not itself wait for a GPU stream's host function.
+/// host; the host stream reports it.) CUDA may run host functions one at a time, so while this one blocks, the
+/// host functions of other GPU streams wait too: host work that this wait depends on must not itself depend, even
+/// through other streams, on a GPU stream's wait for a host event (order host -> GPU dependencies one way).
 inline void cuda_stream_waits_for_host_event(stream_ref gpu, event_ref e) {
   auto& state = e.host_state();
   struct pending {
@@ -431,9 +437,15 @@ inline void cuda_stream_waits_for_host_event(stream_ref gpu, event_ref e) {
   };
   const std::uint64_t generation = state.current_generation();
   if (generation == 0) return;  // never recorded: nothing to wait for
+  device_guard guard(gpu.get_device());
+  cudaStreamCaptureStatus capture = cudaStreamCaptureStatusNone;
+  LOCKSTEP_CUDA_CHECK(cudaStreamIsCapturing(gpu.cuda_stream(), &capture), "asking whether a stream of ",
+                      gpu.get_device().str(), " is being captured");
+  LOCKSTEP_EXPECTS(capture == cudaStreamCaptureStatusNone, "a stream of ", gpu.get_device().str(),
+                   " that is being captured into a CUDA graph cannot wait for an event of ", e.get_device().str(),
+                   " (the wait is a one-time host function)");
   auto* w = new pending{&state, generation};
   state.add_ref();
-  device_guard guard(gpu.get_device());
   const cudaError_t status = cudaLaunchHostFunc(
       gpu.cuda_stream(),
       [](void* p) {

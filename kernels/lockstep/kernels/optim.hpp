@@ -260,7 +260,9 @@ struct clip_reduce_partials_op {
       const float v = partials[i];
       r = maximum ? ((r != r || r > v) ? r : v) : r + v;
     }
-    state->reduced = r;
+    // A NaN maximum is kept as +inf: ranks' maxima are then combined by NCCL's and MPI's max, which may drop a NaN
+    // (fmaxf returns the other operand) but never an infinity. Either way the norm is not finite and the step skips.
+    state->reduced = (maximum && r != r) ? detail::bits_as_float(0x7f800000u) : r;
   }
 };
 

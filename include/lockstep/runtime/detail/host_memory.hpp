@@ -52,24 +52,42 @@ struct block_owner {
 
 /// Which host device's live allocation holds an address: what lets host_strictness::strict refuse a kernel on
 /// host:1 that touches host:0's memory, as a GPU would fault. Kept by every device's pool in strict mode only.
+/// Adding never allocates: a pool takes a node (make_node) before it changes anything, and gets it back on free.
 class address_registry {
+  struct entry {
+    std::uintptr_t end;
+    int device;
+  };
+  using map = std::map<std::uintptr_t, entry>;
+
  public:
+  using node = map::node_type;
+
   static address_registry& instance() {
     static address_registry r;
     return r;
   }
 
-  void add(const void* p, std::size_t size, int device) {
+  /// A free node for a later add. `owner` (the caller's address) is a key no block can have while it lives.
+  /// Throws std::bad_alloc; changes nothing then.
+  [[nodiscard]] node make_node(const void* owner) {
     std::unique_lock lock(mutex_);
-    blocks_.insert_or_assign(address(p), entry{address(p) + size, device});
+    return blocks_.extract(blocks_.emplace(address(owner), entry{}).first);
   }
 
-  void remove(const void* p) noexcept {
-    try {
-      std::unique_lock lock(mutex_);
-      blocks_.erase(address(p));
-    } catch (...) {  // a lock that cannot be taken leaves a stale entry: a later check may be too strict, never lax
-    }
+  /// Records [p, p + size) as memory of `device`, in `n` (from make_node or remove; left empty).
+  void add(node& n, const void* p, std::size_t size, int device) noexcept {
+    n.key() = address(p);
+    n.mapped() = entry{address(p) + size, device};
+    std::unique_lock lock(mutex_);
+    blocks_.erase(address(p));  // a stale entry, if any
+    blocks_.insert(std::move(n));
+  }
+
+  /// Forgets the block at `p`; returns its node for reuse (empty if `p` was not recorded).
+  node remove(const void* p) noexcept {
+    std::unique_lock lock(mutex_);
+    return blocks_.extract(address(p));
   }
 
   /// The live block holding `p`, if any host device's pool handed it out.
@@ -84,14 +102,10 @@ class address_registry {
   }
 
  private:
-  struct entry {
-    std::uintptr_t end;
-    int device;
-  };
   static std::uintptr_t address(const void* p) noexcept { return reinterpret_cast<std::uintptr_t>(p); }
 
   mutable std::shared_mutex mutex_;
-  std::map<std::uintptr_t, entry> blocks_;  // start -> (end, device) of every live block
+  map blocks_;  // start -> (end, device) of every live block, as requested (not rounded up)
 };
 
 class device_memory {
@@ -115,6 +129,7 @@ class device_memory {
   void* allocate(std::size_t bytes, const stream_state* s) {
     const std::size_t size = round_up(bytes);
     std::unique_lock lock(mutex_);
+    if (track_addresses_ && spare_.empty()) spare_ = address_registry::instance().make_node(this);  // may throw
     collect_pending_locked();
     void* p = take_cached_locked(size, s);
     if (!p) {
@@ -143,15 +158,8 @@ class device_memory {
       ++system_allocations_;
       live_.emplace(p, size);
     }
-    if (track_addresses_) {
-      try {
-        address_registry::instance().add(p, live_.at(p), device_);
-      } catch (...) {
-        free_.emplace(live_.at(p), p);  // back to the cache, uncounted: the request fails whole
-        live_.erase(p);
-        throw;
-      }
-    }
+    // The requested bytes, not the block: strict mode then sees a span that runs into a block's slack.
+    if (track_addresses_) address_registry::instance().add(spare_, p, bytes, device_);
     in_use_ += live_.at(p);
     peak_in_use_ = std::max(peak_in_use_, in_use_);
     ++allocations_;
@@ -168,7 +176,10 @@ class device_memory {
     in_use_ -= size;
     ++frees_;
     live_.erase(it);
-    if (track_addresses_) address_registry::instance().remove(p);
+    if (track_addresses_) {
+      auto n = address_registry::instance().remove(p);
+      if (spare_.empty()) spare_ = std::move(n);
+    }
     if (s == nullptr || s->idle()) {
       free_.emplace(size, p);
     } else {
@@ -308,6 +319,7 @@ class device_memory {
   const int device_;
   const std::uint64_t limit_;
   const bool track_addresses_;
+  address_registry::node spare_;  // for the next allocation's registry entry (strict mode)
   mutable std::mutex mutex_;
   std::multimap<std::size_t, void*> free_;      // cached blocks by size
   std::vector<pending_block> pending_;          // freed, waiting for their stream to pass the free
