@@ -336,6 +336,53 @@ TEST_P(loss_test, accuracy_counts_argmax_hits_across_batches) {
   EXPECT_EQ(acc.correct(s), 0);
 }
 
+TEST_P(loss_test, wide_rows_match_a_cpu_reference_with_ties_across_lanes) {
+  // On a GPU a warp shares each row (launch_rows): columns c, c + 32, ... per lane, then shuffles. Widths around
+  // the warp, a first maximum tied 32 columns later (another lane), and more rows than a grid has warps.
+  context ctx(default_stream(dev()));
+  const stream_ref s = ctx.stream();
+  const std::pair<std::int64_t, std::int64_t> cases[] = {{37, 31}, {37, 32}, {37, 33}, {37, 65}, {37, 1000}, {20000, 33}};
+  for (const auto& [rows, classes] : cases) {
+    SCOPED_TRACE(::testing::Message() << rows << " rows of " << classes << " classes");
+    std::vector<float> x(static_cast<std::size_t>(rows * classes));
+    std::vector<std::int32_t> labels(static_cast<std::size_t>(rows));
+    std::int64_t hits = 0;
+    double loss_sum = 0.0;
+    std::vector<double> grad(x.size());
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* row = x.data() + r * classes;
+      for (std::int64_t c = 0; c < classes; ++c) row[c] = static_cast<float>((r * 7 + c * 13) % 29) / 4.0f - 3.0f;
+      const std::int64_t first = r % classes, tie = first + 32 < classes ? first + 32 : first;
+      row[first] = row[tie] = 10.0f;  // the first maximum is `first`, whatever lane holds `tie`
+      const std::int64_t label = r % 2 == 0 ? first : tie;
+      labels[static_cast<std::size_t>(r)] = static_cast<std::int32_t>(label);
+      hits += label == first ? 1 : 0;
+      double sum = 0.0;
+      for (std::int64_t c = 0; c < classes; ++c) sum += std::exp(static_cast<double>(row[c]) - 10.0);
+      loss_sum += std::log(sum) + 10.0 - row[label];
+      for (std::int64_t c = 0; c < classes; ++c) {
+        grad[static_cast<std::size_t>(r * classes + c)] =
+            (std::exp(static_cast<double>(row[c]) - 10.0) / sum - (c == label ? 1.0 : 0.0)) / static_cast<double>(rows);
+      }
+    }
+    const tensor logits = make_tensor(x, shape{rows, classes}, s);
+    const tensor y = make_labels(labels, s);
+    softmax_cross_entropy loss(reduction::mean);
+    loss.forward(logits, y, ctx);
+    const double expected = loss_sum / static_cast<double>(rows);
+    // per row, log(sum) + 10 - x[label] is rounded at 10's scale (half an ulp: 4.8e-7) whatever the row's loss, and
+    // a sum of 1000 exponentials in f32 carries a few 1e-6 of relative error
+    EXPECT_NEAR(loss.read_loss(s), expected, 2e-6 + 1e-5 * expected);
+    const auto g = read(loss.backward(ctx), s);
+    double worst = 0.0;
+    for (std::size_t i = 0; i < g.size(); ++i) worst = std::max(worst, std::fabs(g[i] - grad[i]));
+    EXPECT_LT(worst, 5e-7) << "largest gradient error";
+    accuracy_counter acc;
+    acc.add(logits, y, ctx);
+    EXPECT_EQ(acc.correct(s), hits);
+  }
+}
+
 // ---- dropout -----------------------------------------------------------------------------------------------------
 
 TEST_P(dropout_test, masks_depend_on_seed_step_and_global_row_only) {

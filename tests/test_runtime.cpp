@@ -4,6 +4,7 @@
 // Tests parameterized over the backend run on host devices here and skip their CUDA instance without a GPU.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
@@ -730,4 +731,28 @@ TEST(mixed_kinds, a_host_stream_waits_for_gpu_work_and_a_gpu_stream_for_host_wor
     EXPECT_EQ(seen.front(), static_cast<float>(-round));
     EXPECT_EQ(seen.back(), static_cast<float>(-round));
   }
+}
+
+TEST(peer_access, every_pair_the_hardware_connects_is_enabled_and_pool_memory_copies_across) {
+  if (!cuda_available()) GTEST_SKIP() << "no GPU: " << cuda_status().reason();
+  if (device_count(device_kind::cuda) < 2) GTEST_SKIP() << "needs 2 GPUs, found " << device_count(device_kind::cuda);
+#if LOCKSTEP_HAS_CUDA
+  const device a{device_kind::cuda, 0}, b{device_kind::cuda, 1};
+  const device both[] = {a, b};
+  const auto pairs = enable_peer_access(both);
+  for (const auto& [from, to] : {std::pair{a, b}, std::pair{b, a}}) {
+    int can = 0;
+    ASSERT_EQ(cudaDeviceCanAccessPeer(&can, from.index, to.index), cudaSuccess);
+    const bool enabled = std::find(pairs.begin(), pairs.end(), std::pair{from, to}) != pairs.end();
+    EXPECT_EQ(enabled, can != 0) << from.str() << " -> " << to.str();
+  }
+  EXPECT_EQ(enable_peer_access(both), pairs);  // idempotent
+  // memory of b's stream-ordered pool, copied by a stream of a (peer to peer where enabled, staged otherwise)
+  stream sa(a), sb(b);
+  auto src = to_device(std::vector<float>(1 << 20, 3.0f), sb);
+  sb.synchronize();
+  device_buffer<float> dst(1 << 20, sa);
+  copy(dst.span(), device_span<const float>(src.span()), sa);
+  EXPECT_EQ(to_vector(device_span<const float>(dst.span()), sa), std::vector<float>(1 << 20, 3.0f));
+#endif
 }
