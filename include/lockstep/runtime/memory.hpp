@@ -215,8 +215,9 @@ inline void expect_pointer_on_device(device d, const void* p, const char* what) 
   cudaPointerAttributes attributes{};
   LOCKSTEP_CUDA_CHECK(cudaPointerGetAttributes(&attributes, p), "asking where ", what, " reads ", p);
   LOCKSTEP_EXPECTS(attributes.type != cudaMemoryTypeDevice || attributes.device == d.index, what, " on ", d.str(),
-                   " reads ", p, ", memory of cuda:", attributes.device,
-                   ": a kernel cannot read another GPU's memory (cudaErrorIllegalAddress); keep it on ", d.str());
+                   " reads ", p, ", memory of cuda:", attributes.device, ": keep it on ", d.str(),
+                   " (without peer access a kernel reading another GPU's memory fails with cudaErrorIllegalAddress and "
+                   "loses the context; with it, every step would read across the link)");
 #endif
 }
 

@@ -21,6 +21,7 @@
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/units.hpp"
+#include "lockstep/device/host_platform.hpp"
 #include "lockstep/runtime/detail/host_stream.hpp"
 
 namespace lockstep {
@@ -110,9 +111,9 @@ class address_registry {
 
 class device_memory {
  public:
-  /// `track_addresses`: register live blocks in the address_registry (host_strictness::strict).
-  device_memory(int device, std::uint64_t limit, bool track_addresses = false)
-      : device_(device), limit_(limit), track_addresses_(track_addresses) {}
+  /// host_strictness::strict: live blocks are registered in the address_registry.
+  device_memory(int device, std::uint64_t limit, host_strictness strictness = host_strictness::lenient)
+      : device_(device), limit_(limit), track_addresses_(strictness == host_strictness::strict) {}
   device_memory(const device_memory&) = delete;
   device_memory& operator=(const device_memory&) = delete;
   ~device_memory() {

@@ -23,7 +23,7 @@ class device_runtime final : public stream_observer {
   device_runtime(int index, std::uint64_t memory_limit, host_strictness strictness)
       : index_(index),
         strict_(strictness == host_strictness::strict),
-        memory_(index, memory_limit, strict_) {}
+        memory_(index, memory_limit, strictness) {}
   device_runtime(const device_runtime&) = delete;
   device_runtime& operator=(const device_runtime&) = delete;
   ~device_runtime() {
