@@ -481,6 +481,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   stream compute(dev);
   context ctx(compute, o.precision);
   ctx.set_seed(o.seed);
+  if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   softmax_cross_entropy loss(reduction::mean);
@@ -526,7 +527,11 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
   stream setup(devices.front());
   context build(setup, o.precision);
   graph model = build_mlp(data.inputs, o.hidden, 10, build, o.seed);
-  data_parallel dp(model, data_parallel_options{.device_ids = devices, .compute_type = o.precision});
+  data_parallel dp(model, data_parallel_options{
+                              .device_ids = devices,
+                              .compute_type = o.precision,
+                              .deterministic = o.deterministic ? std::optional(deterministic_options{.chunk_rows = o.chunk_rows})
+                                                               : std::nullopt});
   dp.set_seed(o.seed);
   context& out = dp.output_context();
   const stream_ref s0 = dp.replica_context(0).stream();
@@ -572,25 +577,30 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
 // ---- DistributedDataParallel: one rank's training loop, for threads and for processes ---------------------------
 
 // Trains on this rank's shard (distributed sampler) with the global batch split evenly; returns this rank's
-// figures. Only rank 0 prints progress and evaluates.
+// figures. Only rank 0 prints progress and evaluates. Under --deterministic every rank reads the global batch
+// (the order of one device) and trains on its deterministic_shard of it: whole chunks, as even as they allow.
 run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& ctx, communicator_ref comm,
                           stream_ref comm_stream) {
   const int rank = comm.rank(), world = comm.size();
   const stream_ref compute = ctx.stream();
+  if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream);
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   softmax_cross_entropy loss(reduction::mean);
-  if (o.batch % world != 0) {
+  if (o.batch % world != 0 && !o.deterministic) {
     throw precondition_error(detail::concat(
         "--batch ", o.batch, " does not split evenly over ", world, " ranks (DDP gives every rank the same number of ",
         "rows); use a multiple of ", world, " such as ", (o.batch / world) * world > 0 ? (o.batch / world) * world : world,
         " or ", (o.batch / world + 1) * world, ", or --mode dp, which splits a batch unevenly"));
   }
-  const auto local_batch = static_cast<std::size_t>(o.batch / world);
-  data_loader loader(data.train,
-                     distributed_sampler(data.train.size(), rank, world, sample_order::shuffled, o.seed, tail_policy::pad),
-                     compute, data_loader_options{.batch_size = local_batch, .workers = o.workers, .input_type = o.precision});
+  // one rank of one, under --deterministic: the whole shuffled order (random_sampler's), in global batches
+  const int sampler_rank = o.deterministic ? 0 : rank, sampler_world = o.deterministic ? 1 : world;
+  const auto local_batch = static_cast<std::size_t>(o.batch / sampler_world);
+  data_loader loader(
+      data.train,
+      distributed_sampler(data.train.size(), sampler_rank, sampler_world, sample_order::shuffled, o.seed, tail_policy::pad),
+      compute, data_loader_options{.batch_size = local_batch, .workers = o.workers, .input_type = o.precision});
   optimizer.schedule(o, total_steps(o, loader.batches_per_epoch()));
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
@@ -608,11 +618,20 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
         optimizer.zero_grad();
         // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a
         // mean over the global batch and the gradients are summed over ranks
-        loss.forward(ddp.forward(b.input), b.target, ctx, b.rows * world);
+        std::int64_t global = b.rows * world;
+        tensor_view input = b.input, target = b.target;
+        if (o.deterministic) {
+          global = b.rows;
+          const row_range mine = deterministic_shard(b.rows, o.chunk_rows, rank, world);
+          ctx.set_row_offset(mine.begin);
+          input = b.input.slice_rows(mine.begin, mine.rows);
+          target = b.target.slice_rows(mine.begin, mine.rows);
+        }
+        loss.forward(ddp.forward(input), target, ctx, global);
         watch.after_step(loss.loss(), r.steps + 1);
         ddp.backward(loss.backward(ctx));
         optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
-        return b.rows * world;
+        return global;
       },
       [&] {
         // each rank's loss is its share of the global batch's mean: their sum is the global loss
@@ -786,6 +805,8 @@ int run(const mlp_options& o) {
   j["lr"] = o.lr;
   j["lr_schedule"] = o.lr_schedule;
   if (o.clip_grad_norm > 0.0f) j["clip_grad_norm"] = o.clip_grad_norm;
+  if (o.deterministic) j["chunk_rows"] = o.chunk_rows;
+  j["deterministic"] = o.deterministic;
   if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;
   j["precision"] = std::string(name_of(o.precision));
   j["mode"] = processes ? "ddp-mpi" : o.mode;

@@ -25,6 +25,8 @@ struct mlp_options {
   float momentum = 0.9f;
   float weight_decay = 0.0f;
   float clip_grad_norm = 0.0f;  // 0: no clipping
+  bool deterministic = false;   // the same bits on any number of devices and in any mode
+  std::int64_t chunk_rows = 32;
   std::vector<std::int64_t> hidden = {256, 256};
   std::string optimizer = "sgd";
   std::string lr_schedule = "cosine";
@@ -58,6 +60,9 @@ inline constexpr const char* usage_text =
     "  --momentum X          SGD momentum (default 0.9)\n"
     "  --weight-decay X      weight decay (default 0)\n"
     "  --clip-grad-norm X    clip the gradients' total 2-norm to X before each step (default: no clipping)\n"
+    "  --deterministic       the same weights (weights_sha256) on 1..N devices, in every mode: batches in\n"
+    "                        chunks of --chunk-rows rows, gradients summed exactly (docs/determinism.md)\n"
+    "  --chunk-rows N        rows per chunk under --deterministic (default 32)\n"
     "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
     "  --optimizer NAME      sgd (default) or adamw\n"
     "  --precision P         f32 (default), f16 or bf16\n"
@@ -164,6 +169,11 @@ inline mlp_options parse_options(int argc, char** argv) {
       if (!(o.clip_grad_norm > 0.0f) || o.clip_grad_norm - o.clip_grad_norm != 0.0f) {
         throw usage_error("--clip-grad-norm must be a positive number, got " + std::string(argv[i]));
       }
+    } else if (flag == "--deterministic") {
+      o.deterministic = true;
+    } else if (flag == "--chunk-rows") {
+      o.chunk_rows = parse_number<std::int64_t>(flag, value());
+      if (o.chunk_rows < 1) throw usage_error("--chunk-rows must be at least 1 (a power of two such as 32 is usual)");
     } else if (flag == "--hidden") {
       o.hidden.clear();
       std::string_view list = value();

@@ -38,6 +38,7 @@
 
 #include "lockstep/nn/activation.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/dropout.hpp"
 #include "lockstep/nn/graph.hpp"
 #include "lockstep/nn/init.hpp"

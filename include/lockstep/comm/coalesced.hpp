@@ -20,6 +20,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/exact.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
 #include "lockstep/runtime/tensor.hpp"
@@ -43,6 +44,32 @@ inline std::vector<row_range> chunk_rows(std::int64_t rows, std::size_t parts) {
   if (rows == 0) return out;
   const std::int64_t size = (rows + static_cast<std::int64_t>(parts) - 1) / static_cast<std::int64_t>(parts);
   for (std::int64_t begin = 0; begin < rows; begin += size) out.push_back({begin, std::min(size, rows - begin)});
+  return out;
+}
+
+/// Deterministic mode (nn/deterministic.hpp): the rows of a global batch of `rows` rows that rank `rank` of
+/// `world` takes: whole chunks of `chunk_rows` rows, contiguous in rank order, as even as chunks allow (the first
+/// ranks take one chunk more). 130 rows in chunks of 32 over 3 ranks: [0, 64), [64, 128), [128, 130). A rank may
+/// get no rows (fewer chunks than ranks).
+inline row_range deterministic_shard(std::int64_t rows, std::int64_t chunk_rows, int rank, int world) {
+  LOCKSTEP_EXPECTS(rows >= 0 && chunk_rows > 0 && world > 0 && rank >= 0 && rank < world,
+                   "deterministic_shard: rows ", rows, ", chunk_rows ", chunk_rows, ", rank ", rank, " of ", world,
+                   ": expected rows >= 0, chunk_rows > 0 and 0 <= rank < world");
+  const std::int64_t chunks = (rows + chunk_rows - 1) / chunk_rows, w = world, r = rank;
+  const auto first_chunk = [&](std::int64_t k) { return (chunks / w) * k + std::min(k, chunks % w); };
+  const std::int64_t begin = std::min(rows, first_chunk(r) * chunk_rows);
+  const std::int64_t end = std::min(rows, first_chunk(r + 1) * chunk_rows);
+  return {begin, end - begin};
+}
+
+/// The non-empty deterministic_shard()s of `rows` rows over `parts` devices, in order (data_parallel's split
+/// in deterministic mode).
+inline std::vector<row_range> deterministic_shards(std::int64_t rows, std::int64_t chunk_rows, std::size_t parts) {
+  std::vector<row_range> out;
+  for (std::size_t i = 0; i < parts; ++i) {
+    const row_range r = deterministic_shard(rows, chunk_rows, static_cast<int>(i), static_cast<int>(parts));
+    if (r.rows > 0) out.push_back(r);
+  }
   return out;
 }
 
@@ -164,7 +191,7 @@ class coalesced_reduce_add {
  public:
   /// destination[j] += sum over d of sources[d][j], in stream order on `dst` (after sources[d] were written
   /// in stream order on src[d]). Tensors are f32, f16 or bf16 of equal sizes; additions are done in f32 and
-  /// rounded once per source.
+  /// rounded once per source. i64 tensors (exact accumulators, kernels/exact.hpp) are added as integers.
   void operator()(std::span<const std::vector<tensor_view>> sources, std::span<const stream_ref> src,
                   std::span<const tensor_view> destination, stream_ref dst) {
     LOCKSTEP_EXPECTS(sources.size() == src.size(), "coalesced_reduce_add: ", sources.size(), " source lists for ",
@@ -191,6 +218,13 @@ class coalesced_reduce_add {
       src[d].wait(*copied_);
       std::size_t offset = 0;
       for (const auto& t : destination) {
+        if (t.type() == dtype::i64) {  // exact accumulators (deterministic mode): integer sums
+          const auto* landed = reinterpret_cast<const std::int64_t*>(static_cast<const std::uint8_t*>(landing_.data()) + offset);
+          launch_elementwise(static_cast<std::size_t>(t.numel()), kernels::exact_add_words_op{landed, t.as<std::int64_t>()},
+                             dst, "coalesced_reduce_add");
+          offset += t.size_bytes();
+          continue;
+        }
         dispatch_floating(t.type(), "coalesced_reduce_add", [&]<class T>() {
           const auto* landed = reinterpret_cast<const T*>(static_cast<const std::uint8_t*>(landing_.data()) + offset);
           axpy<T>(1.0f, device_span<const T>(landed, static_cast<std::size_t>(t.numel()), t.get_device()), t.span<T>(),

@@ -43,7 +43,8 @@
 
 namespace lockstep {
 
-/// How a reduction combines the ranks' elements. Reductions of f16/bf16 are computed in f32 and rounded once.
+/// How a reduction combines the ranks' elements. Reductions of f16/bf16 are computed in f32 and rounded once;
+/// i64 reductions (sum, max) are exact integer arithmetic (deterministic mode all-reduces exact sums).
 /// `mean` is the f32 sum divided by the number of ranks (NCCL's ncclAvg). On host cliques `max` of a NaN is
 /// NaN; MPI and NCCL follow their own NaN rules for `max`.
 enum class reduce_op : std::uint8_t { sum, mean, max };
@@ -222,12 +223,15 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
   LOCKSTEP_EXPECTS(type_index <= static_cast<unsigned>(dtype::u8), what, " on ", rank_name(rank, dev), ": dtype value ",
                    type_index, " is not a dtype");
   if (c.is_reduction()) {
-    LOCKSTEP_EXPECTS(is_floating(c.type), what, " on ", rank_name(rank, dev), ": dtype ", name_of(c.type),
-                     " cannot be reduced; valid dtypes for reductions: f32, f16, bf16 (broadcast and all_gather "
-                     "also take i32, i64, u8)");
+    LOCKSTEP_EXPECTS(is_floating(c.type) || c.type == dtype::i64, what, " on ", rank_name(rank, dev), ": dtype ",
+                     name_of(c.type),
+                     " cannot be reduced; valid dtypes for reductions: f32, f16, bf16, and i64 with sum or max "
+                     "(broadcast and all_gather also take i32, u8)");
     LOCKSTEP_EXPECTS(static_cast<unsigned>(c.op) <= static_cast<unsigned>(reduce_op::max), what, " on ",
                      rank_name(rank, dev), ": reduce_op value ", static_cast<unsigned>(c.op),
                      " is not an op; valid: sum, mean, max");
+    LOCKSTEP_EXPECTS(c.type != dtype::i64 || c.op != reduce_op::mean, what, " on ", rank_name(rank, dev),
+                     ": i64 reductions are sum or max (exact integer sums); a mean would round");
   }
   if (c.has_root()) {
     LOCKSTEP_EXPECTS(c.root >= 0 && c.root < size, what, " on ", rank_name(rank, dev), ": root ", c.root,
@@ -284,7 +288,7 @@ class communicator_operations {
   [[nodiscard]] device get_device() const { return impl().get_device(); }
 
   /// recv[i] = op over the ranks of send[i], for i < count; in place when send == recv. Reductions take f32,
-  /// f16, bf16 (computed in f32, rounded once). Stream-ordered on `s`, a stream of get_device(). Throws
+  /// f16, bf16 (computed in f32, rounded once), and i64 with sum or max (exact). Stream-ordered on `s`, a stream of get_device(). Throws
   /// precondition_error for bad arguments; the collective's own failures (timeout_error, a mismatch between
   /// ranks, abort) surface at the next synchronization of `s`.
   void all_reduce(const void* send, void* recv, std::size_t count, dtype type, reduce_op op, stream_ref s) const {

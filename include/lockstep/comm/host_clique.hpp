@@ -341,6 +341,29 @@ void reduce_range(const T* const* inputs, int k, T* const* outputs, int m, std::
   if (streaming) store_fence();
 }
 
+/// i64 sum or max: exact integer arithmetic (in rank order, like the floats; the order does not matter).
+inline void reduce_range_i64(reduce_op op, const void* const* inputs, int k, void* const* outputs, int m,
+                             std::size_t n) noexcept {
+  constexpr std::size_t block = 1024;
+  std::int64_t acc[block];
+  for (std::size_t b = 0; b < n; b += block) {
+    const std::size_t len = std::min(block, n - b);
+    std::memcpy(acc, static_cast<const std::int64_t*>(inputs[0]) + b, len * sizeof(std::int64_t));
+    for (int r = 1; r < k; ++r) {
+      const std::int64_t* x = static_cast<const std::int64_t*>(inputs[r]) + b;
+      if (op == reduce_op::max) {
+        for (std::size_t i = 0; i < len; ++i) acc[i] = std::max(acc[i], x[i]);
+      } else {
+        // unsigned addition wraps instead of being undefined; exact whenever the true sum fits
+        for (std::size_t i = 0; i < len; ++i) {
+          acc[i] = static_cast<std::int64_t>(static_cast<std::uint64_t>(acc[i]) + static_cast<std::uint64_t>(x[i]));
+        }
+      }
+    }
+    for (int j = 0; j < m; ++j) std::memcpy(static_cast<std::int64_t*>(outputs[j]) + b, acc, len * sizeof(std::int64_t));
+  }
+}
+
 /// The reduction for a dtype and an op: the one dispatch of the host clique.
 /// With `streaming`, outputs[cached] (if 0 <= cached < m) is still written through the cache.
 inline void reduce_range(dtype type, reduce_op op, const void* const* inputs, int k, void* const* outputs, int m,
@@ -366,10 +389,13 @@ inline void reduce_range(dtype type, reduce_op op, const void* const* inputs, in
       return typed.template operator()<half>();
     case dtype::bf16:
       return typed.template operator()<bfloat16>();
+    case dtype::i64:
+      if (op != reduce_op::mean) return reduce_range_i64(op, inputs, k, outputs, m, n);
+      break;
     default:
       break;
   }
-  throw precondition_error(concat("host clique: cannot reduce dtype ", name_of(type)));
+  throw precondition_error(concat("host clique: cannot reduce dtype ", name_of(type), " with ", name_of(op)));
 }
 
 /// Elements [begin, end) of chunk r of n elements split over k ranks; chunk boundaries fall on 64-byte

@@ -646,13 +646,15 @@ class state {
   void start(const collective_call& c, buffers& b, MPI_Request& request) {
     const int n = static_cast<int>(c.count);
     const std::size_t es = size_of(c.type);
-    const bool is_f32 = c.type == dtype::f32;
+    // f32 and i64 (exact sums) are reduced as they are; f16/bf16 in f32 staging
+    const bool is_f32 = c.type == dtype::f32 || c.type == dtype::i64;
+    const MPI_Datatype direct = c.type == dtype::i64 ? MPI_INT64_T : MPI_FLOAT;
     const std::string_view what = name_of(c.kind);
     switch (c.kind) {
       case collective_kind::all_reduce: {
         if (is_f32) {
           const void* send = c.send == c.recv ? MPI_IN_PLACE : c.send;
-          LOCKSTEP_MPI_CHECK(MPI_Iallreduce(send, c.recv, n, MPI_FLOAT, op_of(c.op), data_, &request), what);
+          LOCKSTEP_MPI_CHECK(MPI_Iallreduce(send, c.recv, n, direct, op_of(c.op), data_, &request), what);
         } else {
           widen_to(b.in, c.send, c.type, c.count);
           LOCKSTEP_MPI_CHECK(MPI_Iallreduce(MPI_IN_PLACE, b.in.data(), n, MPI_FLOAT, op_of(c.op), data_, &request),
@@ -665,7 +667,7 @@ class state {
         if (is_f32) {
           const void* send = root && c.send == c.recv ? MPI_IN_PLACE : c.send;
           LOCKSTEP_MPI_CHECK(
-              MPI_Ireduce(send, root ? c.recv : nullptr, n, MPI_FLOAT, op_of(c.op), c.root, data_, &request), what);
+              MPI_Ireduce(send, root ? c.recv : nullptr, n, direct, op_of(c.op), c.root, data_, &request), what);
         } else {
           widen_to(b.in, c.send, c.type, c.count);
           LOCKSTEP_MPI_CHECK(MPI_Ireduce(root ? MPI_IN_PLACE : b.in.data(), root ? b.in.data() : nullptr, n, MPI_FLOAT,
@@ -679,10 +681,10 @@ class state {
         if (is_f32) {
           const void* send = c.send;
           if (overlap(c.send, total * es, c.recv, c.count * es)) {  // in place: MPI would read what it writes
-            b.in.assign(static_cast<const float*>(c.send), static_cast<const float*>(c.send) + total);
-            send = b.in.data();
+            b.bytes.assign(static_cast<const std::byte*>(c.send), static_cast<const std::byte*>(c.send) + total * es);
+            send = b.bytes.data();
           }
-          LOCKSTEP_MPI_CHECK(MPI_Ireduce_scatter_block(send, c.recv, n, MPI_FLOAT, op_of(c.op), data_, &request), what);
+          LOCKSTEP_MPI_CHECK(MPI_Ireduce_scatter_block(send, c.recv, n, direct, op_of(c.op), data_, &request), what);
         } else {
           widen_to(b.in, c.send, c.type, total);
           b.out.resize(c.count);
@@ -721,6 +723,7 @@ class state {
     if (!c.is_reduction() || (c.kind == collective_kind::reduce && rank_ != c.root)) return;
     // f32 is reduced straight into recv; f16/bf16 in f32 staging (reduce_scatter's result is b.out, the
     // others' b.in), rounded into recv once, after the division
+    if (c.type == dtype::i64) return;  // exact, in recv already (mean is refused for i64)
     const bool is_f32 = c.type == dtype::f32;
     float* result = is_f32 ? static_cast<float*>(c.recv)
                            : (c.kind == collective_kind::reduce_scatter ? b.out.data() : b.in.data());

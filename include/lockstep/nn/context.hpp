@@ -7,6 +7,7 @@
 
 #include <cstdint>
 #include <functional>
+#include <optional>
 #include <span>
 
 #include "lockstep/blas/blas_handle.hpp"
@@ -23,6 +24,18 @@ enum class run_mode : std::uint8_t { train, eval };
 
 /// Whether backward must compute the gradient of the layer's input (the first layer's is not needed).
 enum class input_grad : std::uint8_t { required, not_required };
+
+/// Deterministic mode (nn/deterministic.hpp, docs/determinism.md): the global batch is cut into chunks of
+/// `chunk_rows` rows, each computed with the same GEMM shapes wherever it runs, and the chunks' gradients are
+/// added exactly, so that the parameters do not depend on how the batch is split over devices or ranks.
+struct deterministic_options {
+  std::int64_t chunk_rows = 32;
+};
+
+/// Who rounds the exact gradient sums of deterministic mode into the gradients: the layer, at the end of its
+/// backward (one device), or a wrapper after it has added the accumulators of every device (data_parallel,
+/// distributed_data_parallel).
+enum class exact_rounding : std::uint8_t { by_layer, by_wrapper };
 
 class context {
  public:
@@ -69,6 +82,16 @@ class context {
   /// The hook set now (empty when none), e.g. to restore it after a container reports its children itself.
   [[nodiscard]] const gradients_ready_fn& gradients_ready_hook() const noexcept { return on_gradients_ready_; }
 
+  /// Deterministic mode, or nullopt (the default: GEMMs over whole shards, gradients summed in floats).
+  [[nodiscard]] const std::optional<deterministic_options>& deterministic() const noexcept { return deterministic_; }
+  void set_deterministic(std::optional<deterministic_options> d) {
+    LOCKSTEP_EXPECTS(!d || d->chunk_rows > 0, "deterministic_options: chunk_rows must be positive, got ",
+                     d ? d->chunk_rows : 0);
+    deterministic_ = d;
+  }
+  [[nodiscard]] exact_rounding gradient_rounding() const noexcept { return rounding_; }
+  void set_gradient_rounding(exact_rounding r) noexcept { rounding_ = r; }
+
   /// Device pointer to the loss scale (amp/): losses multiply the gradient they start backward with by it.
   /// nullptr means 1.
   [[nodiscard]] const float* loss_scale() const noexcept { return loss_scale_; }
@@ -84,6 +107,8 @@ class context {
   std::int64_t row_offset_ = 0;
   gradients_ready_fn on_gradients_ready_;
   const float* loss_scale_ = nullptr;
+  std::optional<deterministic_options> deterministic_;
+  exact_rounding rounding_ = exact_rounding::by_layer;
 };
 
 LOCKSTEP_ABI_END

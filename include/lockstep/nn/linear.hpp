@@ -9,6 +9,7 @@
 #include "lockstep/kernels/activation.hpp"
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/layer.hpp"
 
@@ -49,8 +50,11 @@ class linear {
     dispatch_floating(ctx.compute_type(), "linear", [&]<class T>() {
       const T* w = weight_.compute_value().as<T>();
       T* y = y_.as<T>();
-      // y = x W^T: row-major [rows, in] x [in, out]
-      gemm<T>(ctx.blas(), transpose::no, transpose::yes, rows, out_, in_, 1.0f, x.as<T>(), in_, w, in_, 0.0f, y, out_);
+      // y = x W^T: row-major [rows, in] x [in, out] (in deterministic mode one GEMM per chunk of rows)
+      for_each_row_chunk(rows, ctx, "linear", [&](std::int64_t b, std::int64_t r) {
+        gemm<T>(ctx.blas(), transpose::no, transpose::yes, r, out_, in_, 1.0f, x.as<T>() + b * in_, in_, w, in_, 0.0f,
+                y + b * out_, out_);
+      });
       if (has_bias_) {
         launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(out_),
                   kernels::add_bias_op<T>{y, bias_.compute_value().as<T>(), y, static_cast<std::size_t>(out_)},
@@ -69,6 +73,10 @@ class linear {
     if (need == input_grad::required) gx_.ensure(shape{rows, in_}, ctx.compute_type(), ctx.stream());
     dispatch_floating(ctx.compute_type(), "linear", [&]<class T>() {
       const T* g = gy.as<T>();
+      if (ctx.deterministic()) {
+        backward_deterministic<T>(g, rows, ctx, need);
+        return;
+      }
       // dW[out, in] (+)= gy^T x
       const float wbeta = weight_.begin_accumulate();
       gemm<T>(ctx.blas(), transpose::yes, transpose::no, out_, in_, rows, 1.0f, g, out_, x_.as<T>(), in_, wbeta,
@@ -110,6 +118,30 @@ class linear {
  private:
   linear(std::int64_t in, std::int64_t out, bool has_bias) : in_(in), out_(out), has_bias_(has_bias) {}
 
+  // nn/deterministic.hpp: per-chunk GEMMs, the chunks' parameter gradients added exactly.
+  template <class T>
+  void backward_deterministic(const T* g, std::int64_t rows, context& ctx, input_grad need) {
+    const T* x = x_.as<T>();
+    exact_.accumulate<T>(weight_, rows, ctx, [&](std::int64_t b, std::int64_t r, T* dw) {
+      gemm<T>(ctx.blas(), transpose::yes, transpose::no, out_, in_, r, 1.0f, g + b * out_, out_, x + b * in_, in_, 0.0f,
+              dw, in_);
+    });
+    if (has_bias_) {
+      exact_.accumulate<T>(bias_, rows, ctx, [&](std::int64_t b, std::int64_t r, T* db) {
+        launch_elementwise(static_cast<std::size_t>(out_),
+                           kernels::column_sum_op<T>{g + b * out_, db, static_cast<std::size_t>(r),
+                                                     static_cast<std::size_t>(out_), 0.0f},
+                           ctx.stream(), "linear bias gradient");
+      });
+    }
+    if (need == input_grad::required) {
+      for_each_row_chunk(rows, ctx, "linear", [&](std::int64_t b, std::int64_t r) {
+        gemm<T>(ctx.blas(), transpose::no, transpose::no, r, in_, out_, 1.0f, g + b * out_, out_,
+                weight_.compute_value().as<T>(), in_, 0.0f, gx_.as<T>() + b * in_, in_);
+      });
+    }
+  }
+
   void check_input(const tensor_view& x, const context& ctx) const {
     LOCKSTEP_EXPECTS(x.cols() == in_, "linear(", in_, ", ", out_, "): input of shape ", x.dims().str(), " has ",
                      x.cols(), " features per row, expected ", in_);
@@ -132,6 +164,7 @@ class linear {
   tensor y_;
   tensor gx_;
   tensor_view x_;
+  exact_gradient exact_;
 };
 static_assert(layer<linear>);
 

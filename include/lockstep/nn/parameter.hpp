@@ -20,6 +20,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/exact.hpp"
 #include "lockstep/runtime/tensor.hpp"
 #include "lockstep/runtime/copy.hpp"
 
@@ -59,11 +60,41 @@ class parameter {
   /// gradient is logically zero, so the accumulation overwrites; 1 otherwise) and marks it written.
   [[nodiscard]] float begin_accumulate() noexcept { return std::exchange(grad_zero_, false) ? 0.0f : 1.0f; }
 
-  /// Writes zeros into a gradient that is logically zero, so that readers of its memory see them.
+  /// Writes zeros into a gradient that is logically zero (and into its exact accumulator, when it has one), so
+  /// that readers of its memory see them.
   void materialize_grad(stream_ref s) {
     if (!grad_zero_) return;
     fill_zero(grad_view_.bytes(), s);
+    if (!exact_view_.empty()) fill_zero(exact_view_.bytes(), s);
     grad_zero_ = false;
+  }
+
+  /// Deterministic mode (nn/deterministic.hpp): the exact accumulator of the gradient, kernels::exact_words x
+  /// numel() i64 words (kernels/exact.hpp), allocated on the device of `s` at the first call. Whether it holds
+  /// anything follows the gradient: begin_accumulate() says whether to overwrite or add.
+  tensor_view exact_grad(stream_ref s) {
+    if (exact_view_.empty()) {
+      exact_ = tensor(shape{static_cast<std::int64_t>(kernels::exact_words) * numel()}, dtype::i64, s);
+      exact_view_ = exact_.view();
+    }
+    return exact_view_;
+  }
+  /// The exact accumulator, or an empty view when deterministic mode never ran.
+  [[nodiscard]] tensor_view exact_grad() const noexcept { return exact_view_; }
+
+  /// Moves the exact accumulator into `storage` (exact_words x numel() i64 words on this parameter's device),
+  /// kept alive by `owner`, as share_grad_storage does for the gradient. Its contents are not kept: call it
+  /// while the gradient is logically zero (before a step's backward).
+  void share_exact_storage(const tensor_view& storage, std::shared_ptr<const void> owner) {
+    LOCKSTEP_EXPECTS(storage.type() == dtype::i64 &&
+                         storage.numel() == static_cast<std::int64_t>(kernels::exact_words) * numel() &&
+                         storage.get_device() == get_device(),
+                     "parameter ", name_, ": shared exact storage must be ",
+                     static_cast<std::int64_t>(kernels::exact_words) * numel(), " i64 words on ", get_device().str(),
+                     ", got ", storage.numel(), " of ", name_of(storage.type()), " on ", storage.get_device().str());
+    exact_ = tensor();
+    exact_owner_ = std::move(owner);
+    exact_view_ = storage;
   }
 
   /// Moves the gradient into `storage` (this parameter's shape and compute type, on its device), which `owner`
@@ -132,6 +163,9 @@ class parameter {
   tensor grad_;                             // the gradient's memory, unless shared:
   std::shared_ptr<const void> grad_owner_;  // keeps shared gradient memory alive
   tensor_view grad_view_;                   // the gradient (in grad_ or in shared memory)
+  tensor exact_;                            // deterministic mode's accumulator, unless shared:
+  std::shared_ptr<const void> exact_owner_;
+  tensor_view exact_view_;
   bool grad_zero_ = true;
 };
 

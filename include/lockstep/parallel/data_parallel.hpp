@@ -26,6 +26,7 @@
 #include "lockstep/config.hpp"
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/layer.hpp"
 #include "lockstep/parallel/replica_threads.hpp"
 #include "lockstep/parallel/timeline.hpp"
@@ -40,6 +41,9 @@ struct data_parallel_options {
   std::optional<device> output_device = std::nullopt;
   /// Precision of activations and gradients (must match the model's parameters).
   dtype compute_type = dtype::f32;
+  /// Deterministic mode (nn/deterministic.hpp): batches are split in whole chunks (deterministic_shards) and the
+  /// replicas' exact gradient sums are added on device_ids[0], so the gradients do not depend on the devices.
+  std::optional<deterministic_options> deterministic = std::nullopt;
 };
 
 template <layer Model>
@@ -77,8 +81,11 @@ class data_parallel {
     for (const device d : devices_) {
       streams_.emplace_back(d);
       contexts_.push_back(std::make_unique<context>(streams_.back(), options.compute_type));
+      contexts_.back()->set_deterministic(options.deterministic);
+      contexts_.back()->set_gradient_rounding(exact_rounding::by_wrapper);
       timelines_.emplace_back(d);
     }
+    deterministic_ = options.deterministic;
     if (devices_.index_of(output_device_) < 0) {
       output_stream_.emplace(output_device_);
       output_context_ = std::make_unique<context>(*output_stream_, options.compute_type);
@@ -122,7 +129,8 @@ class data_parallel {
     context& in_ctx = context_on(input.get_device(), "forward input");
     if (!input_ready_ || input_ready_->get_device() != input.get_device()) input_ready_.emplace(input.get_device());
     input_ready_->record(in_ctx.stream());
-    chunks_ = chunk_rows(input.rows(), devices_.size());
+    chunks_ = deterministic_ ? deterministic_shards(input.rows(), deterministic_->chunk_rows, devices_.size())
+                             : chunk_rows(input.rows(), devices_.size());
     LOCKSTEP_EXPECTS(!chunks_.empty(), "data_parallel::forward: an empty batch");
     if (chunks_.size() < devices_.size() && !warned_small_batch_) {
       warned_small_batch_ = true;
@@ -179,21 +187,29 @@ class data_parallel {
           timelines_[i].end(c.stream());
           timelines_[i].begin(phase::compute, c.stream());
           replica(i).backward(g, c, input_grad::not_required);
-          for (const auto& p : parameters_of(replica(i))) p.param->materialize_grad(c.stream());
+          for (const auto& p : parameters_of(replica(i))) {
+            if (deterministic_) (void)p.param->exact_grad(c.stream());  // an unused parameter's, zeroed next
+            p.param->materialize_grad(c.stream());
+          }
           timelines_[i].end(c.stream());
         },
         [&](std::size_t i) { return detail::concat("data_parallel backward on ", devices_[i].str()); });
-    if (used < 2) return;
-    std::vector<std::vector<tensor_view>> sources;
-    std::vector<stream_ref> streams;
-    for (std::size_t i = 1; i < used; ++i) {
-      sources.push_back(grads_of(replicas_[i - 1]));
-      streams.push_back(contexts_[i]->stream());
-    }
     const stream_ref s0 = contexts_[0]->stream();
-    timelines_[0].begin(phase::communication, s0);
-    reduce_(sources, streams, grads_of(*model_), s0);
-    timelines_[0].end(s0);
+    if (used >= 2) {
+      std::vector<std::vector<tensor_view>> sources;
+      std::vector<stream_ref> streams;
+      for (std::size_t i = 1; i < used; ++i) {
+        sources.push_back(deterministic_ ? exact_sums_of(replicas_[i - 1]) : grads_of(replicas_[i - 1]));
+        streams.push_back(contexts_[i]->stream());
+      }
+      timelines_[0].begin(phase::communication, s0);
+      reduce_(sources, streams, deterministic_ ? exact_sums_of(*model_) : grads_of(*model_), s0);
+      timelines_[0].end(s0);
+    }
+    // the exact sums of every replica are in the model's accumulators: round them once
+    if (deterministic_) {
+      for (const auto& p : parameters_of(*model_)) round_exact_gradient(*p.param, s0);
+    }
   }
 
   /// The pairs of GPUs (from, to) where `from` reaches `to`'s memory directly (enable_peer_access): copies between
@@ -263,6 +279,11 @@ class data_parallel {
     for (const auto& p : parameters_of(m)) out.push_back(p.param->grad());
     return out;
   }
+  static std::vector<tensor_view> exact_sums_of(Model& m) {
+    std::vector<tensor_view> out;
+    for (const auto& p : parameters_of(m)) out.push_back(p.param->exact_grad());
+    return out;
+  }
 
   Model* model_;
   device_set devices_;
@@ -284,6 +305,7 @@ class data_parallel {
   coalesced_reduce_add reduce_;
   std::vector<timeline> timelines_;
   bool warned_small_batch_ = false;
+  std::optional<deterministic_options> deterministic_;
 };
 
 LOCKSTEP_ABI_END

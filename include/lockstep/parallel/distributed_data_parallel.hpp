@@ -44,6 +44,7 @@
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/layer.hpp"
 #include "lockstep/parallel/timeline.hpp"
 #include "lockstep/runtime/copy.hpp"
@@ -76,6 +77,7 @@ class distributed_data_parallel {
   distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,
                             ddp_options options = {})
       : model_(&model), ctx_(&ctx), comm_(comm), comm_stream_(comm_stream), options_(options),
+        deterministic_(ctx.deterministic().has_value()),
         grads_ready_(ctx.get_device()), compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()) {
     LOCKSTEP_EXPECTS(comm.get_device() == ctx.get_device() && comm_stream.get_device() == ctx.get_device(),
                      "distributed_data_parallel: the context is on ", ctx.get_device().str(), ", the communicator on ",
@@ -83,6 +85,13 @@ class distributed_data_parallel {
                      ": all must be the rank's device");
     LOCKSTEP_EXPECTS(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
                      "distributed_data_parallel: bucket sizes must be positive");
+    if (deterministic_) {
+      LOCKSTEP_EXPECTS(options.reduction == gradient_reduction::sum && options.hook == comm_hook::none,
+                       "distributed_data_parallel: the context is in deterministic mode, which all-reduces exact sums: "
+                       "use gradient_reduction::sum (with a loss whose mean divides by the global batch) and "
+                       "comm_hook::none");
+      ctx.set_gradient_rounding(exact_rounding::by_wrapper);
+    }
     params_ = parameters_of(model);
     for (std::size_t i = 0; i < params_.size(); ++i) index_.emplace(params_[i].param, i);
     check_same_parameters();
@@ -115,6 +124,10 @@ class distributed_data_parallel {
   void backward(const tensor_view& grad_output) {
     const stream_ref s = ctx_->stream();
     check_communication();
+    LOCKSTEP_EXPECTS(ctx_->deterministic().has_value() == deterministic_,
+                     "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
+                     "built (its buckets hold ", deterministic_ ? "exact sums" : "gradients", "); build the wrapper after "
+                     "setting the mode");
     if (!syncing_) {
       if (!grad_output.empty()) {
         compute_timeline_.begin(phase::compute, s);
@@ -141,10 +154,14 @@ class distributed_data_parallel {
     // Buckets whose parameters received no gradient (unused parameters, or no data on this rank) go now, with
     // zeros where nothing was written: every rank must take part in every all-reduce, in bucket order.
     while (next_launch_ < buckets_.size()) launch(next_launch_++);
-    // The gradients: wait for each bucket's all-reduce and unpack it.
+    // The gradients: wait for each bucket's all-reduce and unpack it (or round its exact sums).
     for (auto& b : buckets_) {
       s.wait(*b.done);
-      unpack(b);
+      if (deterministic_) {
+        for (const std::size_t k : b.params) round_exact_gradient(*params_[k].param, s);
+      } else {
+        unpack(b);
+      }
     }
   }
 
@@ -197,6 +214,7 @@ class distributed_data_parallel {
   }
 
   [[nodiscard]] dtype wire_type(dtype grad) const {
+    if (deterministic_) return dtype::i64;  // exact accumulators (kernels/exact.hpp)
     switch (options_.hook) {
       case comm_hook::fp16: return dtype::f16;
       case comm_hook::bf16: return dtype::bf16;
@@ -214,7 +232,8 @@ class distributed_data_parallel {
     for (std::size_t k = params_.size(); k-- > 0;) {
       parameter& p = *params_[k].param;
       const dtype wire = wire_type(p.compute_type());
-      const std::size_t n = static_cast<std::size_t>(p.numel()) * size_of(wire);
+      const std::size_t elements = static_cast<std::size_t>(p.numel()) * (deterministic_ ? kernels::exact_words : 1);
+      const std::size_t n = elements * size_of(wire);
       if (!current.params.empty() && (bytes + n > limit || wire != current.wire)) {
         buckets_.push_back(std::move(current));
         current = bucket{};
@@ -224,7 +243,7 @@ class distributed_data_parallel {
       current.wire = wire;
       current.params.push_back(k);
       current.offsets.push_back(current.elements);
-      current.elements += round_up(static_cast<std::size_t>(p.numel()), alignment / size_of(wire));
+      current.elements += round_up(elements, alignment / size_of(wire));
       bytes += n;
     }
     if (!current.params.empty()) buckets_.push_back(std::move(current));
@@ -237,7 +256,11 @@ class distributed_data_parallel {
       for (std::size_t i = 0; i < bk.params.size(); ++i) {
         bucket_of_.emplace(bk.params[i], b);
         parameter& p = *params_[bk.params[i]].param;
-        if (p.compute_type() == bk.wire) p.share_grad_storage(slot(bk, i), bk.flat, s);
+        if (deterministic_) {
+          p.share_exact_storage(slot(bk, i), bk.flat);
+        } else if (p.compute_type() == bk.wire) {
+          p.share_grad_storage(slot(bk, i), bk.flat, s);
+        }
       }
     }
   }
@@ -245,15 +268,18 @@ class distributed_data_parallel {
   static constexpr std::size_t alignment = 256;  // bytes, as cudaMalloc's
   static constexpr std::size_t round_up(std::size_t n, std::size_t m) noexcept { return (n + m - 1) / m * m; }
 
-  // Where the gradient of the i-th parameter of bucket b goes in its buffer.
+  // Where the gradient (in deterministic mode: the exact accumulator) of the i-th parameter of bucket b goes in
+  // its buffer.
   [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const {
     const parameter& p = *params_[b.params[i]].param;
-    return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.offsets[i] * size_of(b.wire), b.wire, p.dims(),
+    const shape dims = deterministic_ ? shape{static_cast<std::int64_t>(kernels::exact_words) * p.numel()} : p.dims();
+    return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.offsets[i] * size_of(b.wire), b.wire, dims,
                        ctx_->get_device());
   }
-  // Whether the i-th parameter's gradient lives in bucket b's buffer (no copy needed).
+  // Whether the i-th parameter's gradient (or exact accumulator) lives in bucket b's buffer (no copy needed).
   [[nodiscard]] bool in_place(const bucket& b, std::size_t i) const {
-    return params_[b.params[i]].param->grad().data() == slot(b, i).data();
+    const parameter& p = *params_[b.params[i]].param;
+    return (deterministic_ ? p.exact_grad() : p.grad()).data() == slot(b, i).data();
   }
 
   void on_gradients_ready(std::span<parameter* const> ps) {
@@ -400,6 +426,7 @@ class distributed_data_parallel {
   communicator_ref comm_;
   stream_ref comm_stream_;
   ddp_options options_;
+  bool deterministic_;  // buckets of exact accumulators (nn/deterministic.hpp), rounded after the all-reduce
   parameter_list params_;
   std::unordered_map<parameter*, std::size_t> index_;
   std::unordered_map<std::size_t, std::size_t> bucket_of_;

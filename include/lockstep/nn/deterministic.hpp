@@ -1,0 +1,103 @@
+// lockstep/nn/deterministic.hpp — what a layer does in deterministic mode (context::set_deterministic).
+//
+// The global batch is cut into chunks of chunk_rows rows, counted from its first row (a replica's rows start
+// at context::row_offset(), a multiple of chunk_rows). Two rules make a layer's results independent of how
+// the batch is split over devices:
+//   1. work per row (outputs, input gradients) runs one chunk at a time: a GEMM over a chunk has the same
+//      shape wherever the chunk is, so each row gets the same bits (a GEMM's rows can depend on the row count:
+//      OpenBLAS picks other kernels for other shapes);
+//   2. sums over rows (parameter gradients) are computed per chunk, in floats, and the chunks' partial sums
+//      are added exactly (kernels/exact.hpp) into the parameter's accumulator, which integer all-reduces can
+//      combine in any order; the sum is rounded into the gradient once, by the layer on one device, or by
+//      data_parallel / distributed_data_parallel after they added every device's accumulator.
+// `linear` follows both rules; a user's own layer with row sums uses for_each_row_chunk and exact_gradient.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/exact.hpp"
+#include "lockstep/kernels/launch.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/runtime/tensor.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+/// Calls f(begin, rows) for the chunks of a replica's `rows` rows: one call for all of them outside
+/// deterministic mode, else one per chunk of chunk_rows rows (the last may be shorter). Throws
+/// precondition_error when the replica's first row (ctx.row_offset()) is not at a chunk boundary.
+template <class F>
+void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, F&& f) {
+  if (!ctx.deterministic()) {
+    f(std::int64_t{0}, rows);
+    return;
+  }
+  const std::int64_t cr = ctx.deterministic()->chunk_rows;
+  LOCKSTEP_EXPECTS(ctx.row_offset() % cr == 0, who, ": in deterministic mode a replica's rows start at a multiple of ",
+                   "chunk_rows (", cr, "), but they start at row ", ctx.row_offset(),
+                   " of the global batch; split batches with deterministic_shard()");
+  for (std::int64_t b = 0; b < rows; b += cr) f(b, std::min(cr, rows - b));
+}
+
+/// Rounds p's exact accumulator into its gradient, in stream order on `s`.
+inline void round_exact_gradient(parameter& p, stream_ref s) {
+  const tensor_view acc = p.exact_grad();
+  LOCKSTEP_EXPECTS(!acc.empty(), "round_exact_gradient: parameter ", p.name(), " has no exact accumulator");
+  const auto n = static_cast<std::size_t>(p.numel());
+  dispatch_floating(p.compute_type(), "exact gradient", [&]<class T>() {
+    launch_elementwise(n, kernels::exact_round_op<T>{acc.as<std::int64_t>(), n, p.grad().as<T>()}, s,
+                       "exact gradient rounding");
+  });
+}
+
+/// The per-chunk partial gradients of a layer's parameters, added exactly (rule 2 above). One per layer; it
+/// keeps a scratch buffer of at most about 16 MiB (or one chunk's partial, when that is larger).
+class exact_gradient {
+ public:
+  /// For parameter p (gradients of type T): calls partial(begin, rows, destination) for each chunk of the
+  /// replica's `rows` rows, which queues on ctx.stream() the chunk's gradient of p (p.numel() values of T,
+  /// overwritten) into `destination`; adds the chunks exactly into p's accumulator (over its old contents
+  /// unless the gradient is logically zero) and, when ctx.gradient_rounding() is by_layer, rounds the sum into
+  /// p's gradient. Requires deterministic mode.
+  template <class T, class Partial>
+  void accumulate(parameter& p, std::int64_t rows, context& ctx, Partial&& partial) {
+    LOCKSTEP_EXPECTS(ctx.deterministic().has_value(), "exact_gradient: the context is not in deterministic mode");
+    const std::int64_t cr = ctx.deterministic()->chunk_rows;
+    const std::int64_t last_chunk = (ctx.row_offset() + rows + cr - 1) / cr;
+    LOCKSTEP_EXPECTS(last_chunk <= kernels::exact_max_terms, "deterministic mode: the global batch reaches row ",
+                     ctx.row_offset() + rows, ", more than ", kernels::exact_max_terms, " chunks of ", cr,
+                     " rows (the exact sums take at most that many terms); use a larger chunk_rows");
+    const stream_ref s = ctx.stream();
+    const auto n = static_cast<std::size_t>(p.numel());
+    const tensor_view acc = p.exact_grad(s);
+    bool overwrite = p.begin_accumulate() == 0.0f;
+    const std::int64_t chunks = (rows + cr - 1) / cr;
+    if (chunks == 0) {
+      if (overwrite) fill_zero(acc.bytes(), s);
+    }
+    const std::int64_t budget = std::int64_t{16} << 20;
+    const std::int64_t group =
+        std::clamp<std::int64_t>(budget / static_cast<std::int64_t>(n * sizeof(T)), 1, std::max<std::int64_t>(chunks, 1));
+    if (chunks > 0) scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
+    for (std::int64_t c0 = 0; c0 < chunks; c0 += group) {
+      const std::int64_t g = std::min(group, chunks - c0);
+      for (std::int64_t j = 0; j < g; ++j) {
+        const std::int64_t begin = (c0 + j) * cr;
+        partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
+      }
+      launch_elementwise(n,
+                         kernels::exact_accumulate_op<T>{scratch_.as<T>(), static_cast<std::size_t>(g), n,
+                                                         acc.as<std::int64_t>(), overwrite},
+                         s, "exact gradient sum");
+      overwrite = false;
+    }
+    if (ctx.gradient_rounding() == exact_rounding::by_layer) round_exact_gradient(p, s);
+  }
+
+ private:
+  tensor scratch_;  // [group, numel] partial gradients
+};
+
+LOCKSTEP_ABI_END
