@@ -74,13 +74,29 @@ class exact_gradient {
     const tensor_view acc = p.exact_grad(s);
     bool overwrite = p.begin_accumulate() == 0.0f;
     const std::int64_t chunks = (rows + cr - 1) / cr;
-    if (chunks == 0) {
-      if (overwrite) fill_zero(acc.bytes(), s);
+    if (overwrite) {
+      // the count of terms outside the window (the last word; the kernel adds to it), or all of it without rows
+      const std::size_t zeroed = chunks == 0 ? acc.size_bytes() : sizeof(std::int64_t);
+      fill_zero(acc.bytes().subspan(acc.size_bytes() - zeroed, zeroed), s);
     }
     const std::int64_t budget = std::int64_t{16} << 20;
     const std::int64_t group =
         std::clamp<std::int64_t>(budget / static_cast<std::int64_t>(n * sizeof(T)), 1, std::max<std::int64_t>(chunks, 1));
     if (chunks > 0) scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
+    if (chunks > 0 && group == chunks && overwrite && ctx.gradient_rounding() == exact_rounding::by_layer) {
+      // the whole sum in one pass, straight into the gradient: no accumulator written or read
+      for (std::int64_t j = 0; j < chunks; ++j) {
+        const std::int64_t begin = j * cr;
+        partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
+      }
+      auto* outside = acc.as<std::int64_t>() + (acc.numel() - 1);
+      launch_elementwise(n,
+                         kernels::exact_sum_op<T>{scratch_.as<T>(), static_cast<std::size_t>(chunks), n, p.grad().as<T>(),
+                                                  outside},
+                         s, "exact gradient sum");
+      launch_elementwise(n, kernels::exact_poison_op<T>{outside, p.grad().as<T>()}, s, "exact gradient sum");
+      return;
+    }
     for (std::int64_t c0 = 0; c0 < chunks; c0 += group) {
       const std::int64_t g = std::min(group, chunks - c0);
       for (std::int64_t j = 0; j < g; ++j) {

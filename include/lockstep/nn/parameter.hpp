@@ -69,28 +69,32 @@ class parameter {
     grad_zero_ = false;
   }
 
-  /// Deterministic mode (nn/deterministic.hpp): the exact accumulator of the gradient, kernels::exact_words x
-  /// numel() i64 words (kernels/exact.hpp), allocated on the device of `s` at the first call. Whether it holds
+  /// Deterministic mode (nn/deterministic.hpp): the exact accumulator of the gradient, kernels::exact_words(numel())
+  /// i64 words (kernels/exact.hpp), allocated on the device of `s` at the first call. Whether it holds
   /// anything follows the gradient: begin_accumulate() says whether to overwrite or add.
   tensor_view exact_grad(stream_ref s) {
     if (exact_view_.empty()) {
-      exact_ = tensor(shape{static_cast<std::int64_t>(kernels::exact_words) * numel()}, dtype::i64, s);
+      exact_ = tensor(shape{exact_words()}, dtype::i64, s);
       exact_view_ = exact_.view();
     }
     return exact_view_;
   }
   /// The exact accumulator, or an empty view when deterministic mode never ran.
   [[nodiscard]] tensor_view exact_grad() const noexcept { return exact_view_; }
+  /// The size of the exact accumulator, in i64 words.
+  [[nodiscard]] std::int64_t exact_words() const noexcept {
+    return static_cast<std::int64_t>(kernels::exact_words(static_cast<std::size_t>(numel())));
+  }
 
-  /// Moves the exact accumulator into `storage` (exact_words x numel() i64 words on this parameter's device),
+  /// Moves the exact accumulator into `storage` (exact_words() i64 words on this parameter's device),
   /// kept alive by `owner`, as share_grad_storage does for the gradient. Its contents are not kept: call it
   /// while the gradient is logically zero (before a step's backward).
   void share_exact_storage(const tensor_view& storage, std::shared_ptr<const void> owner) {
     LOCKSTEP_EXPECTS(storage.type() == dtype::i64 &&
-                         storage.numel() == static_cast<std::int64_t>(kernels::exact_words) * numel() &&
+                         storage.numel() == exact_words() &&
                          storage.get_device() == get_device(),
                      "parameter ", name_, ": shared exact storage must be ",
-                     static_cast<std::int64_t>(kernels::exact_words) * numel(), " i64 words on ", get_device().str(),
+                     exact_words(), " i64 words on ", get_device().str(),
                      ", got ", storage.numel(), " of ", name_of(storage.type()), " on ", storage.get_device().str());
     exact_ = tensor();
     exact_owner_ = std::move(owner);

@@ -232,7 +232,7 @@ class distributed_data_parallel {
     for (std::size_t k = params_.size(); k-- > 0;) {
       parameter& p = *params_[k].param;
       const dtype wire = wire_type(p.compute_type());
-      const std::size_t elements = static_cast<std::size_t>(p.numel()) * (deterministic_ ? kernels::exact_words : 1);
+      const auto elements = static_cast<std::size_t>(deterministic_ ? p.exact_words() : p.numel());
       const std::size_t n = elements * size_of(wire);
       if (!current.params.empty() && (bytes + n > limit || wire != current.wire)) {
         buckets_.push_back(std::move(current));
@@ -272,7 +272,7 @@ class distributed_data_parallel {
   // its buffer.
   [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const {
     const parameter& p = *params_[b.params[i]].param;
-    const shape dims = deterministic_ ? shape{static_cast<std::int64_t>(kernels::exact_words) * p.numel()} : p.dims();
+    const shape dims = deterministic_ ? shape{p.exact_words()} : p.dims();
     return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.offsets[i] * size_of(b.wire), b.wire, dims,
                        ctx_->get_device());
   }

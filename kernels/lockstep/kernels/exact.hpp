@@ -1,55 +1,57 @@
 // lockstep/kernels/exact.hpp — exact, order-independent sums of floats: the arithmetic of deterministic mode.
 //
-// A float v is turned into the integer X = round(v * 2^88) (exact for |v| >= 2^-65: every bit of such a float
-// is kept), held as three signed 48-bit limbs, X = l2 * 2^96 + l1 * 2^48 + l0. Accumulators add limbs in
-// 64-bit integers, which is exact and associative: any order of additions, any split of the terms over
-// devices and any all-reduce (integer sums) give the same words. Rounding to a float happens once, at the end,
-// to nearest even. A limb of one term is below 2^48 in magnitude, so an accumulator takes at least
-// `exact_max_terms` terms before a 64-bit word could overflow.
+// A float term v is turned into the integer X = round(v * 2^60), held as two signed limbs X = hi * 2^46 + lo
+// (|hi| <= 2^46, |lo| <= 2^45). X keeps every bit of v when |v| >= 2^-37 (smaller terms are rounded to a
+// multiple of 2^-60, about 8.7e-19: each term on its own, so the same way wherever it is added). Accumulators
+// add limbs in 64-bit integers, which is exact and associative: any order of additions, any split of the terms
+// over devices and any all-reduce (integer sums) give the same words. The sum is rounded to a float once, at
+// the end, to nearest even. An accumulator element takes exact_max_terms terms before a word could overflow.
 //
-// Non-finite terms are counted in a fourth word (+inf, -inf, NaN in separate bit fields), and so is a finite
-// term of magnitude 2^56 or more (the window's top; as the infinity of its sign). The rounded sum is NaN when
-// any NaN or infinities of both signs were added, else the infinity that was added: IEEE's sum of those terms.
+// A term that is not finite, or of magnitude 2^32 or more (outside the window), is counted in the accumulator's
+// last word, one per tensor: a tensor that received any such term rounds to NaN in every element (a step with
+// a non-finite gradient is skipped by the loss scaler, and diverges in f32, either way).
 //
-// An accumulator of n elements is exact_words planar arrays of n i64 words: word w of element i at w * n + i
-// (so that neighbouring threads touch neighbouring words on a GPU).
+// An accumulator of a tensor of n elements is exact_words(n) i64 words: the hi limbs [0, n), the lo limbs
+// [n, 2n) (planar, so that neighbouring GPU threads touch neighbouring words), then the count at 2n.
 #pragma once
 
+#include <bit>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/core/half_runs.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
 
-/// i64 words per accumulated element: three limbs and the non-finite counts.
-inline constexpr std::size_t exact_words = 4;
-/// Terms an accumulator element takes without a chance of overflow (2^15 - 1: limbs below 2^48 each).
-inline constexpr std::int64_t exact_max_terms = 32767;
+/// i64 words of the accumulator of a tensor of n elements: two limbs per element and the count of terms
+/// outside the window.
+LOCKSTEP_HD constexpr std::size_t exact_words(std::size_t n) noexcept { return 2 * n + 1; }
+/// Terms an accumulator element takes without a chance of overflow (2^17 - 1: limbs of at most 2^46).
+inline constexpr std::int64_t exact_max_terms = 131071;
 /// The fixed point: X = v * 2^exact_scale_bits.
-inline constexpr int exact_scale_bits = 88;
+inline constexpr int exact_scale_bits = 60;
 
 namespace exact_detail {
-inline constexpr int limb_bits = 48;
-inline constexpr std::uint64_t limb_mask = (std::uint64_t{1} << limb_bits) - 1u;
-// the non-finite counts: +inf in bits 0..20, -inf in 21..41, NaN from 42
-inline constexpr std::int64_t positive_infinity = 1;
-inline constexpr std::int64_t negative_infinity = std::int64_t{1} << 21;
-inline constexpr std::int64_t not_a_number = std::int64_t{1} << 42;
-inline constexpr std::int64_t count_mask = (std::int64_t{1} << 21) - 1;
+inline constexpr int limb_bits = 46;
 
-/// The 48-bit piece of m * 2^shift that limb `limb` holds (0 <= m < 2^24).
-LOCKSTEP_HD inline std::int64_t limb_of(std::uint64_t m, int shift, int limb) noexcept {
-  const int sh = shift - limb * limb_bits;
-  std::uint64_t v = 0;
-  if (sh >= 0) {
-    v = sh < limb_bits ? (m << sh) & limb_mask : 0u;  // bits shifted past 64 belong to higher limbs
-  } else {
-    v = -sh < 64 ? (m >> -sh) & limb_mask : 0u;
-  }
-  return static_cast<std::int64_t>(v);
+/// The bits of a double, and the double of given bits (bit casts that also compile for the device).
+LOCKSTEP_HD inline std::int64_t double_bits(double d) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __double_as_longlong(d);
+#else
+  return std::bit_cast<std::int64_t>(d);
+#endif
+}
+LOCKSTEP_HD inline double bits_double(std::int64_t b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(b);
+#else
+  return std::bit_cast<double>(b);
+#endif
 }
 
 LOCKSTEP_HD inline int leading_zeros(std::uint64_t v) noexcept {
@@ -59,90 +61,76 @@ LOCKSTEP_HD inline int leading_zeros(std::uint64_t v) noexcept {
   return v == 0 ? 64 : __builtin_clzll(v);
 #endif
 }
-}  // namespace exact_detail
 
-/// Adds the exact value of `v` to the accumulator words w[0..3] (limbs, non-finite counts).
-LOCKSTEP_HD inline void exact_add(float v, std::int64_t* w) noexcept {
-  using namespace exact_detail;
-  const std::uint32_t bits = detail::float_as_bits(v);
-  const bool negative = (bits >> 31) != 0u;
-  const std::uint32_t exponent = (bits >> 23) & 0xffu;
-  std::uint64_t m = bits & 0x7fffffu;
-  if (exponent == 0xffu) {
-    w[3] += m != 0u ? not_a_number : (negative ? negative_infinity : positive_infinity);
-    return;
-  }
-  int e = -149;  // v = m * 2^e
-  if (exponent != 0u) {
-    m |= 0x800000u;
-    e = static_cast<int>(exponent) - 150;
-  }
-  if (m == 0u) return;
-  int shift = e + exact_scale_bits;  // X = m * 2^shift
-  if (shift > 3 * limb_bits - 24) {  // |v| >= 2^56: above the window
-    w[3] += negative ? negative_infinity : positive_infinity;
-    return;
-  }
-  if (shift < 0) {  // below the fixed point's last bit: round to nearest, ties to even
-    const int drop = -shift;
-    if (drop >= 25) return;  // m * 2^shift < 2^-1: rounds to 0
-    const std::uint64_t kept = m >> drop;
-    const std::uint64_t dropped = m & ((std::uint64_t{1} << drop) - 1u);
-    const std::uint64_t halfway = std::uint64_t{1} << (drop - 1);
-    m = kept + ((dropped > halfway || (dropped == halfway && (kept & 1u) != 0u)) ? 1u : 0u);
-    shift = 0;
-  }
-  for (int k = 0; k < 3; ++k) {
-    const std::int64_t limb = limb_of(m, shift, k);
-    w[k] += negative ? -limb : limb;
-  }
+/// 1.5 * 2^52: for |y| < 2^51, y + magic rounds y to an integer (to nearest even) held in the low bits of the
+/// sum's representation (no float-to-integer conversion, which x86 cannot vectorize before AVX-512).
+inline constexpr double round_magic = 6755399441055744.0;
+
+/// One term: X = round(v * 2^60) = hi * 2^46 + lo, and 1 when the term is outside the window (then the limbs are
+/// 0), else 0. Branch-free, so that the host loop vectorizes it.
+LOCKSTEP_HD inline void exact_term(float v, std::int64_t& hi, std::int64_t& lo, std::int64_t& outside) noexcept {
+  const std::uint32_t magnitude = detail::float_as_bits(v) & 0x7fffffffu;
+  const bool out = magnitude >= 0x4f800000u;  // |v| >= 2^32, an infinity or a NaN
+  // The arithmetic runs for every term (an infinity or a NaN cannot trap), and the limbs are masked afterwards:
+  // with a select before it GCC moves the arithmetic into a branch, which does not vectorize.
+  const double x = static_cast<double>(v) * 0x1p60;  // exact: 24 significant bits, a power-of-two scale
+  const std::int64_t magic_bits = double_bits(round_magic);
+  const double th = x * 0x1p-46 + round_magic;        // hi = round(x / 2^46), |hi| <= 2^46
+  const double r = x - (th - round_magic) * 0x1p46;   // exact (x has 24 significant bits), |r| <= 2^45
+  const double tl = r + round_magic;                  // rounds the fraction: ties to even, as hi * 2^46 is even
+  const std::int64_t keep = static_cast<std::int64_t>(out) - 1;  // all ones inside the window, else 0
+  hi = (double_bits(th) - magic_bits) & keep;
+  lo = (double_bits(tl) - magic_bits) & keep;
+  outside = static_cast<std::int64_t>(out);
 }
 
-/// The sum held by accumulator words w[0..3], rounded once to the nearest float (ties to even).
-LOCKSTEP_HD inline float exact_round(const std::int64_t* w) noexcept {
-  using namespace exact_detail;
-  const std::int64_t special = w[3];
-  if (special != 0) {
-    const std::int64_t pos = special & count_mask, neg = (special >> 21) & count_mask, nan = special >> 42;
-    if (nan != 0 || (pos != 0 && neg != 0)) return detail::bits_as_float(0x7fc00000u);
-    return detail::bits_as_float(pos != 0 ? 0x7f800000u : 0xff800000u);
-  }
+/// The common case of rounding hi * 2^46 + lo (times 2^-60), branch-free: when both limbs are below 2^51 and the
+/// sum has at most 53 significant bits (an exact double), `out` is the sum rounded once, and the result true;
+/// else false (exact_round_limbs' integer path then gives the answer). Both paths give the correctly rounded
+/// sum, so they agree bit for bit.
+LOCKSTEP_HD inline bool round_limbs_double(std::int64_t hi, std::int64_t lo, float& out) noexcept {
+  constexpr std::int64_t limit = std::int64_t{1} << 51;
+  const std::int64_t magic_bits = double_bits(round_magic);
+  // bitwise &, and masks rather than selects: no branches in the loop that vectorizes this
+  const bool small = (hi > -limit) & (hi < limit) & (lo > -limit) & (lo < limit);
+  const std::int64_t keep = -static_cast<std::int64_t>(small);
+  const double h = (bits_double(magic_bits + (hi & keep)) - round_magic) * 0x1p46;  // exact
+  const double l = bits_double(magic_bits + (lo & keep)) - round_magic;             // exact
+  const double s = h + l;  // s + e = h + l exactly (an error-free sum)
+  const double z = s - h;
+  const double e = (h - (s - z)) + (l - z);
+  out = static_cast<float>(s * 0x1p-60);
+  return small & (e == 0.0);
+}
+
+/// hi * 2^46 + lo (any limbs), times 2^-60, rounded once to the nearest float (ties to even): integer arithmetic.
+LOCKSTEP_HD inline float round_limbs_integer(std::int64_t hi, std::int64_t lo) noexcept {
   constexpr std::int64_t base = std::int64_t{1} << limb_bits;
-  std::int64_t l0 = w[0], l1 = w[1], l2 = w[2];
-  auto normalize = [&] {  // l0, l1 into [0, 2^48) (floor division moves the rest up)
-    std::int64_t carry = l0 >> limb_bits;  // arithmetic shift: floor
-    l0 -= carry * base;
-    l1 += carry;
-    carry = l1 >> limb_bits;
-    l1 -= carry * base;
-    l2 += carry;
+  auto normalize = [&] {  // lo into [0, 2^46), the rest into hi (arithmetic shift: floor)
+    const std::int64_t carry = lo >> limb_bits;
+    lo -= carry * base;
+    hi += carry;
   };
   normalize();
-  const bool negative = l2 < 0;
+  const bool negative = hi < 0;
   if (negative) {
-    l0 = -l0;
-    l1 = -l1;
-    l2 = -l2;
-    normalize();  // the magnitude: l2 >= 0 now
+    hi = -hi;
+    lo = -lo;
+    normalize();  // the magnitude: hi >= 0
   }
-  // the magnitude as 192 bits w2:w1:w0
-  const auto u0 = static_cast<std::uint64_t>(l0), u1 = static_cast<std::uint64_t>(l1),
-             u2 = static_cast<std::uint64_t>(l2);
-  const std::uint64_t words[3] = {u0 | (u1 << 48), (u1 >> 16) | (u2 << 32), u2 >> 32};
-  int top_word = 2;
-  while (top_word >= 0 && words[top_word] == 0u) --top_word;
-  if (top_word < 0) return 0.0f;
-  const int lead = 63 - leading_zeros(words[top_word]);  // in the top word
-  const int p = top_word * 64 + lead;                     // the leading bit's position in X
-  // the 64 bits from the leading one down, and whether anything below them is set
+  // the magnitude as 128 bits words[1]:words[0]
+  const auto uh = static_cast<std::uint64_t>(hi), ul = static_cast<std::uint64_t>(lo);
+  const std::uint64_t words[2] = {ul | (uh << limb_bits), uh >> (64 - limb_bits)};
+  const int top = words[1] != 0u ? 1 : 0;
+  if (words[top] == 0u) return 0.0f;
+  const int lead = 63 - leading_zeros(words[top]);
+  const int p = top * 64 + lead;  // the leading bit's position
   const int sh = 63 - lead;
-  std::uint64_t window = words[top_word] << sh;
-  bool sticky = false;
-  if (top_word > 0) {
-    const std::uint64_t below = words[top_word - 1];
-    if (sh > 0) window |= below >> (64 - sh);
-    sticky = (sh > 0 ? (below << sh) : below) != 0u;
-    if (top_word > 1) sticky = sticky || words[0] != 0u;
+  std::uint64_t window = words[top] << sh;  // 64 bits from the leading one down
+  bool sticky = false;                      // anything set below them
+  if (top == 1) {
+    if (sh > 0) window |= words[0] >> (64 - sh);
+    sticky = (sh > 0 ? (words[0] << sh) : words[0]) != 0u;
   }
   std::uint64_t mant = window >> 40;  // 24 bits, the leading one included
   const std::uint64_t rest = window & ((std::uint64_t{1} << 40) - 1u);
@@ -153,14 +141,139 @@ LOCKSTEP_HD inline float exact_round(const std::int64_t* w) noexcept {
     mant >>= 1;
     ++exponent;
   }
-  // X >= 1 and X < 2^160: 2^-88 <= |sum| < 2^72, always a normal float
+  // 2^-60 <= |sum| < 2^49 (at most exact_max_terms terms below 2^32): a normal float
   const std::uint32_t out = (negative ? 0x80000000u : 0u) | (static_cast<std::uint32_t>(exponent + 127) << 23) |
                             (static_cast<std::uint32_t>(mant) & 0x7fffffu);
   return detail::bits_as_float(out);
 }
+}  // namespace exact_detail
+
+/// Adds the exact value of `v` to an element's limbs, and 1 to `outside` for a term outside the window.
+LOCKSTEP_HD inline void exact_add(float v, std::int64_t& hi, std::int64_t& lo, std::int64_t& outside) noexcept {
+  std::int64_t h = 0, l = 0, o = 0;
+  exact_detail::exact_term(v, h, l, o);
+  hi += h;
+  lo += l;
+  outside += o;
+}
+
+/// The sum held by an element's limbs, rounded once to the nearest float (ties to even); NaN when its tensor's
+/// count of terms outside the window is not 0.
+LOCKSTEP_HD inline float exact_round(std::int64_t hi, std::int64_t lo, std::int64_t outside) noexcept {
+  if (outside != 0) return detail::bits_as_float(0x7fc00000u);
+  float out = 0.0f;
+  return exact_detail::round_limbs_double(hi, lo, out) ? out : exact_detail::round_limbs_integer(hi, lo);
+}
+
+namespace exact_detail {
+/// Adds `count` to the tensor's count word (rare: only terms outside the window).
+LOCKSTEP_HD inline void add_outside(std::int64_t* count, std::int64_t v) noexcept {
+#if defined(__CUDA_ARCH__)
+  atomicAdd(reinterpret_cast<unsigned long long*>(count), static_cast<unsigned long long>(v));
+#else
+  __atomic_fetch_add(count, v, __ATOMIC_RELAXED);
+#endif
+}
+}  // namespace exact_detail
+
+namespace exact_detail {
+/// ceil(log2(c)) for c >= 1.
+LOCKSTEP_HD constexpr int ceil_log2(std::size_t c) noexcept {
+  int l = 0;
+  while ((std::size_t{1} << l) < c) ++l;
+  return l;
+}
+
+/// The fast path of a sum of 2^log2_terms terms or fewer, whose largest exponent field is emax and smallest
+/// among the non-zero terms emin (255 when all are zero): true when their sum in doubles, in any order, is exact
+/// (every partial sum is a multiple of the smallest term's last bit below 2^53 of them), a multiple of 2^-60
+/// (no term is rounded by the fixed point) and below 2^36 (its limbs come from the round_magic steps). Then the
+/// double sum is the exact sum, and its rounding to float is the same as exact_round's.
+LOCKSTEP_HD inline bool double_sum_is_exact(std::int32_t emax, std::int32_t emin, int log2_terms) noexcept {
+  return (emin >= 90) & (emax - emin <= 29 - log2_terms) & (emax + log2_terms <= 162);
+}
+
+/// The exponent field of a term, and that of a non-zero term (255 for zero), for double_sum_is_exact.
+LOCKSTEP_HD inline std::int32_t exponent_field(float v) noexcept {
+  return static_cast<std::int32_t>((detail::float_as_bits(v) >> 23) & 0xffu);
+}
+LOCKSTEP_HD inline std::int32_t nonzero_exponent_field(float v) noexcept {
+  const std::uint32_t u = detail::float_as_bits(v);
+  return (u & 0x7fffffffu) != 0u ? static_cast<std::int32_t>((u >> 23) & 0xffu) : 255;
+}
+
+/// The limbs of an exact double sum s (double_sum_is_exact): s * 2^60 = hi * 2^46 + lo.
+LOCKSTEP_HD inline void limbs_of_sum(double s, std::int64_t& hi, std::int64_t& lo) noexcept {
+  const std::int64_t magic_bits = double_bits(round_magic);
+  const double x = s * 0x1p60;                  // an integer below 2^96
+  const double th = x * 0x1p-46 + round_magic;  // below 2^50
+  const double r = x - (th - round_magic) * 0x1p46;
+  hi = double_bits(th) - magic_bits;
+  lo = double_bits(r + round_magic) - magic_bits;  // r is an integer, |r| <= 2^45
+}
+
+/// The exact sum of element i's `chunks` terms partials[c * n + i], as limbs and a count of terms outside the
+/// window: the fast double path when it applies, else term by term.
+template <class T>
+LOCKSTEP_HD inline void sum_terms(const T* partials, std::size_t chunks, std::size_t n, std::size_t i, std::int64_t& hi,
+                                  std::int64_t& lo, std::int64_t& outside, double& fast_sum, bool& fast) noexcept {
+  std::int32_t emax = 0, emin = 255;
+  double s = 0.0;
+  for (std::size_t c = 0; c < chunks; ++c) {
+    const float v = to_float(partials[c * n + i]);
+    emax = emax > exponent_field(v) ? emax : exponent_field(v);
+    emin = emin < nonzero_exponent_field(v) ? emin : nonzero_exponent_field(v);
+    s += static_cast<double>(v);
+  }
+  fast = double_sum_is_exact(emax, emin, ceil_log2(chunks));
+  fast_sum = s;
+  hi = lo = outside = 0;
+  if (fast) {
+    limbs_of_sum(s, hi, lo);
+  } else {
+    for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + i]), hi, lo, outside);
+  }
+}
+
+/// The host loops' block: the double sums of elements [b0, b0 + len) and whether each is exact, vectorized
+/// (chunk after chunk over the block).
+template <class T, std::size_t Block>
+inline void block_double_sums(const T* partials, std::size_t chunks, std::size_t n, std::size_t b0, std::size_t len,
+                              double* sums, std::uint8_t* fast, bool& all_fast) noexcept {
+  alignas(64) float v[Block];
+  alignas(64) std::int32_t emax[Block], emin[Block];
+  for (std::size_t j = 0; j < len; ++j) {
+    sums[j] = 0.0;
+    emax[j] = 0;
+    emin[j] = 255;
+  }
+  for (std::size_t c = 0; c < chunks; ++c) {
+    const T* p = partials + c * n + b0;
+    if constexpr (std::is_same_v<T, float>) {
+      for (std::size_t j = 0; j < len; ++j) v[j] = p[j];
+    } else {
+      detail::widen_run(p, v, static_cast<std::int64_t>(len));
+    }
+    for (std::size_t j = 0; j < len; ++j) {
+      const std::int32_t e = exponent_field(v[j]), ez = nonzero_exponent_field(v[j]);
+      emax[j] = emax[j] > e ? emax[j] : e;
+      emin[j] = emin[j] < ez ? emin[j] : ez;
+      sums[j] += static_cast<double>(v[j]);
+    }
+  }
+  const int log2_terms = ceil_log2(chunks);
+  std::uint8_t every = 1;  // bytes, not bools: the loops vectorize
+  for (std::size_t j = 0; j < len; ++j) {
+    fast[j] = static_cast<std::uint8_t>(double_sum_is_exact(emax[j], emin[j], log2_terms));
+    every &= fast[j];
+  }
+  all_fast = every != 0;
+}
+}  // namespace exact_detail
 
 /// acc (+)= the exact sum over c of partials[c * n + i], for each element i of n: `chunks` arrays of partial
-/// sums (T), added to (or, with `overwrite`, written over) the planar accumulator `acc` (exact_words x n).
+/// sums (T), added to (or, with `overwrite`, written over) the accumulator `acc` (exact_words(n) words; with
+/// `overwrite` its count word must have been zeroed).
 template <class T>
 struct exact_accumulate_op {
   const T* partials;
@@ -169,24 +282,149 @@ struct exact_accumulate_op {
   std::int64_t* acc;
   bool overwrite;
   LOCKSTEP_HD void operator()(std::size_t i) const {
-    std::int64_t w[exact_words] = {0, 0, 0, 0};
-    if (!overwrite) {
-      for (std::size_t k = 0; k < exact_words; ++k) w[k] = acc[k * n + i];
+    std::int64_t hi = 0, lo = 0, outside = 0;
+    double sum = 0.0;
+    bool fast = false;
+    exact_detail::sum_terms(partials, chunks, n, i, hi, lo, outside, sum, fast);
+    acc[i] = overwrite ? hi : acc[i] + hi;
+    acc[n + i] = overwrite ? lo : acc[n + i] + lo;
+    if (outside != 0) exact_detail::add_outside(acc + 2 * n, outside);
+  }
+  /// The host loop: blocks of elements, the double path vectorized, the term-by-term path for what it left.
+  void for_all(std::size_t count) const {
+    constexpr std::size_t block = 512;
+    alignas(64) double sums[block];
+    alignas(64) std::uint8_t fast[block];
+    alignas(64) std::int64_t his[block], los[block];
+    std::int64_t outside = 0;
+    for (std::size_t b0 = 0; b0 < count; b0 += block) {
+      const std::size_t len = count - b0 < block ? count - b0 : block;
+      bool all_fast = true;
+      exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
+      for (std::size_t j = 0; j < len; ++j) exact_detail::limbs_of_sum(sums[j], his[j], los[j]);
+      if (!all_fast) {  // rare: scalar
+        for (std::size_t j = 0; j < len; ++j) {
+          if (fast[j]) continue;
+          his[j] = los[j] = 0;
+          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), his[j], los[j], outside);
+        }
+      }
+      std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
+      std::int64_t* __restrict lp = acc + n + b0;
+      if (overwrite) {
+        for (std::size_t j = 0; j < len; ++j) {
+          hp[j] = his[j];
+          lp[j] = los[j];
+        }
+      } else {
+        for (std::size_t j = 0; j < len; ++j) {
+          hp[j] += his[j];
+          lp[j] += los[j];
+        }
+      }
     }
-    for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + i]), w);
-    for (std::size_t k = 0; k < exact_words; ++k) acc[k * n + i] = w[k];
+    if (outside != 0) exact_detail::add_outside(acc + 2 * n, outside);
   }
 };
 
-/// out[i] = the accumulator's sum for element i, rounded to float once, then to T.
+/// out[i] = element i of the accumulator `acc` (exact_words(n) words), rounded to float once, then to T.
 template <class T>
 struct exact_round_op {
   const std::int64_t* acc;
   std::size_t n;
   T* out;
+  LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = convert<T>(exact_round(acc[i], acc[n + i], acc[2 * n])); }
+  /// The host loop: the double path over a block (vectorized), the integer path for the elements it left.
+  void for_all(std::size_t count) const {
+    constexpr std::size_t block = 512;
+    alignas(64) float f[block];
+    alignas(64) std::uint8_t done[block];
+    const std::int64_t outside = acc[2 * n];
+    for (std::size_t b0 = 0; b0 < count; b0 += block) {
+      const std::size_t len = count - b0 < block ? count - b0 : block;
+      const std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
+      const std::int64_t* __restrict lp = acc + n + b0;
+      std::uint8_t all_done = 1;  // bytes, not bools: the loop vectorizes
+      for (std::size_t j = 0; j < len; ++j) {
+        done[j] = static_cast<std::uint8_t>(exact_detail::round_limbs_double(hp[j], lp[j], f[j]));
+        all_done &= done[j];
+      }
+      if (all_done == 0 || outside != 0) {  // rare: scalar
+        for (std::size_t j = 0; j < len; ++j) {
+          if (outside != 0) {
+            f[j] = detail::bits_as_float(0x7fc00000u);
+          } else if (!done[j]) {
+            f[j] = exact_detail::round_limbs_integer(hp[j], lp[j]);
+          }
+        }
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        float* __restrict o = out + b0;
+        for (std::size_t j = 0; j < len; ++j) o[j] = f[j];
+      } else {
+        detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
+      }
+    }
+  }
+};
+
+/// out[i] = the exact sum over c of partials[c * n + i], rounded to float once, then to T: exact_accumulate_op and
+/// exact_round_op in one pass, for a sum that needs no accumulator (all terms on one device, in one launch).
+/// Terms outside the window are counted in *outside (zeroed before); exact_poison_op then makes the tensor NaN.
+template <class T>
+struct exact_sum_op {
+  const T* partials;
+  std::size_t chunks;
+  std::size_t n;
+  T* out;
+  std::int64_t* outside;
   LOCKSTEP_HD void operator()(std::size_t i) const {
-    const std::int64_t w[exact_words] = {acc[i], acc[n + i], acc[2 * n + i], acc[3 * n + i]};
-    out[i] = convert<T>(exact_round(w));
+    std::int64_t hi = 0, lo = 0, o = 0;
+    double sum = 0.0;
+    bool fast = false;
+    exact_detail::sum_terms(partials, chunks, n, i, hi, lo, o, sum, fast);
+    // the exact double sum rounds like exact_round (one correct rounding of the same value)
+    out[i] = convert<T>(fast ? static_cast<float>(sum) : exact_round(hi, lo, 0));
+    if (o != 0) exact_detail::add_outside(outside, o);
+  }
+  /// The host loop: the double path vectorized, the term-by-term path for what it left.
+  void for_all(std::size_t count) const {
+    constexpr std::size_t block = 512;
+    alignas(64) double sums[block];
+    alignas(64) std::uint8_t fast[block];
+    alignas(64) float f[block];
+    std::int64_t total_outside = 0;
+    for (std::size_t b0 = 0; b0 < count; b0 += block) {
+      const std::size_t len = count - b0 < block ? count - b0 : block;
+      bool all_fast = true;
+      exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
+      for (std::size_t j = 0; j < len; ++j) f[j] = static_cast<float>(sums[j]);
+      if (!all_fast) {  // rare: scalar
+        for (std::size_t j = 0; j < len; ++j) {
+          if (fast[j]) continue;
+          std::int64_t hi = 0, lo = 0;
+          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), hi, lo, total_outside);
+          f[j] = exact_round(hi, lo, 0);
+        }
+      }
+      if constexpr (std::is_same_v<T, float>) {
+        float* __restrict o = out + b0;
+        for (std::size_t j = 0; j < len; ++j) o[j] = f[j];
+      } else {
+        detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
+      }
+    }
+    if (total_outside != 0) exact_detail::add_outside(outside, total_outside);
+  }
+};
+
+/// out[i] = NaN when *outside is not 0 (after exact_sum_op: a tensor that received a term outside the window).
+template <class T>
+struct exact_poison_op {
+  const std::int64_t* outside;
+  T* out;
+  LOCKSTEP_HD void operator()(std::size_t i) const {
+    if (*outside != 0) out[i] = convert<T>(detail::bits_as_float(0x7fc00000u));
   }
 };
 
