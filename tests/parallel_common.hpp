@@ -4,6 +4,7 @@
 
 #include <cmath>
 #include <cstdint>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -89,10 +90,13 @@ std::vector<float> parameter_values(Model& m, stream_ref s) {
   return out;
 }
 
-/// `steps` steps of single-device training with global batch `batch` on `d`; the final parameters.
-inline std::vector<float> train_single(device d, std::int64_t batch) {
+/// `steps` steps of single-device training with global batch `batch` on `d` (in deterministic mode with
+/// `deterministic`); the final parameters.
+inline std::vector<float> train_single(device d, std::int64_t batch,
+                                       std::optional<deterministic_options> deterministic = std::nullopt) {
   stream s(d);
   context ctx(s);
+  ctx.set_deterministic(deterministic);
   graph model = make_model(ctx);
   auto params = parameters_of(model).pointers();
   sgd opt(params, optimizer_options);
@@ -112,11 +116,14 @@ inline std::vector<float> train_single(device d, std::int64_t batch) {
 }
 
 /// One rank of distributed_data_parallel training: `steps` steps on this rank's chunk of the same global batch
-/// of `batch` rows (the loss is the mean over the global batch). The rank's final parameters. Threads
-/// (run_on_devices) and processes (mpirun) run the same code.
+/// of `batch` rows (the loss is the mean over the global batch); in deterministic mode (`deterministic`) its
+/// deterministic_shard. The rank's final parameters. Threads (run_on_devices) and processes (mpirun) run the same
+/// code.
 inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, stream_ref comm_stream,
-                                         std::int64_t batch, ddp_options options = {}) {
+                                         std::int64_t batch, ddp_options options = {},
+                                         std::optional<deterministic_options> deterministic = std::nullopt) {
   const stream_ref s = ctx.stream();
+  ctx.set_deterministic(deterministic);
   graph model = make_model(ctx);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream, options);
   auto params = parameters_of(model).pointers();
@@ -124,12 +131,14 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
   softmax_cross_entropy loss(reduction::mean);
   const auto x = inputs();
   const auto y = labels();
-  const auto chunks = chunk_rows(batch, static_cast<std::size_t>(comm.size()));
+  auto chunks = chunk_rows(batch, static_cast<std::size_t>(comm.size()));
+  if (deterministic) chunks = deterministic_shards(batch, deterministic->chunk_rows, static_cast<std::size_t>(comm.size()));
   for (int step = 0; step < steps; ++step) {
     const std::int64_t first = first_row(step, batch);
     opt.zero_grad();
     if (static_cast<std::size_t>(comm.rank()) < chunks.size()) {
       const row_range mine = chunks[static_cast<std::size_t>(comm.rank())];
+      ctx.set_row_offset(mine.begin);
       tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
       tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
       loss.forward(ddp.forward(xb), yb, ctx, batch);  // the mean over the GLOBAL batch

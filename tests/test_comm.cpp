@@ -264,6 +264,43 @@ TEST_P(clique, all_reduce_matches_the_reference_for_every_dtype_op_and_count) {
   });
 }
 
+TEST_P(clique, i64_sums_and_maxima_are_exact_integers) {
+  // values beyond 2^53 (no float or double holds their sum) and of both signs, in place and not, with reduce and
+  // reduce_scatter; what deterministic mode's exact accumulators rely on
+  const std::size_t n = 1000 * static_cast<std::size_t>(k_) + 3;
+  auto value = [](int r, std::size_t i) {
+    return (static_cast<std::int64_t>(i % 97) - 48) * (std::int64_t{1} << 54) + static_cast<std::int64_t>(i * 7 + r);
+  };
+  on_each_rank(k_, [&](int r) {
+    std::vector<std::int64_t> mine(n), sum(n), max(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      mine[i] = value(r, i);
+      for (int q = 0; q < k_; ++q) {
+        sum[i] += value(q, i);
+        max[i] = q == 0 ? value(q, i) : std::max(max[i], value(q, i));
+      }
+    }
+    auto a = to_device(mine, s(r)), b = to_device(mine, s(r));
+    device_buffer<std::int64_t> c(n, s(r));
+    comm(r).all_reduce(a.span(), reduce_op::sum, s(r));
+    comm(r).all_reduce(device_span<const std::int64_t>(b.span()), c.span(), reduce_op::max, s(r));
+    comm(r).synchronize(s(r));
+    EXPECT_EQ(to_vector(device_span<const std::int64_t>(a.span()), s(r)), sum) << "sum, rank " << r;
+    EXPECT_EQ(to_vector(device_span<const std::int64_t>(c.span()), s(r)), max) << "max, rank " << r;
+    const std::size_t part = n / static_cast<std::size_t>(k_);
+    device_buffer<std::int64_t> d(part, s(r));
+    comm(r).reduce_scatter(device_span<const std::int64_t>(b.span().subspan(0, part * static_cast<std::size_t>(k_))),
+                           d.span(), reduce_op::sum, s(r));
+    comm(r).synchronize(s(r));
+    EXPECT_EQ(to_vector(device_span<const std::int64_t>(d.span()), s(r)),
+              std::vector<std::int64_t>(sum.begin() + static_cast<std::ptrdiff_t>(part * static_cast<std::size_t>(r)),
+                                        sum.begin() + static_cast<std::ptrdiff_t>(part * static_cast<std::size_t>(r + 1))))
+        << "reduce_scatter, rank " << r;
+    EXPECT_CONTAINS(message_of<precondition_error>([&] { comm(r).all_reduce(a.span(), reduce_op::mean, s(r)); }),
+                    "i64 reductions are sum or max");
+  });
+}
+
 TEST_P(clique, all_reduce_of_buffers_larger_than_the_last_level_cache) {
   // When the buffers cannot stay in the last-level cache, the host clique writes with non-temporal stores:
   // a different store path. Sizes derive from this machine's cache so that the path is always taken.

@@ -16,6 +16,7 @@
 #include "lockstep/core/random.hpp"
 #include "lockstep/kernels/activation.hpp"
 #include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/exact.hpp"
 #include "lockstep/kernels/optim.hpp"
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/kernels/multi_tensor.hpp"
@@ -393,4 +394,184 @@ TEST_P(multi_tensor_test, more_tensors_and_blocks_than_one_launch_holds_are_each
     for (float v : values) wrong += v != expected ? 1 : 0;
     EXPECT_EQ(wrong, 0u) << "tensor " << k << " of " << sizes_of[k] << " elements";
   }
+}
+
+// ---- exact sums (deterministic mode) --------------------------------------------------------------------------
+
+namespace {
+// A float of random sign and mantissa with exponent in [lo, hi] (a power of two times 1.xxx).
+float random_term(std::uint64_t i, int lo, int hi) {
+  const float u = philox_uniform(11, 1, i), w = philox_uniform(11, 2, i), sgn = philox_uniform(11, 3, i);
+  const int e = lo + static_cast<int>(w * static_cast<float>(hi - lo + 1)) % (hi - lo + 1);
+  return std::ldexp(1.0f + u, e) * (sgn < 0.5f ? -1.0f : 1.0f);
+}
+
+struct limbs {
+  std::int64_t hi = 0, lo = 0, outside = 0;
+  void add(float v) { kernels::exact_add(v, hi, lo, outside); }
+  void add(const limbs& o) {
+    hi += o.hi;
+    lo += o.lo;
+    outside += o.outside;
+  }
+  [[nodiscard]] float round() const { return kernels::exact_round(hi, lo, outside); }
+};
+
+float sum_of(const std::vector<float>& terms) {
+  limbs l;
+  for (float v : terms) l.add(v);
+  return l.round();
+}
+}  // namespace
+
+TEST(exact_sum, rounds_the_exact_sum_once_to_nearest_even) {
+  // Terms whose exponents span at most 30 bits, 20 at a time: their sum is exact in a long double (64 bits).
+  for (std::uint64_t trial = 0; trial < 2000; ++trial) {
+    const int base = static_cast<int>(trial % 50) - 30;  // 2^-30 .. 2^19
+    std::vector<float> terms;
+    long double exact = 0;
+    for (std::uint64_t k = 0; k < 20; ++k) {
+      terms.push_back(random_term(trial * 64 + k, base, base + 6));
+      exact += terms.back();
+    }
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(sum_of(terms)), std::bit_cast<std::uint32_t>(static_cast<float>(exact)))
+        << "trial " << trial;
+  }
+  // Ties: 1 + 2^-24 is halfway between 1 and 1 + 2^-23 (to even: 1); the smallest fixed-point step above it
+  // (2^-60, beyond a double's 53 bits) tips it up, as one rounding of the exact sum must.
+  EXPECT_EQ(sum_of({1.0f, 0x1p-24f}), 1.0f);
+  EXPECT_EQ(sum_of({1.0f, 0x1p-24f, 0x1p-60f}), 1.0f + 0x1p-23f);
+  EXPECT_EQ(sum_of({1.0f + 0x1p-23f, 0x1p-24f}), 1.0f + 0x1p-22f);
+  EXPECT_EQ(sum_of({-1.0f, -0x1p-24f, -0x1p-60f}), -1.0f - 0x1p-23f);
+  // the same above 2^4, where the tipping bit lies below the 64 bits the rounding looks at first
+  EXPECT_EQ(sum_of({32.0f, 0x1p-19f}), 32.0f);
+  EXPECT_EQ(sum_of({32.0f, 0x1p-19f, 0x1p-60f}), 32.0f + 0x1p-18f);
+  EXPECT_EQ(sum_of({-0x1p30f, -0x1p6f, -0x1p-60f}), -0x1p30f - 0x1p7f);
+  // Cancellation to exactly zero, and to the smallest step.
+  EXPECT_EQ(sum_of({0x1p31f, 3.0f, -0x1p31f, -3.0f}), 0.0f);
+  EXPECT_EQ(sum_of({0x1p31f, 0x1p-60f, -0x1p31f}), 0x1p-60f);
+}
+
+TEST(exact_sum, terms_below_the_fixed_point_round_each_on_their_own) {
+  EXPECT_EQ(sum_of({3.0f * 0x1p-62f}), 0x1p-60f);  // 0.75 steps -> 1
+  EXPECT_EQ(sum_of({0x1p-61f}), 0.0f);             // 0.5 steps: a tie, to even 0
+  EXPECT_EQ(sum_of({3.0f * 0x1p-61f}), 0x1p-59f);  // 1.5 steps -> 2
+  EXPECT_EQ(sum_of({0x1p-61f, 0x1p-61f}), 0.0f);   // per term, not of the sum: the same wherever a term goes
+  EXPECT_EQ(sum_of({0x1p-37f + 0x1p-60f}), 0x1p-37f + 0x1p-60f);  // from 2^-37 on, every bit is kept
+}
+
+TEST(exact_sum, any_order_and_any_split_over_accumulators_gives_the_same_bits) {
+  // 1000 terms spanning 2^-45 .. 2^30, of both signs: a float sum depends on the order, the exact one does not.
+  std::vector<float> terms;
+  for (std::uint64_t k = 0; k < 1000; ++k) terms.push_back(random_term(k, -45, 30));
+  const float reference = sum_of(terms);
+  float forward_float = 0, backward_float = 0;
+  for (float v : terms) forward_float += v;
+  for (auto it = terms.rbegin(); it != terms.rend(); ++it) backward_float += *it;
+  EXPECT_NE(forward_float, backward_float) << "the terms must be ones whose float sum depends on the order";
+  for (int parts : {2, 3, 7, 64}) {
+    std::vector<limbs> acc(static_cast<std::size_t>(parts));
+    for (std::size_t k = 0; k < terms.size(); ++k) acc[(k * 31 + 7) % acc.size()].add(terms[terms.size() - 1 - k]);
+    limbs total;
+    for (auto it = acc.rbegin(); it != acc.rend(); ++it) total.add(*it);
+    EXPECT_EQ(std::bit_cast<std::uint32_t>(total.round()), std::bit_cast<std::uint32_t>(reference)) << parts << " parts";
+  }
+}
+
+TEST(exact_sum, non_finite_and_oversized_terms_make_the_tensor_nan) {
+  for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
+                    -std::numeric_limits<float>::infinity(), 0x1p32f, -0x1p40f}) {
+    limbs l;
+    l.add(1.0f);
+    l.add(bad);
+    EXPECT_TRUE(std::isnan(l.round())) << bad;
+  }
+  limbs fine;
+  fine.add(0x1p31f * 1.9f);  // just inside the window
+  EXPECT_EQ(fine.outside, 0);
+  EXPECT_EQ(fine.round(), 0x1p31f * 1.9f);
+}
+
+TEST(exact_sum, the_double_path_and_the_integer_path_agree) {
+  // Limbs of every size, including sums of many terms (beyond the double path's 2^51) and long carries.
+  std::size_t fast = 0;
+  for (std::uint64_t i = 0; i < 200000; ++i) {
+    const int hb = static_cast<int>(i % 62), lb = static_cast<int>((i / 62) % 62);
+    const auto hi = static_cast<std::int64_t>(static_cast<double>(philox_uniform(5, 1, i) - 0.5f) * std::ldexp(1.0, hb));
+    const auto lo = static_cast<std::int64_t>(static_cast<double>(philox_uniform(5, 2, i) - 0.5f) * std::ldexp(1.0, lb));
+    float viad = 0;
+    if (kernels::exact_detail::round_limbs_double(hi, lo, viad)) {
+      ++fast;
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(viad),
+                std::bit_cast<std::uint32_t>(kernels::exact_detail::round_limbs_integer(hi, lo)))
+          << "hi " << hi << " lo " << lo;
+    }
+  }
+  EXPECT_GT(fast, 10000u) << "the double path must be taken for ordinary limbs";
+}
+
+namespace {
+class exact_kernel_test : public backend_and_dtype {};
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, exact_kernel_test,
+                         ::testing::Combine(::testing::Values(device_kind::host, device_kind::cuda),
+                                            ::testing::Values(dtype::f32, dtype::f16, dtype::bf16)),
+                         param_name);
+
+TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_term_reference) {
+  // 5 chunks of partial sums over 1501 elements: ordinary ones (the double path), some spanning 2^-30 .. 2^14
+  // (the term-by-term path), zeros; accumulated 2 + 3 chunks, and summed in one pass.
+  with_float_type(type(), [&]<class T>() {
+    stream s(dev());
+    constexpr std::size_t n = 1501, chunks = 5;
+    std::vector<float> partial(n * chunks);
+    for (std::size_t c = 0; c < chunks; ++c) {
+      for (std::size_t i = 0; i < n; ++i) {
+        float v = i % 7 == 3 ? random_term(c * n + i, -30, 14) : random_term(c * n + i, -8, -2);
+        if (i % 11 == 5) v = 0.0f;
+        partial[c * n + i] = to_float(convert<T>(v));  // what the storage type holds
+      }
+    }
+    std::vector<float> expected(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      limbs l;
+      for (std::size_t c = 0; c < chunks; ++c) l.add(partial[c * n + i]);
+      expected[i] = to_float(convert<T>(l.round()));
+    }
+    auto partials = to_device(from_floats<T>(partial), s);
+    device_buffer<std::int64_t> acc(kernels::exact_words(n), s);
+    fill_zero(acc.span(), s);
+    launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data(), 2, n, acc.data(), true}, s, "accumulate");
+    launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data() + 2 * n, 3, n, acc.data(), false}, s,
+                       "accumulate");
+    device_buffer<T> rounded(n, s), one_pass(n, s);
+    launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), n, rounded.data()}, s, "round");
+    device_buffer<std::int64_t> outside(1, s);
+    fill_zero(outside.span(), s);
+    launch_elementwise(n, kernels::exact_sum_op<T>{partials.data(), chunks, n, one_pass.data(), outside.data()}, s,
+                       "sum");
+    launch_elementwise(n, kernels::exact_poison_op<T>{outside.data(), one_pass.data()}, s, "poison");
+    const auto a = to_floats(to_vector(device_span<const T>(rounded.span()), s));
+    const auto b = to_floats(to_vector(device_span<const T>(one_pass.span()), s));
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_EQ(a[i], expected[i]) << "accumulated, element " << i;
+      ASSERT_EQ(b[i], expected[i]) << "one pass, element " << i;
+    }
+    // one term outside the window: every element of the tensor is NaN, on both paths
+    std::vector<float> with_inf(partial);
+    with_inf[3 * n + 17] = std::numeric_limits<float>::infinity();
+    auto bad = to_device(from_floats<T>(with_inf), s);
+    fill_zero(acc.span(), s);
+    fill_zero(outside.span(), s);
+    launch_elementwise(n, kernels::exact_accumulate_op<T>{bad.data(), chunks, n, acc.data(), true}, s, "accumulate");
+    launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), n, rounded.data()}, s, "round");
+    launch_elementwise(n, kernels::exact_sum_op<T>{bad.data(), chunks, n, one_pass.data(), outside.data()}, s, "sum");
+    launch_elementwise(n, kernels::exact_poison_op<T>{outside.data(), one_pass.data()}, s, "poison");
+    const auto c = to_floats(to_vector(device_span<const T>(rounded.span()), s));
+    const auto d = to_floats(to_vector(device_span<const T>(one_pass.span()), s));
+    for (std::size_t i = 0; i < n; ++i) {
+      ASSERT_TRUE(std::isnan(c[i]) && std::isnan(d[i])) << "element " << i;
+    }
+  });
 }

@@ -24,12 +24,13 @@ namespace {
 
 // data_parallel over `devices` for `steps` steps of global batch `batch`; the final parameters.
 std::vector<float> train_data_parallel(const device_set& devices, std::int64_t batch,
-                                       std::vector<device_report>* report = nullptr) {
+                                       std::vector<device_report>* report = nullptr,
+                                       std::optional<deterministic_options> deterministic = std::nullopt) {
   const device d0 = devices[0];
   stream setup(d0);
   context build_ctx(setup);
   graph model = make_model(build_ctx);
-  data_parallel dp(model, data_parallel_options{.device_ids = devices});
+  data_parallel dp(model, data_parallel_options{.device_ids = devices, .deterministic = deterministic});
   auto params = parameters_of(model).pointers();
   sgd opt(params, optimizer_options);
   softmax_cross_entropy loss(reduction::mean);
@@ -53,13 +54,23 @@ std::vector<float> train_data_parallel(const device_set& devices, std::int64_t b
 // distributed_data_parallel on one thread per device; every rank trains on its chunk of the same global batch.
 // Returns every rank's final parameters.
 std::vector<std::vector<float>> train_ddp_threads(const device_set& devices, std::int64_t batch,
-                                                  ddp_options options = {}) {
+                                                  ddp_options options = {},
+                                                  std::optional<deterministic_options> deterministic = std::nullopt) {
   std::vector<std::vector<float>> result(devices.size());
   run_on_devices(devices, [&](rank_context& rc) {
     context ctx(rc.compute_stream());
-    result[static_cast<std::size_t>(rc.rank())] = train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options);
+    result[static_cast<std::size_t>(rc.rank())] =
+        train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options, deterministic);
   });
   return result;
+}
+
+// The parameters the runs start from.
+std::vector<float> initial_parameters(device d) {
+  stream s(d);
+  context ctx(s);
+  graph model = make_model(ctx);
+  return parameter_values(model, s);
 }
 
 // Every suite that runs on devices runs once per backend.
@@ -195,6 +206,72 @@ INSTANTIATE_TEST_SUITE_P(devices_and_batches, parallel_equivalence,
                                   std::to_string(std::get<0>(devices_and_batch)) + "_devices_batch_" +
                                   std::to_string(std::get<1>(devices_and_batch));
                          });
+
+// ---- deterministic mode --------------------------------------------------------------------------------------
+
+TEST(deterministic_shard, whole_chunks_in_rank_order_as_even_as_chunks_allow) {
+  EXPECT_EQ(deterministic_shard(130, 32, 0, 3), (row_range{0, 64}));
+  EXPECT_EQ(deterministic_shard(130, 32, 1, 3), (row_range{64, 64}));
+  EXPECT_EQ(deterministic_shard(130, 32, 2, 3), (row_range{128, 2}));
+  EXPECT_EQ(deterministic_shard(96, 32, 3, 4), (row_range{96, 0}));  // 3 chunks, 4 ranks: the last has none
+  EXPECT_EQ(deterministic_shard(5, 32, 0, 1), (row_range{0, 5}));
+  EXPECT_EQ(deterministic_shards(96, 32, 4).size(), 3u);
+  EXPECT_CONTAINS(message_of<precondition_error>([] { (void)deterministic_shard(10, 0, 0, 1); }), "chunk_rows > 0");
+}
+
+// Parameterized over (backend, (devices, global batch, chunk rows)).
+class deterministic_equivalence
+    : public on_backend<std::tuple<device_kind, std::tuple<int, std::int64_t, std::int64_t>>> {};
+
+TEST_P(deterministic_equivalence, single_dp_and_ddp_give_the_same_bits_on_any_number_of_devices) {
+  const auto [k, batch, chunk] = std::get<1>(GetParam());
+  if (!require_devices(k)) return;
+  const deterministic_options det{.chunk_rows = chunk};
+  const auto single = train_single(dev(0), batch, det);
+  // the mode is exact, not just repeatable: it stays as close to the ordinary run as two ordinary splits are
+  EXPECT_LE(relative_difference(single, train_single(dev(0), batch)), 1e-5);
+  EXPECT_NE(single, initial_parameters(dev(0))) << "the run must train";
+  EXPECT_EQ(train_data_parallel(devices(k), batch, nullptr, det), single) << "data_parallel on " << k << " devices";
+  const auto ranks = train_ddp_threads(devices(k), batch, {}, det);
+  for (int r = 0; r < k; ++r) EXPECT_EQ(ranks[static_cast<std::size_t>(r)], single) << "ddp rank " << r << " of " << k;
+}
+
+INSTANTIATE_TEST_SUITE_P(devices_batches_chunks, deterministic_equivalence,
+                         ::testing::Combine(all_backends(),
+                                            ::testing::Values(std::make_tuple(2, std::int64_t{64}, std::int64_t{16}),
+                                                              std::make_tuple(3, std::int64_t{130}, std::int64_t{16}),
+                                                              std::make_tuple(4, std::int64_t{130}, std::int64_t{32}),
+                                                              std::make_tuple(4, std::int64_t{3}, std::int64_t{1}),
+                                                              std::make_tuple(3, std::int64_t{100}, std::int64_t{64}))),
+                         [](const auto& param_info) {
+                           const auto& p = std::get<1>(param_info.param);
+                           return std::string(name_of(std::get<0>(param_info.param))) + "_" +
+                                  std::to_string(std::get<0>(p)) + "_devices_batch_" + std::to_string(std::get<1>(p)) +
+                                  "_chunk_" + std::to_string(std::get<2>(p));
+                         });
+
+TEST_P(ddp_test, deterministic_mode_takes_exact_sums_only_and_replicas_start_at_a_chunk) {
+  if (!require_devices(2)) return;
+  std::vector<std::string> errors(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    ctx.set_deterministic(deterministic_options{.chunk_rows = 8});
+    graph model = make_model(ctx);
+    errors[static_cast<std::size_t>(rc.rank())] = message_of<precondition_error>([&] {
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                    ddp_options{.reduction = gradient_reduction::mean});
+    });
+  });
+  EXPECT_CONTAINS(errors[0], "use gradient_reduction::sum");
+  stream s(dev(0));
+  context ctx(s);
+  ctx.set_deterministic(deterministic_options{.chunk_rows = 8});
+  graph model = make_model(ctx);
+  ctx.set_row_offset(4);
+  tensor x = device_tensor(slice(inputs(), 0, 8, features), shape{8, features}, s);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)model.forward(x, ctx); }),
+                  "rows start at a multiple of chunk_rows (8), but they start at row 4");
+}
 
 TEST_P(data_parallel_test, the_model_must_be_on_the_first_device) {
   if (!require_devices(2)) return;

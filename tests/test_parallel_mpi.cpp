@@ -2,7 +2,8 @@
 // small MLP on its chunk of the same global batch for 20 steps, through an MPI communicator on its own host:0,
 // and must end with the parameters of single-device training on the whole batch (computed by every rank for
 // itself) within 1e-5 relative, and with exactly rank 0's parameters. Batches 64, 130 (uneven chunks) and 3
-// (fewer rows than ranks when N = 3 or more: a rank without rows still joins every all-reduce).
+// (fewer rows than ranks when N = 3 or more: a rank without rows still joins every all-reduce). In deterministic
+// mode (chunks of 16 or 1 rows) the parameters must be bit-identical to single-device training.
 //
 //   mpirun -np 2 --allow-run-as-root --oversubscribe ./test_parallel_mpi
 //
@@ -11,6 +12,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/comm.hpp"
@@ -46,6 +48,18 @@ int main(int argc, char** argv) {
       std::printf("[rank %d of %d] batch %3lld: max relative difference to single-device training %.3g%s — %s\n", rank,
                   comm.size(), static_cast<long long>(batch), rel,
                   identical ? "" : ", parameters differ from rank 0's", ok ? "ok" : "FAILED");
+      if (!ok) failed = 1;
+    }
+    // deterministic mode: the same bits as one device, whatever the number of processes and however uneven
+    for (const auto& [batch, chunk] : {std::pair<std::int64_t, std::int64_t>{64, 16}, {130, 16}, {3, 1}}) {
+      const lockstep::deterministic_options det{.chunk_rows = chunk};
+      const auto reference = train_single(host0, batch, det);
+      lockstep::context ctx(compute);
+      const auto mine = train_ddp_rank(ctx, comm, comm_stream, batch, {}, det);
+      const bool ok = mine == reference;
+      std::printf("[rank %d of %d] batch %3lld, deterministic (chunks of %lld): %s\n", rank, comm.size(),
+                  static_cast<long long>(batch), static_cast<long long>(chunk),
+                  ok ? "bit-identical to one device — ok" : "differs from one device — FAILED");
       if (!ok) failed = 1;
     }
   } catch (const std::exception& e) {
