@@ -248,17 +248,17 @@ inline void block_double_sums(const T* partials, std::size_t chunks, std::size_t
     emin[j] = 255;
   }
   for (std::size_t c = 0; c < chunks; ++c) {
-    const T* p = partials + c * n + b0;
+    const float* __restrict x = v;
     if constexpr (std::is_same_v<T, float>) {
-      for (std::size_t j = 0; j < len; ++j) v[j] = p[j];
+      x = partials + c * n + b0;  // read in place: a copy would cost as much as the loop
     } else {
-      detail::widen_run(p, v, static_cast<std::int64_t>(len));
+      detail::widen_run(partials + c * n + b0, v, static_cast<std::int64_t>(len));
     }
     for (std::size_t j = 0; j < len; ++j) {
-      const std::int32_t e = exponent_field(v[j]), ez = nonzero_exponent_field(v[j]);
+      const std::int32_t e = exponent_field(x[j]), ez = nonzero_exponent_field(x[j]);
       emax[j] = emax[j] > e ? emax[j] : e;
       emin[j] = emin[j] < ez ? emin[j] : ez;
-      sums[j] += static_cast<double>(v[j]);
+      sums[j] += static_cast<double>(x[j]);
     }
   }
   const int log2_terms = ceil_log2(chunks);
@@ -295,31 +295,28 @@ struct exact_accumulate_op {
     constexpr std::size_t block = 512;
     alignas(64) double sums[block];
     alignas(64) std::uint8_t fast[block];
-    alignas(64) std::int64_t his[block], los[block];
     std::int64_t outside = 0;
     for (std::size_t b0 = 0; b0 < count; b0 += block) {
       const std::size_t len = count - b0 < block ? count - b0 : block;
       bool all_fast = true;
       exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
-      for (std::size_t j = 0; j < len; ++j) exact_detail::limbs_of_sum(sums[j], his[j], los[j]);
-      if (!all_fast) {  // rare: scalar
-        for (std::size_t j = 0; j < len; ++j) {
-          if (fast[j]) continue;
-          his[j] = los[j] = 0;
-          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), his[j], los[j], outside);
-        }
-      }
       std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
       std::int64_t* __restrict lp = acc + n + b0;
-      if (overwrite) {
+      // the double path's limbs straight into the accumulator (a staging copy costs as much as the work)
+      for (std::size_t j = 0; j < len; ++j) {
+        std::int64_t h = 0, l = 0;
+        exact_detail::limbs_of_sum(sums[j], h, l);
+        hp[j] = overwrite ? h : hp[j] + h;
+        lp[j] = overwrite ? l : lp[j] + l;
+      }
+      if (!all_fast) {  // rare, scalar: replace what the double path added by the term-by-term sum
         for (std::size_t j = 0; j < len; ++j) {
-          hp[j] = his[j];
-          lp[j] = los[j];
-        }
-      } else {
-        for (std::size_t j = 0; j < len; ++j) {
-          hp[j] += his[j];
-          lp[j] += los[j];
+          if (fast[j]) continue;
+          std::int64_t h = 0, l = 0, hs = 0, ls = 0;
+          exact_detail::limbs_of_sum(sums[j], h, l);
+          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), hs, ls, outside);
+          hp[j] += hs - h;
+          lp[j] += ls - l;
         }
       }
     }
@@ -344,26 +341,23 @@ struct exact_round_op {
       const std::size_t len = count - b0 < block ? count - b0 : block;
       const std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
       const std::int64_t* __restrict lp = acc + n + b0;
-      std::uint8_t all_done = 1;  // bytes, not bools: the loop vectorizes
+      float* __restrict r = f;
+      if constexpr (std::is_same_v<T, float>) r = out + b0;  // floats straight out: no staging copy
+      std::uint8_t all_done = 1;                              // bytes, not bools: the loop vectorizes
       for (std::size_t j = 0; j < len; ++j) {
-        done[j] = static_cast<std::uint8_t>(exact_detail::round_limbs_double(hp[j], lp[j], f[j]));
+        done[j] = static_cast<std::uint8_t>(exact_detail::round_limbs_double(hp[j], lp[j], r[j]));
         all_done &= done[j];
       }
       if (all_done == 0 || outside != 0) {  // rare: scalar
         for (std::size_t j = 0; j < len; ++j) {
           if (outside != 0) {
-            f[j] = detail::bits_as_float(0x7fc00000u);
+            r[j] = detail::bits_as_float(0x7fc00000u);
           } else if (!done[j]) {
-            f[j] = exact_detail::round_limbs_integer(hp[j], lp[j]);
+            r[j] = exact_detail::round_limbs_integer(hp[j], lp[j]);
           }
         }
       }
-      if constexpr (std::is_same_v<T, float>) {
-        float* __restrict o = out + b0;
-        for (std::size_t j = 0; j < len; ++j) o[j] = f[j];
-      } else {
-        detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
-      }
+      if constexpr (!std::is_same_v<T, float>) detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
     }
   }
 };
@@ -398,21 +392,18 @@ struct exact_sum_op {
       const std::size_t len = count - b0 < block ? count - b0 : block;
       bool all_fast = true;
       exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
-      for (std::size_t j = 0; j < len; ++j) f[j] = static_cast<float>(sums[j]);
+      float* __restrict r = f;
+      if constexpr (std::is_same_v<T, float>) r = out + b0;  // floats straight out: no staging copy
+      for (std::size_t j = 0; j < len; ++j) r[j] = static_cast<float>(sums[j]);
       if (!all_fast) {  // rare: scalar
         for (std::size_t j = 0; j < len; ++j) {
           if (fast[j]) continue;
           std::int64_t hi = 0, lo = 0;
           for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), hi, lo, total_outside);
-          f[j] = exact_round(hi, lo, 0);
+          r[j] = exact_round(hi, lo, 0);
         }
       }
-      if constexpr (std::is_same_v<T, float>) {
-        float* __restrict o = out + b0;
-        for (std::size_t j = 0; j < len; ++j) o[j] = f[j];
-      } else {
-        detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
-      }
+      if constexpr (!std::is_same_v<T, float>) detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
     }
     if (total_outside != 0) exact_detail::add_outside(outside, total_outside);
   }
