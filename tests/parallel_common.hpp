@@ -131,14 +131,21 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
   softmax_cross_entropy loss(reduction::mean);
   const auto x = inputs();
   const auto y = labels();
-  auto chunks = chunk_rows(batch, static_cast<std::size_t>(comm.size()));
-  if (deterministic) chunks = deterministic_shards(batch, deterministic->chunk_rows, static_cast<std::size_t>(comm.size()));
+  const auto chunks = chunk_rows(batch, static_cast<std::size_t>(comm.size()));
   for (int step = 0; step < steps; ++step) {
     const std::int64_t first = first_row(step, batch);
     opt.zero_grad();
-    if (static_cast<std::size_t>(comm.rank()) < chunks.size()) {
-      const row_range mine = chunks[static_cast<std::size_t>(comm.rank())];
+    if (deterministic) {
+      // as the sample does: every rank runs forward and backward, on no rows when its shard is empty (whose first
+      // row is then the batch's end, not a chunk boundary)
+      const row_range mine = deterministic_shard(batch, deterministic->chunk_rows, comm.rank(), comm.size());
       ctx.set_row_offset(mine.begin);
+      tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
+      tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
+      loss.forward(ddp.forward(xb), yb, ctx, batch);
+      ddp.backward(loss.backward(ctx));
+    } else if (static_cast<std::size_t>(comm.rank()) < chunks.size()) {
+      const row_range mine = chunks[static_cast<std::size_t>(comm.rank())];
       tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
       tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
       loss.forward(ddp.forward(xb), yb, ctx, batch);  // the mean over the GLOBAL batch

@@ -242,13 +242,45 @@ INSTANTIATE_TEST_SUITE_P(devices_batches_chunks, deterministic_equivalence,
                                                               std::make_tuple(3, std::int64_t{130}, std::int64_t{16}),
                                                               std::make_tuple(4, std::int64_t{130}, std::int64_t{32}),
                                                               std::make_tuple(4, std::int64_t{3}, std::int64_t{1}),
-                                                              std::make_tuple(3, std::int64_t{100}, std::int64_t{64}))),
+                                                              std::make_tuple(3, std::int64_t{100}, std::int64_t{64}),
+                                                              std::make_tuple(4, std::int64_t{70}, std::int64_t{32}))),
                          [](const auto& param_info) {
                            const auto& p = std::get<1>(param_info.param);
                            return std::string(name_of(std::get<0>(param_info.param))) + "_" +
                                   std::to_string(std::get<0>(p)) + "_devices_batch_" + std::to_string(std::get<1>(p)) +
                                   "_chunk_" + std::to_string(std::get<2>(p));
                          });
+
+TEST_P(ddp_test, deterministic_micro_batches_on_one_device_give_the_bits_of_one_batch) {
+  // 5 steps of a 64-row batch on one device, as one backward, and as two backward calls of 32 rows between
+  // zero_grad and the step (accumulation::across_backward_calls); the one-pass default refuses the second call.
+  auto train = [&](int micro_batches, deterministic_options::accumulation how) {
+    stream s(dev(0));
+    context ctx(s);
+    ctx.set_deterministic(deterministic_options{.chunk_rows = 16, .gradients = how});
+    graph model = make_model(ctx);
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    const std::int64_t batch = 64, rows = batch / micro_batches;
+    for (int step = 0; step < 5; ++step) {
+      opt.zero_grad();
+      for (int m = 0; m < micro_batches; ++m) {
+        const std::int64_t first = first_row(step, batch) + m * rows;
+        ctx.set_row_offset(m * rows);
+        tensor xb = device_tensor(slice(inputs(), first, rows, features), shape{rows, features}, s);
+        tensor yb = device_labels(slice(labels(), first, rows, 1), s);
+        loss.forward(model.forward(xb, ctx), yb, ctx, batch);
+        model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+      }
+      opt.step(s);
+    }
+    return parameter_values(model, s);
+  };
+  using accumulation = deterministic_options::accumulation;
+  EXPECT_EQ(train(2, accumulation::across_backward_calls), train(1, accumulation::per_backward));
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)train(2, accumulation::per_backward); }),
+                  "receives a second backward before zero_grad");
+}
 
 TEST_P(ddp_test, deterministic_mode_takes_exact_sums_only_and_replicas_start_at_a_chunk) {
   if (!require_devices(2)) return;

@@ -30,6 +30,14 @@ enum class input_grad : std::uint8_t { required, not_required };
 /// added exactly, so that the parameters do not depend on how the batch is split over devices or ranks.
 struct deterministic_options {
   std::int64_t chunk_rows = 32;
+  /// On one device (the layers round the sums, exact_rounding::by_layer): whether gradients may accumulate over
+  /// several backward calls without zero_grad in between (micro-batches). `per_backward` sums each backward's
+  /// chunks in one pass straight into the gradient (the fast path) and refuses a second backward before
+  /// zero_grad; `across_backward_calls` keeps every parameter's exact sum between calls (16 bytes per parameter
+  /// written and read by every backward), so that k micro-batches give the bits of one batch of all their rows.
+  /// data_parallel and distributed_data_parallel (exact_rounding::by_wrapper) always keep the sums.
+  enum class accumulation : std::uint8_t { per_backward, across_backward_calls };
+  accumulation gradients = accumulation::per_backward;
 };
 
 /// Who rounds the exact gradient sums of deterministic mode into the gradients: the layer, at the end of its

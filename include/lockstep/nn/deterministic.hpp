@@ -13,6 +13,7 @@
 // `linear` follows both rules; a user's own layer with row sums uses for_each_row_chunk and exact_gradient.
 #pragma once
 
+
 #include <algorithm>
 #include <cstdint>
 
@@ -26,7 +27,7 @@
 LOCKSTEP_ABI_BEGIN
 
 /// Calls f(begin, rows) for the chunks of a replica's `rows` rows: one call for all of them outside
-/// deterministic mode, else one per chunk of chunk_rows rows (the last may be shorter). Throws
+/// deterministic mode, else one per chunk of chunk_rows rows (the last may be shorter; none for no rows). Throws
 /// precondition_error when the replica's first row (ctx.row_offset()) is not at a chunk boundary.
 template <class F>
 void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, F&& f) {
@@ -35,6 +36,7 @@ void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, 
     return;
   }
   const std::int64_t cr = ctx.deterministic()->chunk_rows;
+  if (rows == 0) return;  // a replica without rows this step (its offset may be the batch's end)
   LOCKSTEP_EXPECTS(ctx.row_offset() % cr == 0, who, ": in deterministic mode a replica's rows start at a multiple of ",
                    "chunk_rows (", cr, "), but they start at row ", ctx.row_offset(),
                    " of the global batch; split batches with deterministic_shard()");
@@ -71,31 +73,41 @@ class exact_gradient {
                      " rows (the exact sums take at most that many terms); use a larger chunk_rows");
     const stream_ref s = ctx.stream();
     const auto n = static_cast<std::size_t>(p.numel());
-    const tensor_view acc = p.exact_grad(s);
     bool overwrite = p.begin_accumulate() == 0.0f;
     const std::int64_t chunks = (rows + cr - 1) / cr;
-    if (overwrite) {
-      // the count of terms outside the window (the last word; the kernel adds to it), or all of it without rows
-      const std::size_t zeroed = chunks == 0 ? acc.size_bytes() : sizeof(std::int64_t);
-      fill_zero(acc.bytes().subspan(acc.size_bytes() - zeroed, zeroed), s);
-    }
     const std::int64_t budget = std::int64_t{16} << 20;
     const std::int64_t group =
         std::clamp<std::int64_t>(budget / static_cast<std::int64_t>(n * sizeof(T)), 1, std::max<std::int64_t>(chunks, 1));
     if (chunks > 0) scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
-    if (chunks > 0 && group == chunks && overwrite && ctx.gradient_rounding() == exact_rounding::by_layer) {
-      // the whole sum in one pass, straight into the gradient: no accumulator written or read
+    const bool keep_sums = ctx.gradient_rounding() == exact_rounding::by_wrapper ||
+                           ctx.deterministic()->gradients == deterministic_options::accumulation::across_backward_calls;
+    LOCKSTEP_EXPECTS(overwrite || p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
+                     " receives a second backward before zero_grad, but the first one rounded its sum without keeping "
+                     "it; to accumulate micro-batches exactly, set deterministic_options::gradients to "
+                     "accumulation::across_backward_calls");
+    if (chunks > 0 && group == chunks && overwrite && !keep_sums) {
+      // the whole sum in one pass, straight into the gradient: no accumulator (only a count word) at all
       for (std::int64_t j = 0; j < chunks; ++j) {
         const std::int64_t begin = j * cr;
         partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
       }
-      auto* outside = acc.as<std::int64_t>() + (acc.numel() - 1);
+      outside_.ensure(shape{1}, dtype::i64, s);
+      fill_zero(outside_.view().bytes(), s);
       launch_elementwise(n,
                          kernels::exact_sum_op<T>{scratch_.as<T>(), static_cast<std::size_t>(chunks), n, p.grad().as<T>(),
-                                                  outside},
+                                                  outside_.as<std::int64_t>()},
                          s, "exact gradient sum");
-      launch_elementwise(n, kernels::exact_poison_op<T>{outside, p.grad().as<T>()}, s, "exact gradient sum");
+      launch_elementwise(n, kernels::exact_poison_op<T>{outside_.as<std::int64_t>(), p.grad().as<T>()}, s,
+                         "exact gradient sum");
+      p.set_exact_grad_holds_sum(false);
       return;
+    }
+    p.set_exact_grad_holds_sum(true);
+    const tensor_view acc = p.exact_grad(s);
+    if (overwrite) {
+      // the count of terms outside the window (the last word; the kernel adds to it), or all of it without rows
+      const std::size_t zeroed = chunks == 0 ? acc.size_bytes() : sizeof(std::int64_t);
+      fill_zero(acc.bytes().subspan(acc.size_bytes() - zeroed, zeroed), s);
     }
     for (std::int64_t c0 = 0; c0 < chunks; c0 += group) {
       const std::int64_t g = std::min(group, chunks - c0);
@@ -113,7 +125,8 @@ class exact_gradient {
   }
 
  private:
-  tensor scratch_;  // [group, numel] partial gradients
+  tensor scratch_;   // [group, numel] partial gradients
+  tensor outside_;   // [1] the one-pass sum's count of terms outside the window
 };
 
 LOCKSTEP_ABI_END

@@ -79,6 +79,10 @@ class parameter {
     }
     return exact_view_;
   }
+  /// Whether the exact accumulator holds the sum the gradient was rounded from (false after a one-pass sum that
+  /// wrote the gradient directly: nn/deterministic.hpp). Set by the code that accumulates.
+  [[nodiscard]] bool exact_grad_holds_sum() const noexcept { return exact_holds_sum_; }
+  void set_exact_grad_holds_sum(bool holds) noexcept { exact_holds_sum_ = holds; }
   /// The exact accumulator, or an empty view when deterministic mode never ran.
   [[nodiscard]] tensor_view exact_grad() const noexcept { return exact_view_; }
   /// The size of the exact accumulator, in i64 words.
@@ -170,6 +174,7 @@ class parameter {
   tensor exact_;                            // deterministic mode's accumulator, unless shared:
   std::shared_ptr<const void> exact_owner_;
   tensor_view exact_view_;
+  bool exact_holds_sum_ = false;
   bool grad_zero_ = true;
 };
 
