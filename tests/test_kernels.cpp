@@ -480,7 +480,7 @@ TEST(exact_sum, any_order_and_any_split_over_accumulators_gives_the_same_bits) {
 
 TEST(exact_sum, non_finite_and_oversized_terms_make_the_tensor_nan) {
   for (float bad : {std::numeric_limits<float>::quiet_NaN(), std::numeric_limits<float>::infinity(),
-                    -std::numeric_limits<float>::infinity(), 0x1p32f, -0x1p40f}) {
+                    -std::numeric_limits<float>::infinity(), 0x1p32f, -0x1p40f, -6e11f, 3e38f}) {
     limbs l;
     l.add(1.0f);
     l.add(bad);
@@ -490,6 +490,28 @@ TEST(exact_sum, non_finite_and_oversized_terms_make_the_tensor_nan) {
   fine.add(0x1p31f * 1.9f);  // just inside the window
   EXPECT_EQ(fine.outside, 0);
   EXPECT_EQ(fine.round(), 0x1p31f * 1.9f);
+}
+
+TEST(exact_sum, a_term_outside_the_window_makes_nan_whichever_path_and_split_it_takes) {
+  // {5e9, 1, 1e-20}: alone, 5e9 would pass the double path's exactness test (one term); with the tiny term it
+  // goes term by term. Either way it is outside the window: NaN, on the host loops and on the per-element
+  // (GPU) code, in one accumulation or two.
+  const std::vector<float> partials = {5e9f, 1.0f, 1e-20f};
+  auto round = [](const std::vector<std::int64_t>& acc) { return kernels::exact_round(acc[0], acc[1], acc[2]); };
+  for (bool host_loop : {true, false}) {
+    auto run = [&](const kernels::exact_accumulate_op<float>& op) { host_loop ? op.for_all(1) : op(0); };
+    std::vector<std::int64_t> one(kernels::exact_words(1), 0), two(kernels::exact_words(1), 0);
+    run({partials.data(), 3, 1, one.data(), true});
+    run({partials.data(), 1, 1, two.data(), true});
+    run({partials.data() + 1, 2, 1, two.data(), false});
+    EXPECT_TRUE(std::isnan(round(one))) << (host_loop ? "host loop" : "per element") << ", one accumulation";
+    EXPECT_TRUE(std::isnan(round(two))) << (host_loop ? "host loop" : "per element") << ", two accumulations";
+    float out = 0;
+    std::int64_t outside = 0;
+    const kernels::exact_sum_op<float> sum{partials.data(), 1, 1, &out, &outside};
+    host_loop ? sum.for_all(1) : sum(0);
+    EXPECT_EQ(outside, 1) << "the one-pass sum of 5e9 alone counts it";
+  }
 }
 
 TEST(exact_sum, the_double_path_and_the_integer_path_agree) {

@@ -282,6 +282,54 @@ TEST_P(ddp_test, deterministic_micro_batches_on_one_device_give_the_bits_of_one_
                   "receives a second backward before zero_grad");
 }
 
+namespace {
+// A layer of one's own that ignores deterministic mode: y = x + b, its gradient written straight (a column sum).
+struct plain_bias {
+  parameter b;
+  tensor y, g;
+  plain_bias(context& ctx) : b("bias", shape{features}, ctx.stream()) { fill_zero(b.value().bytes(), ctx.stream()); }
+  tensor_view forward(const tensor_view& x, context& ctx) {
+    y.ensure(x.dims(), dtype::f32, ctx.stream());
+    launch_2d(static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(features),
+              kernels::add_bias_op<float>{x.as<float>(), b.value().as<float>(), y.as<float>(),
+                                          static_cast<std::size_t>(features)},
+              ctx.stream(), "plain bias");
+    return y.view();
+  }
+  tensor_view backward(const tensor_view& gy, context& ctx, input_grad) {
+    launch_elementwise(static_cast<std::size_t>(features),
+                       kernels::column_sum_op<float>{gy.as<float>(), b.grad().as<float>(),
+                                                     static_cast<std::size_t>(gy.rows()),
+                                                     static_cast<std::size_t>(features), b.begin_accumulate()},
+                       ctx.stream(), "plain bias gradient");
+    return gy;
+  }
+  void parameters(parameter_list& out) { out.add(b); }
+  [[nodiscard]] plain_bias clone(context& ctx) const { return plain_bias(ctx); }
+  [[nodiscard]] shape output_shape(const shape& s) const { return s; }
+};
+}  // namespace
+
+TEST_P(ddp_test, a_layer_that_sums_rows_without_exact_gradients_is_named_not_rounded_from_garbage) {
+  if (!require_devices(2)) return;
+  std::vector<std::string> errors(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    ctx.set_deterministic(deterministic_options{.chunk_rows = 8});
+    graph g(shape{features});
+    g.add("bias", plain_bias(ctx), "input");
+    distributed_data_parallel ddp(g, ctx, rc.comm(), rc.comm_stream());
+    const row_range mine = deterministic_shard(16, 8, rc.rank(), 2);
+    ctx.set_row_offset(mine.begin);
+    tensor x = device_tensor(slice(inputs(), mine.begin, mine.rows, features), shape{mine.rows, features},
+                             rc.compute_stream());
+    const tensor_view y = ddp.forward(x);
+    errors[static_cast<std::size_t>(rc.rank())] = message_of<precondition_error>([&] { ddp.backward(y); });
+    rc.comm().synchronize(rc.comm_stream());
+  });
+  EXPECT_CONTAINS(errors[0], "parameter bias has no exact gradient sum to round");
+}
+
 TEST_P(ddp_test, deterministic_mode_takes_exact_sums_only_and_replicas_start_at_a_chunk) {
   if (!require_devices(2)) return;
   std::vector<std::string> errors(2);

@@ -45,8 +45,11 @@ void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, 
 
 /// Rounds p's exact accumulator into its gradient, in stream order on `s`.
 inline void round_exact_gradient(parameter& p, stream_ref s) {
+  if (p.numel() == 0) return;
   const tensor_view acc = p.exact_grad();
-  LOCKSTEP_EXPECTS(!acc.empty(), "round_exact_gradient: parameter ", p.name(), " has no exact accumulator");
+  LOCKSTEP_EXPECTS(!acc.empty() && p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
+                   " has no exact gradient sum to round: its layer wrote the gradient without exact_gradient "
+                   "(a layer of your own follows nn/deterministic.hpp's two rules, as linear does)");
   const auto n = static_cast<std::size_t>(p.numel());
   dispatch_floating(p.compute_type(), "exact gradient", [&]<class T>() {
     launch_elementwise(n, kernels::exact_round_op<T>{acc.as<std::int64_t>(), n, p.grad().as<T>()}, s,
@@ -73,6 +76,12 @@ class exact_gradient {
                      " rows (the exact sums take at most that many terms); use a larger chunk_rows");
     const stream_ref s = ctx.stream();
     const auto n = static_cast<std::size_t>(p.numel());
+    if (n == 0) {  // nothing to sum; the accumulator is the count word alone
+      (void)p.begin_accumulate();
+      fill_zero(p.exact_grad(s).bytes(), s);
+      p.set_exact_grad_holds_sum(true);
+      return;
+    }
     bool overwrite = p.begin_accumulate() == 0.0f;
     const std::int64_t chunks = (rows + cr - 1) / cr;
     const std::int64_t budget = std::int64_t{16} << 20;

@@ -54,7 +54,10 @@ class parameter {
   [[nodiscard]] bool grad_is_zero() const noexcept { return grad_zero_; }
 
   /// Marks the gradient zero without writing it.
-  void zero_grad() noexcept { grad_zero_ = true; }
+  void zero_grad() noexcept {
+    grad_zero_ = true;
+    exact_holds_sum_ = false;
+  }
 
   /// For code about to accumulate into the gradient: returns the factor for the old contents (0 when the
   /// gradient is logically zero, so the accumulation overwrites; 1 otherwise) and marks it written.
@@ -65,7 +68,10 @@ class parameter {
   void materialize_grad(stream_ref s) {
     if (!grad_zero_) return;
     fill_zero(grad_view_.bytes(), s);
-    if (!exact_view_.empty()) fill_zero(exact_view_.bytes(), s);
+    if (!exact_view_.empty()) {
+      fill_zero(exact_view_.bytes(), s);
+      exact_holds_sum_ = true;  // the sum of nothing
+    }
     grad_zero_ = false;
   }
 
@@ -79,8 +85,9 @@ class parameter {
     }
     return exact_view_;
   }
-  /// Whether the exact accumulator holds the sum the gradient was rounded from (false after a one-pass sum that
-  /// wrote the gradient directly: nn/deterministic.hpp). Set by the code that accumulates.
+  /// Whether the exact accumulator holds the gradient's exact sum since zero_grad (false after zero_grad, and
+  /// after a one-pass sum or a layer that wrote the gradient directly: nn/deterministic.hpp). Set by the code
+  /// that accumulates.
   [[nodiscard]] bool exact_grad_holds_sum() const noexcept { return exact_holds_sum_; }
   void set_exact_grad_holds_sum(bool holds) noexcept { exact_holds_sum_ = holds; }
   /// The exact accumulator, or an empty view when deterministic mode never ran.

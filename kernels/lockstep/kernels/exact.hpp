@@ -24,6 +24,12 @@
 #include "lockstep/core/half.hpp"
 #include "lockstep/core/half_runs.hpp"
 
+// The arithmetic relies on IEEE rounding of every operation: -ffast-math would drop the error terms of the
+// two-sums and the rounding of the magic-number steps, and the sums would silently stop being exact.
+#if defined(__FAST_MATH__)
+#error "lockstep/kernels/exact.hpp (deterministic mode) needs IEEE arithmetic: compile without -ffast-math"
+#endif
+
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
 
@@ -66,6 +72,13 @@ LOCKSTEP_HD inline int leading_zeros(std::uint64_t v) noexcept {
 /// sum's representation (no float-to-integer conversion, which x86 cannot vectorize before AVX-512).
 inline constexpr double round_magic = 6755399441055744.0;
 
+/// The integer y held by t = y + round_magic. The subtraction is unsigned: for a t outside the trick's range
+/// (a term outside the window, masked afterwards) a signed one could overflow.
+LOCKSTEP_HD inline std::int64_t magic_integer(double t) noexcept {
+  return static_cast<std::int64_t>(static_cast<std::uint64_t>(double_bits(t)) -
+                                   static_cast<std::uint64_t>(double_bits(round_magic)));
+}
+
 /// One term: X = round(v * 2^60) = hi * 2^46 + lo, and 1 when the term is outside the window (then the limbs are
 /// 0), else 0. Branch-free, so that the host loop vectorizes it.
 LOCKSTEP_HD inline void exact_term(float v, std::int64_t& hi, std::int64_t& lo, std::int64_t& outside) noexcept {
@@ -74,13 +87,12 @@ LOCKSTEP_HD inline void exact_term(float v, std::int64_t& hi, std::int64_t& lo, 
   // The arithmetic runs for every term (an infinity or a NaN cannot trap), and the limbs are masked afterwards:
   // with a select before it GCC moves the arithmetic into a branch, which does not vectorize.
   const double x = static_cast<double>(v) * 0x1p60;  // exact: 24 significant bits, a power-of-two scale
-  const std::int64_t magic_bits = double_bits(round_magic);
   const double th = x * 0x1p-46 + round_magic;        // hi = round(x / 2^46), |hi| <= 2^46
   const double r = x - (th - round_magic) * 0x1p46;   // exact (x has 24 significant bits), |r| <= 2^45
   const double tl = r + round_magic;                  // rounds the fraction: ties to even, as hi * 2^46 is even
   const std::int64_t keep = static_cast<std::int64_t>(out) - 1;  // all ones inside the window, else 0
-  hi = (double_bits(th) - magic_bits) & keep;
-  lo = (double_bits(tl) - magic_bits) & keep;
+  hi = magic_integer(th) & keep;
+  lo = magic_integer(tl) & keep;
   outside = static_cast<std::int64_t>(out);
 }
 
@@ -190,7 +202,8 @@ LOCKSTEP_HD constexpr int ceil_log2(std::size_t c) noexcept {
 /// (no term is rounded by the fixed point) and below 2^36 (its limbs come from the round_magic steps). Then the
 /// double sum is the exact sum, and its rounding to float is the same as exact_round's.
 LOCKSTEP_HD inline bool double_sum_is_exact(std::int32_t emax, std::int32_t emin, int log2_terms) noexcept {
-  return (emin >= 90) & (emax - emin <= 29 - log2_terms) & (emax + log2_terms <= 162);
+  // every term inside the window (as exact_term: below 2^32, else it is counted, whichever path it takes)
+  return (emin >= 90) & (emax <= 158) & (emax - emin <= 29 - log2_terms) & (emax + log2_terms <= 162);
 }
 
 /// The exponent field of a term, and that of a non-zero term (255 for zero), for double_sum_is_exact.
@@ -204,12 +217,11 @@ LOCKSTEP_HD inline std::int32_t nonzero_exponent_field(float v) noexcept {
 
 /// The limbs of an exact double sum s (double_sum_is_exact): s * 2^60 = hi * 2^46 + lo.
 LOCKSTEP_HD inline void limbs_of_sum(double s, std::int64_t& hi, std::int64_t& lo) noexcept {
-  const std::int64_t magic_bits = double_bits(round_magic);
   const double x = s * 0x1p60;                  // an integer below 2^96
   const double th = x * 0x1p-46 + round_magic;  // below 2^50
   const double r = x - (th - round_magic) * 0x1p46;
-  hi = double_bits(th) - magic_bits;
-  lo = double_bits(r + round_magic) - magic_bits;  // r is an integer, |r| <= 2^45
+  hi = magic_integer(th);
+  lo = magic_integer(r + round_magic);  // r is an integer, |r| <= 2^45
 }
 
 /// The exact sum of element i's `chunks` terms partials[c * n + i], as limbs and a count of terms outside the
@@ -302,21 +314,22 @@ struct exact_accumulate_op {
       exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
       std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
       std::int64_t* __restrict lp = acc + n + b0;
-      // the double path's limbs straight into the accumulator (a staging copy costs as much as the work)
+      // the double path's limbs straight into the accumulator (a staging copy costs as much as the work); 0 for
+      // the elements it does not apply to (their double sum may be anything), which the scalar loop adds
       for (std::size_t j = 0; j < len; ++j) {
         std::int64_t h = 0, l = 0;
         exact_detail::limbs_of_sum(sums[j], h, l);
-        hp[j] = overwrite ? h : hp[j] + h;
-        lp[j] = overwrite ? l : lp[j] + l;
+        const std::int64_t keep = -static_cast<std::int64_t>(fast[j]);
+        hp[j] = (overwrite ? 0 : hp[j]) + (h & keep);
+        lp[j] = (overwrite ? 0 : lp[j]) + (l & keep);
       }
-      if (!all_fast) {  // rare, scalar: replace what the double path added by the term-by-term sum
+      if (!all_fast) {  // rare, scalar: the term-by-term sum
         for (std::size_t j = 0; j < len; ++j) {
           if (fast[j]) continue;
-          std::int64_t h = 0, l = 0, hs = 0, ls = 0;
-          exact_detail::limbs_of_sum(sums[j], h, l);
+          std::int64_t hs = 0, ls = 0;
           for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), hs, ls, outside);
-          hp[j] += hs - h;
-          lp[j] += ls - l;
+          hp[j] += hs;
+          lp[j] += ls;
         }
       }
     }
