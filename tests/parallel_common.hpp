@@ -123,8 +123,8 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
                                          std::int64_t batch, ddp_options options = {},
                                          std::optional<deterministic_options> deterministic = std::nullopt) {
   const stream_ref s = ctx.stream();
-  ctx.set_deterministic(deterministic);
   graph model = make_model(ctx);
+  options.deterministic = deterministic;  // the wrapper sets the mode on the context
   distributed_data_parallel ddp(model, ctx, comm, comm_stream, options);
   auto params = parameters_of(model).pointers();
   sgd opt(params, optimizer_options);

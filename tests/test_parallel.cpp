@@ -282,6 +282,43 @@ TEST_P(ddp_test, deterministic_micro_batches_on_one_device_give_the_bits_of_one_
                   "receives a second backward before zero_grad");
 }
 
+TEST_P(ddp_test, deterministic_no_sync_micro_batches_give_the_bits_of_one_device) {
+  // 2 ranks x 2 micro-batches of 16 rows (the first under no_sync) make the 64-row batch of one device.
+  if (!require_devices(2)) return;
+  const deterministic_options det{.chunk_rows = 16};
+  const std::int64_t batch = 64, rows = 16;
+  std::vector<std::vector<float>> ranks(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.deterministic = det});
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    for (int step = 0; step < steps; ++step) {
+      opt.zero_grad();
+      for (int m = 0; m < 2; ++m) {
+        const std::int64_t offset = rc.rank() * 2 * rows + m * rows, first = first_row(step, batch) + offset;
+        ctx.set_row_offset(offset);
+        tensor xb = device_tensor(slice(inputs(), first, rows, features), shape{rows, features}, s);
+        tensor yb = device_labels(slice(labels(), first, rows, 1), s);
+        loss.forward(ddp.forward(xb), yb, ctx, batch);
+        if (m == 0) {
+          auto guard = ddp.no_sync();
+          ddp.backward(loss.backward(ctx));
+        } else {
+          ddp.backward(loss.backward(ctx));
+        }
+      }
+      opt.step(s);
+    }
+    ranks[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
+  });
+  const auto single = train_single(dev(0), batch, det);
+  EXPECT_EQ(ranks[0], single);
+  EXPECT_EQ(ranks[1], single);
+}
+
 namespace {
 // A layer of one's own that ignores deterministic mode: y = x + b, its gradient written straight (a column sum).
 struct plain_bias {

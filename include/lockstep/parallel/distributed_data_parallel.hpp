@@ -65,6 +65,9 @@ struct ddp_options {
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   gradient_reduction reduction = gradient_reduction::sum;
   comm_hook hook = comm_hook::none;
+  /// Deterministic mode (nn/deterministic.hpp), set on the context by the constructor; without it the wrapper
+  /// follows the context's own setting. The buckets then hold exact accumulators, all-reduced as i64 sums.
+  std::optional<deterministic_options> deterministic = std::nullopt;
 };
 
 template <layer Model>
@@ -77,7 +80,7 @@ class distributed_data_parallel {
   distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,
                             ddp_options options = {})
       : model_(&model), ctx_(&ctx), comm_(comm), comm_stream_(comm_stream), options_(options),
-        deterministic_(ctx.deterministic().has_value()),
+        deterministic_(options.deterministic.has_value() || ctx.deterministic().has_value()),
         grads_ready_(ctx.get_device()), compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()) {
     LOCKSTEP_EXPECTS(comm.get_device() == ctx.get_device() && comm_stream.get_device() == ctx.get_device(),
                      "distributed_data_parallel: the context is on ", ctx.get_device().str(), ", the communicator on ",
@@ -85,6 +88,7 @@ class distributed_data_parallel {
                      ": all must be the rank's device");
     LOCKSTEP_EXPECTS(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
                      "distributed_data_parallel: bucket sizes must be positive");
+    if (options.deterministic) ctx.set_deterministic(options.deterministic);
     if (deterministic_) {
       LOCKSTEP_EXPECTS(options.reduction == gradient_reduction::sum && options.hook == comm_hook::none,
                        "distributed_data_parallel: the context is in deterministic mode, which all-reduces exact sums: "
