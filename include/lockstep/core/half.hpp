@@ -52,6 +52,22 @@ LOCKSTEP_HD inline float bits_as_float(std::uint32_t u) noexcept {
 #endif
 }
 
+/// The bits of a double, and the double with given bits (kernels/exact.hpp's magic-number steps).
+LOCKSTEP_HD inline std::int64_t double_as_bits(double d) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __double_as_longlong(d);
+#else
+  return std::bit_cast<std::int64_t>(d);
+#endif
+}
+LOCKSTEP_HD inline double bits_as_double(std::int64_t b) noexcept {
+#if defined(__CUDA_ARCH__)
+  return __longlong_as_double(b);
+#else
+  return std::bit_cast<double>(b);
+#endif
+}
+
 /// `v >> shift` rounded to nearest, ties to even. 1 <= shift <= 31.
 LOCKSTEP_HD constexpr std::uint32_t shift_right_rne(std::uint32_t v, unsigned shift) noexcept {
   const std::uint32_t kept = v >> shift;

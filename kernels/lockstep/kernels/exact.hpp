@@ -44,22 +44,6 @@ inline constexpr int exact_scale_bits = 60;
 namespace exact_detail {
 inline constexpr int limb_bits = 46;
 
-/// The bits of a double, and the double of given bits (bit casts that also compile for the device).
-LOCKSTEP_HD inline std::int64_t double_bits(double d) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __double_as_longlong(d);
-#else
-  return std::bit_cast<std::int64_t>(d);
-#endif
-}
-LOCKSTEP_HD inline double bits_double(std::int64_t b) noexcept {
-#if defined(__CUDA_ARCH__)
-  return __longlong_as_double(b);
-#else
-  return std::bit_cast<double>(b);
-#endif
-}
-
 LOCKSTEP_HD inline int leading_zeros(std::uint64_t v) noexcept {
 #if defined(__CUDA_ARCH__)
   return __clzll(static_cast<long long>(v));
@@ -75,8 +59,8 @@ inline constexpr double round_magic = 6755399441055744.0;
 /// The integer y held by t = y + round_magic. The subtraction is unsigned: for a t outside the trick's range
 /// (a term outside the window, masked afterwards) a signed one could overflow.
 LOCKSTEP_HD inline std::int64_t magic_integer(double t) noexcept {
-  return static_cast<std::int64_t>(static_cast<std::uint64_t>(double_bits(t)) -
-                                   static_cast<std::uint64_t>(double_bits(round_magic)));
+  return static_cast<std::int64_t>(static_cast<std::uint64_t>(detail::double_as_bits(t)) -
+                                   static_cast<std::uint64_t>(detail::double_as_bits(round_magic)));
 }
 
 /// One term: X = round(v * 2^60) = hi * 2^46 + lo, and 1 when the term is outside the window (then the limbs are
@@ -102,12 +86,12 @@ LOCKSTEP_HD inline void exact_term(float v, std::int64_t& hi, std::int64_t& lo, 
 /// sum, so they agree bit for bit.
 LOCKSTEP_HD inline bool round_limbs_double(std::int64_t hi, std::int64_t lo, float& out) noexcept {
   constexpr std::int64_t limit = std::int64_t{1} << 51;
-  const std::int64_t magic_bits = double_bits(round_magic);
+  const std::int64_t magic_bits = detail::double_as_bits(round_magic);
   // bitwise &, and masks rather than selects: no branches in the loop that vectorizes this
   const bool small = (hi > -limit) & (hi < limit) & (lo > -limit) & (lo < limit);
   const std::int64_t keep = -static_cast<std::int64_t>(small);
-  const double h = (bits_double(magic_bits + (hi & keep)) - round_magic) * 0x1p46;  // exact
-  const double l = bits_double(magic_bits + (lo & keep)) - round_magic;             // exact
+  const double h = (detail::bits_as_double(magic_bits + (hi & keep)) - round_magic) * 0x1p46;  // exact
+  const double l = detail::bits_as_double(magic_bits + (lo & keep)) - round_magic;             // exact
   const double s = h + l;  // s + e = h + l exactly (an error-free sum)
   const double z = s - h;
   const double e = (h - (s - z)) + (l - z);
