@@ -13,7 +13,6 @@
 // `linear` follows both rules; a user's own layer with row sums uses for_each_row_chunk and exact_gradient.
 #pragma once
 
-
 #include <algorithm>
 #include <cstdint>
 
@@ -88,6 +87,13 @@ class exact_gradient {
     const std::int64_t group =
         std::clamp<std::int64_t>(budget / static_cast<std::int64_t>(n * sizeof(T)), 1, std::max<std::int64_t>(chunks, 1));
     if (chunks > 0) scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
+    // the partial gradients of chunks [c0, c0 + g) into the scratch, side by side
+    auto partials = [&](std::int64_t c0, std::int64_t g) {
+      for (std::int64_t j = 0; j < g; ++j) {
+        const std::int64_t begin = (c0 + j) * cr;
+        partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
+      }
+    };
     const bool keep_sums = ctx.gradient_rounding() == exact_rounding::by_wrapper ||
                            ctx.deterministic()->gradients == deterministic_options::accumulation::across_backward_calls;
     LOCKSTEP_EXPECTS(overwrite || p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
@@ -96,10 +102,7 @@ class exact_gradient {
                      "accumulation::across_backward_calls");
     if (chunks > 0 && group == chunks && overwrite && !keep_sums) {
       // the whole sum in one pass, straight into the gradient: no accumulator (only a count word) at all
-      for (std::int64_t j = 0; j < chunks; ++j) {
-        const std::int64_t begin = j * cr;
-        partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
-      }
+      partials(0, chunks);
       outside_.ensure(shape{1}, dtype::i64, s);
       fill_zero(outside_.view().bytes(), s);
       launch_elementwise(n,
@@ -120,10 +123,7 @@ class exact_gradient {
     }
     for (std::int64_t c0 = 0; c0 < chunks; c0 += group) {
       const std::int64_t g = std::min(group, chunks - c0);
-      for (std::int64_t j = 0; j < g; ++j) {
-        const std::int64_t begin = (c0 + j) * cr;
-        partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
-      }
+      partials(c0, g);
       launch_elementwise(n,
                          kernels::exact_accumulate_op<T>{scratch_.as<T>(), static_cast<std::size_t>(g), n,
                                                          acc.as<std::int64_t>(), overwrite},

@@ -63,20 +63,29 @@ LOCKSTEP_HD inline std::int64_t magic_integer(double t) noexcept {
                                    static_cast<std::uint64_t>(detail::double_as_bits(round_magic)));
 }
 
+/// The limbs of s * 2^60 = hi * 2^46 + lo for an s with at most 24 significant bits from 2^-60 up (a term) or an
+/// exact double sum (double_sum_is_exact), below 2^36 in magnitude.
+LOCKSTEP_HD inline void limbs_of_sum(double s, std::int64_t& hi, std::int64_t& lo) noexcept {
+  const double x = s * 0x1p60;                       // exact (a power-of-two scale), below 2^96
+  const double th = x * 0x1p-46 + round_magic;       // hi = round(x / 2^46), below 2^50
+  const double r = x - (th - round_magic) * 0x1p46;  // exact (x's bits minus its top ones), |r| <= 2^45
+  hi = magic_integer(th);
+  lo = magic_integer(r + round_magic);  // r, with a term's fraction below 2^-60 rounded to nearest even
+}
+
 /// One term: X = round(v * 2^60) = hi * 2^46 + lo, and 1 when the term is outside the window (then the limbs are
 /// 0), else 0. Branch-free, so that the host loop vectorizes it.
 LOCKSTEP_HD inline void exact_term(float v, std::int64_t& hi, std::int64_t& lo, std::int64_t& outside) noexcept {
   const std::uint32_t magnitude = detail::float_as_bits(v) & 0x7fffffffu;
   const bool out = magnitude >= 0x4f800000u;  // |v| >= 2^32, an infinity or a NaN
   // The arithmetic runs for every term (an infinity or a NaN cannot trap), and the limbs are masked afterwards:
-  // with a select before it GCC moves the arithmetic into a branch, which does not vectorize.
-  const double x = static_cast<double>(v) * 0x1p60;  // exact: 24 significant bits, a power-of-two scale
-  const double th = x * 0x1p-46 + round_magic;        // hi = round(x / 2^46), |hi| <= 2^46
-  const double r = x - (th - round_magic) * 0x1p46;   // exact (x has 24 significant bits), |r| <= 2^45
-  const double tl = r + round_magic;                  // rounds the fraction: ties to even, as hi * 2^46 is even
+  // with a select before it GCC moves the arithmetic into a branch, which does not vectorize. Below 2^-60 the
+  // last step rounds the fraction: ties to even, as hi * 2^46 is even.
+  std::int64_t h = 0, l = 0;
+  limbs_of_sum(static_cast<double>(v), h, l);
   const std::int64_t keep = static_cast<std::int64_t>(out) - 1;  // all ones inside the window, else 0
-  hi = magic_integer(th) & keep;
-  lo = magic_integer(tl) & keep;
+  hi = h & keep;
+  lo = l & keep;
   outside = static_cast<std::int64_t>(out);
 }
 
@@ -170,9 +179,7 @@ LOCKSTEP_HD inline void add_outside(std::int64_t* count, std::int64_t v) noexcep
   __atomic_fetch_add(count, v, __ATOMIC_RELAXED);
 #endif
 }
-}  // namespace exact_detail
 
-namespace exact_detail {
 /// ceil(log2(c)) for c >= 1.
 LOCKSTEP_HD constexpr int ceil_log2(std::size_t c) noexcept {
   int l = 0;
@@ -197,15 +204,6 @@ LOCKSTEP_HD inline std::int32_t exponent_field(float v) noexcept {
 LOCKSTEP_HD inline std::int32_t nonzero_exponent_field(float v) noexcept {
   const std::uint32_t u = detail::float_as_bits(v);
   return (u & 0x7fffffffu) != 0u ? static_cast<std::int32_t>((u >> 23) & 0xffu) : 255;
-}
-
-/// The limbs of an exact double sum s (double_sum_is_exact): s * 2^60 = hi * 2^46 + lo.
-LOCKSTEP_HD inline void limbs_of_sum(double s, std::int64_t& hi, std::int64_t& lo) noexcept {
-  const double x = s * 0x1p60;                  // an integer below 2^96
-  const double th = x * 0x1p-46 + round_magic;  // below 2^50
-  const double r = x - (th - round_magic) * 0x1p46;
-  hi = magic_integer(th);
-  lo = magic_integer(r + round_magic);  // r is an integer, |r| <= 2^45
 }
 
 /// The exact sum of element i's `chunks` terms partials[c * n + i], as limbs and a count of terms outside the
