@@ -8,6 +8,7 @@
 #include <string>
 #include <vector>
 
+#include "lockstep/amp/loss_scaler.hpp"
 #include "lockstep/comm/coalesced.hpp"
 #include "lockstep/core/random.hpp"
 #include "lockstep/nn/activation.hpp"
@@ -15,6 +16,8 @@
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
+#include "lockstep/optim/adamw.hpp"
+#include "lockstep/optim/clip.hpp"
 #include "lockstep/optim/sgd.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "lockstep/runtime/copy.hpp"
@@ -156,6 +159,126 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
     opt.step(s);
   }
   return parameter_values(model, s);
+}
+
+/// What a comparison of DDP and ZeRO trains: the precision (f16/bf16 with the loss scaler, reduced over the
+/// ranks), the optimizer, the ZeRO stage, micro-batches per step (under no_sync), gradient clipping, and small
+/// buckets, so that the small model spans several and its parameters are cut by the ranks' shards.
+struct recipe {
+  dtype precision = dtype::f32;
+  bool adamw = false;
+  int zero = 0;
+  int micro_batches = 1;
+  float clip = 0.0f;  // max norm (0: none)
+  std::size_t bucket_bytes = 2048;
+  std::size_t first_bucket_bytes = 512;
+};
+
+/// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
+/// optimizer's state, the report and, with clipping, the last total norm.
+struct recipe_result {
+  std::vector<float> parameters;
+  std::vector<float> optimizer_state;
+  device_report report;
+  float norm = 0.0f;
+};
+
+/// One rank of distributed_data_parallel training with recipe `r`: `steps` steps of the same global batch of
+/// `batch` rows, each rank on its chunk (split again into r.micro_batches under no_sync).
+inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stream_ref comm_stream, std::int64_t batch,
+                                       const recipe& r) {
+  context ctx(s, r.precision);
+  graph model = make_model(ctx);
+  distributed_data_parallel ddp(model, ctx, comm, comm_stream,
+                                ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
+                                            .zero = r.zero});
+  auto params = parameters_of(model).pointers();
+  std::optional<sgd> plain;
+  std::optional<adamw> adam;
+  if (r.adamw) {
+    adam.emplace(params, adamw_options{.lr = 0.01f, .weight_decay = 0.01f});
+  } else {
+    plain.emplace(params, optimizer_options);
+  }
+  std::optional<loss_scaler> scaler;
+  if (r.precision != dtype::f32) {
+    // f16: a scale of 2^10 growing every 5 clean steps, so that growth and (at 2^15+) overflows happen
+    scaler.emplace(s, r.precision == dtype::f16 ? loss_scaler_options{.initial_scale = 1024.0f, .growth_interval = 5}
+                                                : loss_scaler_options::for_precision(r.precision));
+    scaler->attach(ctx);
+  }
+  gradient_clipper clipper(s);
+  softmax_cross_entropy loss(reduction::mean);
+  const auto x = inputs();
+  const auto y = labels();
+  const auto chunks = chunk_rows(batch, static_cast<std::size_t>(comm.size()));
+  ddp.reset_report();
+  for (int step = 0; step < steps; ++step) {
+    const std::int64_t first = first_row(step, batch);
+    plain ? plain->zero_grad() : adam->zero_grad();
+    const row_range mine = static_cast<std::size_t>(comm.rank()) < chunks.size() ? chunks[static_cast<std::size_t>(comm.rank())]
+                                                                                  : row_range{batch, 0};
+    const auto micro = chunk_rows(mine.rows, static_cast<std::size_t>(r.micro_batches));
+    for (int m = 0; m < r.micro_batches; ++m) {
+      const bool last = m + 1 == r.micro_batches;
+      auto pass = [&] {
+        if (static_cast<std::size_t>(m) >= micro.size()) {
+          ddp.backward(tensor_view());  // no rows for this rank (or this micro-batch)
+          return;
+        }
+        const std::int64_t at = first + mine.begin + micro[static_cast<std::size_t>(m)].begin;
+        const std::int64_t rows = micro[static_cast<std::size_t>(m)].rows;
+        tensor xb = device_tensor(slice(x, at, rows, features), shape{rows, features}, s);
+        tensor yb = device_labels(slice(y, at, rows, 1), s);
+        tensor input(shape{rows, features}, r.precision, s);
+        dispatch_floating(r.precision, "input", [&]<class T>() {
+          if constexpr (std::is_same_v<T, float>) {
+            copy(input.span<float>(), xb.span<const float>(), s);
+          } else {
+            cast<T, float>(xb.span<const float>(), input.span<T>(), s);
+          }
+        });
+        loss.forward(ddp.forward(input), yb, ctx, batch);  // the mean over the GLOBAL batch
+        ddp.backward(loss.backward(ctx));
+      };
+      if (last) {
+        pass();
+      } else {
+        auto guard = ddp.no_sync();
+        pass();
+      }
+    }
+    step_inputs in{};
+    if (scaler) {
+      scaler->unscale_and_check(params, s, comm);
+      in = scaler->optimizer_inputs();
+    }
+    if (r.clip > 0.0f) {
+      std::optional<communicator_ref> shards;
+      if (ddp.zero_stage() > 0) shards = comm;
+      in = clipper.clip_grad_norm(params, {.max_norm = r.clip}, s, in, shards);
+    }
+    plain ? plain->step(s, in) : adam->step(s, in);
+    if (scaler) scaler->update(s);
+  }
+  recipe_result out;
+  out.report = ddp.report();
+  out.report.optimizer_bytes = plain ? plain->state_bytes() : adam->state_bytes();  // sharded, as trained
+  if (r.clip > 0.0f) out.norm = clipper.total_norm(s);
+  auto whole = [&](auto& opt) {
+    auto full = ddp.consolidated(opt);
+    out.parameters = parameter_values(model, s);
+    for (std::size_t i = 0; i < opt.params().size(); ++i) {
+      for (int k = 0; k < std::remove_reference_t<decltype(opt)>::state_count; ++k) {
+        const tensor_view t = opt.state(0, i, k);
+        if (t.empty()) continue;
+        const auto v = to_vector(t.template span<const float>(), s);
+        out.optimizer_state.insert(out.optimizer_state.end(), v.begin(), v.end());
+      }
+    }
+  };
+  plain ? whole(*plain) : whole(*adam);
+  return out;
 }
 
 /// max |a - b| / max |b|: the relative difference of two parameter vectors.

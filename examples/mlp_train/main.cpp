@@ -32,6 +32,8 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <filesystem>
+#include <functional>
 #include <mutex>
 #include <optional>
 #include <string>
@@ -92,8 +94,9 @@ class any_optimizer {
       scaler_->unscale_and_check(params_, s, ranks);
       in = scaler_->optimizer_inputs();
     }
-    // after the overflow check, on the unscaled gradients; every rank holds all of them (reduced), so no ranks
-    if (clipper_) in = clipper_->clip_grad_norm(params_, {.max_norm = max_norm_}, s, in);
+    // after the overflow check, on the unscaled gradients; under DDP every rank holds all of them (reduced), so
+    // no ranks; under ZeRO each holds a shard, and the norm adds the ranks' parts
+    if (clipper_) in = clipper_->clip_grad_norm(params_, {.max_norm = max_norm_}, s, in, sharded_ ? ranks : std::nullopt);
     sgd_ ? sgd_->step(s, in) : adamw_->step(s, in);
     if (scaler_) scaler_->update(s);
     if (sgd_schedule_) sgd_schedule_->step();
@@ -107,6 +110,14 @@ class any_optimizer {
     if (adamw_) adamw_schedule_.emplace(*adamw_, cosine);
   }
   void zero_grad() { sgd_ ? sgd_->zero_grad() : adamw_->zero_grad(); }
+  /// Calls f with the optimizer itself (sgd or adamw).
+  template <class F>
+  void visit(F&& f) {
+    sgd_ ? f(*sgd_) : f(*adamw_);
+  }
+  /// Under ZeRO the gradients are sharded over the ranks: clipping adds the ranks' parts.
+  void set_sharded(bool sharded) { sharded_ = sharded; }
+  [[nodiscard]] std::uint64_t state_bytes() const { return sgd_ ? sgd_->state_bytes() : adamw_->state_bytes(); }
   /// Names the optimizer, its schedule and the scaler in a checkpoint.
   void add_to(checkpoint_state& st) {
     sgd_ ? (void)st.optimizer(*sgd_) : (void)st.optimizer(*adamw_);
@@ -133,6 +144,7 @@ class any_optimizer {
   std::optional<loss_scaler> scaler_;
   std::optional<gradient_clipper> clipper_;
   float max_norm_ = 0.0f;
+  bool sharded_ = false;
 };
 
 // Counts, on the device, the steps whose loss is not finite and keeps the first one's number: a step never waits
@@ -279,11 +291,16 @@ class run_checkpoints {
     }
   }
 
+  /// Under ZeRO: runs its argument with whole parameters and optimizer state on every rank
+  /// (distributed_data_parallel::consolidated). Loading, saving and hashing go through it.
+  void set_whole(std::function<void(const std::function<void()>&)> whole) { whole_ = std::move(whole); }
+
   /// Loads --load-model or --resume; returns where the loop starts.
   run_position start() {
-    if (!o_.load_model.empty()) load_model(o_.load_model, state_.model(), s_);
+    if (!o_.load_model.empty()) whole_([&] { load_model(o_.load_model, state_.model(), s_); });
     if (o_.resume.empty()) return state_.position;
-    const auto dir = load_checkpoint(o_.resume, state_, s_);
+    std::filesystem::path dir;
+    whole_([&] { dir = load_checkpoint(o_.resume, state_, s_); });
     // What shapes the model, the data order or the learning rates must be as it was (the schedule's length
     // comes from --epochs and --max-steps).
     for (const char* key : {"hidden", "optimizer", "precision", "batch", "seed", "lr_schedule", "epochs", "max_steps"}) {
@@ -313,7 +330,7 @@ class run_checkpoints {
     state_.position.epoch_samples = at.epoch_samples;
     state_.position.dropout_step = static_cast<std::uint64_t>(at.step);
     state_.user = options_json();
-    r.checkpoint = saver_->save(state_, s_, comm_).string();
+    whole_([&] { r.checkpoint = saver_->save(state_, s_, comm_).string(); });
     last_saved_ = at.step;
   }
   [[nodiscard]] bool saved_at(std::int64_t step) const { return last_saved_ == step; }
@@ -330,7 +347,11 @@ class run_checkpoints {
     return preemption_ != nullptr && preemption_->signal() == SIGINT ? "SIGINT" : "SIGTERM";
   }
 
-  [[nodiscard]] std::string weights_sha256() const { return lockstep::weights_sha256(state_.model(), s_); }
+  [[nodiscard]] std::string weights_sha256() {
+    std::string hash;
+    whole_([&] { hash = lockstep::weights_sha256(state_.model(), s_); });
+    return hash;
+  }
 
  private:
   [[nodiscard]] nlohmann::json options_json() const {
@@ -346,6 +367,7 @@ class run_checkpoints {
   const preemption_guard* preemption_;
   std::optional<checkpointer> saver_;
   std::int64_t last_saved_ = -1;
+  std::function<void(const std::function<void()>&)> whole_ = [](const std::function<void()>& body) { body(); };
 };
 
 // LOCKSTEP_FAULT=RANK:STEP:KIND makes rank RANK fail at the start of its step STEP (1-based, or "last"), for the
@@ -472,7 +494,6 @@ void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result
   const bool trained = r.steps > start.step;
   if (!ck.saved_at(r.steps) && (trained || o.resume.empty())) ck.save(at, r);
   r.final_loss = trained ? read_loss() : 0.0f;
-  r.weights_sha256 = ck.weights_sha256();
 }
 
 // ---- one device ------------------------------------------------------------------------------------------------
@@ -517,6 +538,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   r.scaler = optimizer.scaler_state(compute);
   r.last_grad_norm = optimizer.last_grad_norm(compute);
   r.devices.push_back(time.report());
+  r.weights_sha256 = ck.weights_sha256();  // after the report: its peak memory is training's
   if (r.stopped.empty() || r.stopped == "--stop-after") evaluate(model, data.test, ctx, o, r);
   return r;
 }
@@ -570,6 +592,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
   r.scaler = optimizer.scaler_state(s0);
   r.last_grad_norm = optimizer.last_grad_norm(s0);
   r.devices = dp.report();
+  r.weights_sha256 = ck.weights_sha256();
   if (r.stopped.empty() || r.stopped == "--stop-after") evaluate(model, data.test, dp.replica_context(0), o, r);
   return r;
 }
@@ -585,8 +608,9 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   const stream_ref compute = ctx.stream();
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
-  distributed_data_parallel ddp(model, ctx, comm, comm_stream);
+  distributed_data_parallel ddp(model, ctx, comm, comm_stream, ddp_options{.zero = o.zero});
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
+  optimizer.set_sharded(ddp.zero_stage() > 0);
   softmax_cross_entropy loss(reduction::mean);
   if (o.batch % world != 0 && !o.deterministic) {
     throw precondition_error(detail::concat(
@@ -605,6 +629,14 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
   run_checkpoints ck(o, model, optimizer, compute, comm, active_preemption);
+  if (ddp.zero_stage() > 0) {
+    ck.set_whole([&](const std::function<void()>& body) {
+      optimizer.visit([&](auto& opt) {
+        auto whole = ddp.consolidated(opt);
+        body();
+      });
+    });
+  }
   loss_watch watch(o, compute);
   device_buffer<float> global_loss(1, compute);
   const fault_injection fault = fault_injection::from_environment();
@@ -645,6 +677,9 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   r.scaler = optimizer.scaler_state(compute);
   r.last_grad_norm = optimizer.last_grad_norm(compute);
   r.devices.push_back(ddp.report());
+  r.devices.back().optimizer_bytes = optimizer.state_bytes();
+  r.weights_sha256 = ck.weights_sha256();  // under ZeRO gathers whole values for a moment: after the report
+  ddp.gather_parameters();  // under ZeRO: every rank's last update, before rank 0 evaluates the model alone
   if (rank == 0 && (r.stopped.empty() || r.stopped == "--stop-after")) evaluate(model, data.test, ctx, o, r);
   return r;
 }
@@ -680,16 +715,20 @@ run_result train_ddp_mpi(const mlp_options& o, const datasets& data, int& world_
   run_result r = train_ddp_rank(o, data, ctx, comm, comm_stream);
   // every rank's peak memory and times, to rank 0
   const device_report mine = r.devices.front();
+  constexpr std::size_t fields = 9;
   auto local = to_device(std::vector<double>{static_cast<double>(mine.peak_bytes), mine.compute_ms,
-                                             mine.communication_ms, mine.wall_ms, mine.idle_ms, r.train_seconds},
+                                             mine.communication_ms, mine.wall_ms, mine.idle_ms, r.train_seconds,
+                                             static_cast<double>(mine.parameter_bytes),
+                                             static_cast<double>(mine.gradient_bytes),
+                                             static_cast<double>(mine.optimizer_bytes)},
                          compute);
-  device_buffer<double> all(6 * static_cast<std::size_t>(comm.size()), compute);
-  comm.all_gather(local.data(), all.data(), 6, dtype::i64, compute);  // 8-byte elements, gathered as bytes
+  device_buffer<double> all(fields * static_cast<std::size_t>(comm.size()), compute);
+  comm.all_gather(local.data(), all.data(), fields, dtype::i64, compute);  // 8-byte elements, gathered as bytes
   comm.synchronize(compute);
   const auto v = to_vector(device_span<const double>(all.span()), compute);
   r.devices.clear();
   for (int k = 0; k < comm.size(); ++k) {
-    const double* f = v.data() + 6 * k;
+    const double* f = v.data() + fields * static_cast<std::size_t>(k);
     device_report d;
     d.device = device{dev.kind, dev.kind == device_kind::host ? 0 : k};
     d.peak_bytes = static_cast<std::uint64_t>(f[0]);
@@ -698,6 +737,9 @@ run_result train_ddp_mpi(const mlp_options& o, const datasets& data, int& world_
     d.wall_ms = f[3];
     d.idle_ms = f[4];
     r.train_seconds = std::max(r.train_seconds, f[5]);
+    d.parameter_bytes = static_cast<std::uint64_t>(f[6]);
+    d.gradient_bytes = static_cast<std::uint64_t>(f[7]);
+    d.optimizer_bytes = static_cast<std::uint64_t>(f[8]);
     r.devices.push_back(d);
   }
   return r;
@@ -785,6 +827,15 @@ int run(const mlp_options& o) {
       std::printf("%-22s %12s %12.0f %14.0f %10.0f\n", device_names[i].c_str(), format_bytes(d.peak_bytes).c_str(),
                   d.compute_ms, d.communication_ms, d.idle_ms);
     }
+    if (o.mode == "ddp") {  // what the training state takes on each device (ZeRO shards it)
+      std::printf("%-22s %12s %12s %14s\n", o.zero > 0 ? ("state, ZeRO-" + std::to_string(o.zero)).c_str() : "state",
+                  "parameters", "gradients", "optimizer");
+      for (std::size_t i = 0; i < r.devices.size(); ++i) {
+        const auto& d = r.devices[i];
+        std::printf("%-22s %12s %12s %14s\n", device_names[i].c_str(), format_bytes(d.parameter_bytes).c_str(),
+                    format_bytes(d.gradient_bytes).c_str(), format_bytes(d.optimizer_bytes).c_str());
+      }
+    }
     return 0;
   }
   nlohmann::json j;
@@ -807,6 +858,7 @@ int run(const mlp_options& o) {
   if (o.clip_grad_norm > 0.0f) j["clip_grad_norm"] = o.clip_grad_norm;
   if (o.deterministic) j["chunk_rows"] = o.chunk_rows;
   j["deterministic"] = o.deterministic;
+  if (o.mode == "ddp") j["zero"] = o.zero;
   if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;
   j["precision"] = std::string(name_of(o.precision));
   j["mode"] = processes ? "ddp-mpi" : o.mode;
@@ -823,6 +875,11 @@ int run(const mlp_options& o) {
     peak[device_names[i]] = d.peak_bytes;
     per_device.push_back({{"device", device_names[i]}, {"peak_memory_bytes", d.peak_bytes}, {"compute_ms", d.compute_ms},
                           {"communication_ms", d.communication_ms}, {"idle_ms", d.idle_ms}, {"wall_ms", d.wall_ms}});
+    if (o.mode == "ddp") {
+      per_device.back()["parameter_bytes"] = d.parameter_bytes;
+      per_device.back()["gradient_bytes"] = d.gradient_bytes;
+      per_device.back()["optimizer_bytes"] = d.optimizer_bytes;
+    }
   }
   j["peak_memory_bytes"] = peak;
   j["per_device"] = per_device;

@@ -27,6 +27,7 @@ struct mlp_options {
   float clip_grad_norm = 0.0f;  // 0: no clipping
   bool deterministic = false;   // the same bits on any number of devices and in any mode
   std::int64_t chunk_rows = 32;
+  int zero = 0;                 // --mode ddp: ZeRO stage
   std::vector<std::int64_t> hidden = {256, 256};
   std::string optimizer = "sgd";
   std::string lr_schedule = "cosine";
@@ -63,6 +64,8 @@ inline constexpr const char* usage_text =
     "  --deterministic       the same weights (weights_sha256) on 1..N devices, in every mode: batches in\n"
     "                        chunks of --chunk-rows rows, gradients summed exactly (docs/determinism.md)\n"
     "  --chunk-rows N        rows per chunk under --deterministic (default 32)\n"
+    "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
+    "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too\n"
     "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
     "  --optimizer NAME      sgd (default) or adamw\n"
     "  --precision P         f32 (default), f16 or bf16\n"
@@ -174,6 +177,9 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--chunk-rows") {
       o.chunk_rows = parse_number<std::int64_t>(flag, value());
       if (o.chunk_rows < 1) throw usage_error("--chunk-rows must be at least 1 (a power of two such as 32 is usual)");
+    } else if (flag == "--zero") {
+      o.zero = parse_number<int>(flag, value());
+      if (o.zero < 0 || o.zero > 2) throw usage_error("--zero must be 0, 1 or 2, got " + std::string(argv[i]));
     } else if (flag == "--hidden") {
       o.hidden.clear();
       std::string_view list = value();
@@ -252,6 +258,14 @@ inline mlp_options parse_options(int argc, char** argv) {
     throw usage_error("--epochs 0 trains nothing: give --load-model FILE to evaluate a saved model");
   }
   if (o.save_every > 0 && o.save.empty()) throw usage_error("--save-every needs --save DIR");
+  if (o.zero > 0 && o.mode != "ddp") {
+    throw usage_error("--zero " + std::to_string(o.zero) + " shards the training state over DDP's ranks: use it with "
+                      "--mode ddp (--mode " + o.mode + " keeps one copy)");
+  }
+  if (o.zero > 0 && o.deterministic) {
+    throw usage_error("--zero and --deterministic cannot be combined yet: deterministic mode all-reduces exact sums "
+                      "(use --zero 0 with --deterministic)");
+  }
   if (!o.resume.empty() && !o.load_model.empty()) {
     throw usage_error("--resume and --load-model both set the weights: give one of them");
   }

@@ -110,6 +110,8 @@ class loss_scaler {
   void unscale_and_check(std::span<parameter* const> params, stream_ref s,
                          std::optional<communicator_ref> ranks = std::nullopt) {
     expect_on_scaler_device(params, s, "loss_scaler::unscale_and_check");
+    detail::expect_ranks_for_shards(params, ranks.has_value(), "loss_scaler::unscale_and_check",
+                            "so that every rank skips the same steps");
     launch_elementwise(1, kernels::begin_check_op{state()}, s, "loss scaler check");
     for_each_gradient_type(params, s, [&]<class T>(std::span<const tensor_group<1>> groups) {
       launch_multi_tensor<1>(groups, kernels::count_non_finite_op<T>{state()}, s, "non-finite gradient count");
@@ -132,7 +134,8 @@ class loss_scaler {
                        name_of(p->compute_type()), "; only f32 gradients can be unscaled in place (the optimizer "
                        "unscales low-precision gradients as it reads them)");
       p->materialize_grad(s);
-      groups.push_back(tensor_group<1>{{p->grad().data()}, static_cast<std::size_t>(p->numel())});
+      const tensor_view g = p->grad_shard();
+      if (g.numel() > 0) groups.push_back(tensor_group<1>{{g.data()}, static_cast<std::size_t>(g.numel())});
     }
     launch_multi_tensor<1>(std::span<const tensor_group<1>>(groups), kernels::unscale_op{state()}, s, "unscale");
     unscaled_ = true;
@@ -175,7 +178,7 @@ class loss_scaler {
     LOCKSTEP_EXPECTS(s.get_device() == get_device(), what, ": the scaler's state is on ", get_device().str(),
                      " but the stream is of ", s.get_device().str());
     for (parameter* p : params) {
-      const device d = p->value().get_device();
+      const device d = p->get_device();
       LOCKSTEP_EXPECTS(d == get_device(), what, ": parameter ", p->name(), " is on ", d.str(), ", the scaler on ",
                        get_device().str(), "; one kernel cannot read both (on GPUs: an illegal address). Use a "
                        "scaler per device, or the scaler of the device that holds these parameters");
@@ -190,7 +193,8 @@ class loss_scaler {
       for (parameter* p : params) {
         if (p->compute_type() != t) continue;
         p->materialize_grad(s);
-        groups.push_back(tensor_group<1>{{p->grad().data()}, static_cast<std::size_t>(p->numel())});
+        const tensor_view g = p->grad_shard();  // under ZeRO, this rank's part (the ranks' flags are combined)
+        if (g.numel() > 0) groups.push_back(tensor_group<1>{{g.data()}, static_cast<std::size_t>(g.numel())});
       }
       if (groups.empty()) continue;
       dispatch_floating(t, "loss scaler", [&]<class T>() { launch.template operator()<T>(std::span<const tensor_group<1>>(groups)); });

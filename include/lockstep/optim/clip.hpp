@@ -17,8 +17,9 @@
 //
 // Nothing waits for the device. Each gradient is reduced separately (per-tensor partials, added in parameter
 // order), so the norm does not depend on how tensors are batched. With `shards` (each rank holding a part of the
-// gradients, as ZeRO shards do) the local result is all-reduced (sum of squares, or max) before the square root.
-// Do not pass `shards` after distributed_data_parallel's backward: every rank then holds all the gradients.
+// gradients, as ZeRO shards do: parameter::grad_shard()) the local result is all-reduced (sum of squares, or max)
+// before the square root; it is required when the parameters are sharded. Do not pass `shards` after a plain
+// distributed_data_parallel's backward: every rank then holds all the gradients, and they would count N times.
 #pragma once
 
 #include <cstdint>
@@ -68,15 +69,17 @@ class gradient_clipper {
                      " but the stream is of ", d.str());
     detail::expect_pointer_on_device(d, in.grad_multiplier, "clip_grad_norm's incoming multiplier (step_inputs)");
     detail::expect_pointer_on_device(d, in.skip, "clip_grad_norm's skip flag (step_inputs)");
+    detail::expect_ranks_for_shards(params, shards.has_value(), "clip_grad_norm",
+                                    "(`shards`) so that the norm covers every rank's shard");
     const bool l2 = options.norm == grad_norm::l2;
     partials_.ensure(shape{static_cast<std::int64_t>(params.empty() ? 1 : params.size())}, dtype::f32, s);
     const device_span<float> partials = partials_.view().span<float>();
     for (std::size_t i = 0; i < params.size(); ++i) {
       parameter& p = *params[i];
-      LOCKSTEP_EXPECTS(p.value().get_device() == d, "clip_grad_norm: parameter ", p.name(), " is on ",
-                       p.value().get_device().str(), " but the stream is of ", d.str());
+      LOCKSTEP_EXPECTS(p.get_device() == d, "clip_grad_norm: parameter ", p.name(), " is on ",
+                       p.get_device().str(), " but the stream is of ", d.str());
       p.materialize_grad(s);
-      const tensor_view g = p.grad();
+      const tensor_view g = p.grad_shard();
       dispatch_floating(g.type(), "clip_grad_norm", [&]<class T>() {
         const device_span<const T> values = g.span<const T>();
         if (l2) {

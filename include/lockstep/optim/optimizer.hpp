@@ -28,10 +28,24 @@ LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
+/// Under ZeRO each rank holds a shard of the gradients: a check or a norm over them needs the ranks (`what`
+/// names the call, `why` says what the ranks are for).
+inline void expect_ranks_for_shards(std::span<parameter* const> params, bool have_ranks, const char* what,
+                                    const char* why) {
+  if (have_ranks) return;
+  for (const parameter* p : params) {
+    LOCKSTEP_EXPECTS(!p->is_sharded(), what, ": parameter ", p->name(), " is sharded (ZeRO: this rank holds ",
+                     p->shard().size(), " of its ", p->numel(), " gradient elements); pass the communicator ", why);
+  }
+}
+
 /// Parameter groups with `State` fp32 state tensors per parameter (momentum; Adam's m and v).
 template <class Options, int State>
 class optimizer_core {
  public:
+  /// State tensors per parameter.
+  static constexpr int state_count = State;
+
   /// Adds a group of parameters updated with `options`. All parameters of an optimizer live on one device.
   /// A group may be added after steps were taken (unfreezing layers): it keeps its own step count, so its
   /// first update is a first step (SGD's momentum buffer starts at the gradient, AdamW's bias corrections
@@ -61,6 +75,9 @@ class optimizer_core {
   [[nodiscard]] Options& options(std::size_t index = 0) { return groups_.at(index).options; }
   [[nodiscard]] const std::vector<parameter*>& params(std::size_t index = 0) const { return groups_.at(index).params; }
 
+  /// Whether `group` holds state tensors (after its first step or materialize_state, when its options need them).
+  [[nodiscard]] bool has_state(std::size_t group_index) const { return !groups_.at(group_index).state.empty(); }
+
   /// State tensor `which` of parameter `index` of `group` (empty before the first step).
   [[nodiscard]] tensor_view state(std::size_t group_index, std::size_t index, int which) const {
     const auto& g = groups_.at(group_index);
@@ -81,11 +98,33 @@ class optimizer_core {
       g.state.resize(g.params.size());
       for (std::size_t i = 0; i < g.params.size(); ++i) {
         for (auto& t : g.state[i]) {
-          t.ensure(g.params[i]->dims(), dtype::f32, s);
+          t.ensure(state_shape(*g.params[i]), dtype::f32, s);
           fill_zero(t.template span<float>(), s);
         }
       }
     }
+  }
+
+  /// The shape of a parameter's state tensors: its own, or under ZeRO its shard's (flat).
+  [[nodiscard]] static shape state_shape(const parameter& p) {
+    return p.is_sharded() ? shape{p.shard().size()} : p.dims();
+  }
+
+  /// Replaces state tensor `which` of parameter `index` of `group` (ZeRO gathers and re-shards the state when
+  /// the parameters' shards change). `t` must have state_shape() of the parameter as it will be stepped.
+  void replace_state(std::size_t group_index, std::size_t index, int which, tensor t) {
+    auto& g = groups_.at(group_index);
+    LOCKSTEP_EXPECTS(!g.state.empty(), "replace_state: group ", group_index, " has no state");
+    g.state.at(index).at(static_cast<std::size_t>(which)) = std::move(t);
+  }
+
+  /// Bytes of state on the device: the state tensors and the step counters.
+  [[nodiscard]] std::uint64_t state_bytes() const noexcept {
+    std::uint64_t n = counters_.empty() ? 0 : counted_groups_ * sizeof(kernels::optimizer_counters);
+    for (const auto& g : groups_)
+      for (const auto& per_param : g.state)
+        for (const auto& t : per_param) n += static_cast<std::uint64_t>(t.numel()) * size_of(t.type());
+    return n;
   }
 
   /// Whether a group with `options` keeps state tensors (SGD: with momentum; AdamW: always).
@@ -168,14 +207,24 @@ class optimizer_core {
         for (std::size_t i = 0; i < g.params.size(); ++i) {
           parameter* p = g.params[i];
           if (p->compute_type() != t) continue;
+          // the parameter's shard (all of it without ZeRO); the state covers the same elements
+          const auto n = static_cast<std::size_t>(p->shard().size());
+          if (!g.state.empty()) {
+            const auto held = static_cast<std::size_t>(g.state[i][0].numel());
+            LOCKSTEP_EXPECTS(held == n, "optimizer state of ", p->name(), " covers ", held, " elements but this rank "
+                             "updates ", n, " of them: the optimizer stepped (or loaded state) before "
+                             "distributed_data_parallel sharded the parameters (ZeRO); build the wrapper first, and "
+                             "load checkpoints inside ddp.consolidated(optimizer)");
+          }
+          if (n == 0) continue;
           tensor_group<K> tg{};
-          tg.ptr[0] = p->value().data();
-          tg.ptr[1] = p->grad().data();
+          tg.ptr[0] = p->master_shard().data();
+          tg.ptr[1] = p->grad_shard().data();
           for (int k = 0; k < State; ++k) {
             tg.ptr[2 + k] = g.state.empty() ? nullptr : g.state[i][static_cast<std::size_t>(k)].data();
           }
-          tg.ptr[K - 1] = p->working().empty() ? nullptr : p->working().data();
-          tg.size = static_cast<std::size_t>(p->numel());
+          tg.ptr[K - 1] = p->working().empty() ? nullptr : p->working_shard().data();
+          tg.size = n;
           batch.push_back(tg);
         }
         if (!batch.empty()) launch(t, std::span<const tensor_group<K>>(batch), g.options, gi);

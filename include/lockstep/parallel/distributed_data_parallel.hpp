@@ -25,6 +25,21 @@
 // A rank whose shard of a step is empty (a batch smaller than the world) calls backward with an empty
 // gradient: it contributes zeros and takes part in every all-reduce, as the others expect.
 //
+// ZeRO (`ddp_options::zero`, Rajbhandari et al. 2019): stage 1 reduce-scatters each bucket instead of
+// all-reducing it, so that each rank receives the sum of its shard only, a contiguous range of the bucket (buckets
+// are padded so that every rank's range has the same size). The parameters learn their shard
+// (parameter::shard()): the optimizer keeps state for it and steps it alone, the loss scaler and the clipper read
+// it (with the communicator, so that every rank skips the same steps and the norm covers every shard), and
+// under f16/bf16 the fp32 master values outside it are freed. The values forward reads live in one flat buffer
+// per bucket, so the next forward() (or gather_parameters()) all-gathers the updated shards in place. Stage 2
+// also frees the gradients outside the shard: the whole gradients of a bucket live in one of two buffers reused
+// bucket after bucket (a write into a buffer waits for the bucket that used it before to be reduced and copied
+// out), and each parameter keeps its shard's gradient in storage of its own. Gradients travel in their own
+// type (host and MPI communicators sum f16/bf16 in fp32 and round once: the bits of DDP's fp32 all-reduce).
+// Inside no_sync(), stage 1 accumulates whole gradients as DDP does; stage 2 reduce-scatters every backward
+// and adds into the shard. Checkpoints and weights_sha256 need whole values: `consolidated(optimizer)`
+// gathers the master values and the optimizer state on every rank for as long as its guard lives.
+//
 // Failures: a failed all-reduce (a peer that died, stopped or aborted; a timeout; ranks that issue different
 // collectives) fails the step on every rank. On host devices the communication stream keeps the error and the
 // compute stream, which waits for the all-reduce, fails with it: the step's later work (unpacking, the
@@ -32,8 +47,10 @@
 // aborts it. Either way the next backward() throws before queuing anything (comm.check()).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 #include <cstring>
+#include <exception>
 #include <memory>
 #include <optional>
 #include <string>
@@ -68,6 +85,9 @@ struct ddp_options {
   /// Deterministic mode (nn/deterministic.hpp), set on the context by the constructor; without it the wrapper
   /// follows the context's own setting. The buckets then hold exact accumulators, all-reduced as i64 sums.
   std::optional<deterministic_options> deterministic = std::nullopt;
+  /// ZeRO stage: 0 is plain DDP (every rank holds everything), 1 shards the optimizer state and the fp32 master
+  /// values over the ranks, 2 also the gradients (see the file comment).
+  int zero = 0;
 };
 
 template <layer Model>
@@ -81,13 +101,21 @@ class distributed_data_parallel {
                             ddp_options options = {})
       : model_(&model), ctx_(&ctx), comm_(comm), comm_stream_(comm_stream), options_(options),
         deterministic_(options.deterministic.has_value() || ctx.deterministic().has_value()),
-        grads_ready_(ctx.get_device()), compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()) {
+        grads_ready_(ctx.get_device()), sharding_(options.zero > 0 && comm.size() > 1),
+        stage2_(sharding_ && options.zero == 2), gathered_(ctx.get_device()), compute_timeline_(ctx.get_device()),
+        comm_timeline_(ctx.get_device()) {
     LOCKSTEP_EXPECTS(comm.get_device() == ctx.get_device() && comm_stream.get_device() == ctx.get_device(),
                      "distributed_data_parallel: the context is on ", ctx.get_device().str(), ", the communicator on ",
                      comm.get_device().str(), " and the communication stream on ", comm_stream.get_device().str(),
                      ": all must be the rank's device");
     LOCKSTEP_EXPECTS(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
                      "distributed_data_parallel: bucket sizes must be positive");
+    LOCKSTEP_EXPECTS(options.zero >= 0 && options.zero <= 2, "distributed_data_parallel: zero must be 0 (plain DDP), "
+                     "1 (optimizer state sharded) or 2 (gradients too), got ", options.zero);
+    LOCKSTEP_EXPECTS(options.zero == 0 || (options.hook == comm_hook::none && !deterministic_),
+                     "distributed_data_parallel: ZeRO stage ", options.zero, " reduces gradients in their own type; it "
+                     "cannot be combined with ", deterministic_ ? "deterministic mode" : "a comm hook",
+                     " (use zero = 0 for that)");
     if (options.deterministic) ctx.set_deterministic(options.deterministic);
     if (deterministic_) {
       LOCKSTEP_EXPECTS(options.reduction == gradient_reduction::sum && options.hook == comm_hook::none,
@@ -98,6 +126,7 @@ class distributed_data_parallel {
     }
     params_ = parameters_of(model);
     for (std::size_t i = 0; i < params_.size(); ++i) index_.emplace(params_[i].param, i);
+    ranges_.resize(params_.size());
     check_same_parameters();
     broadcast_parameters();
     build_buckets();
@@ -105,6 +134,13 @@ class distributed_data_parallel {
 
   distributed_data_parallel(const distributed_data_parallel&) = delete;
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
+  /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
+  ~distributed_data_parallel() {
+    for (const auto& p : params_) p.param->set_first_write_hook(nullptr);
+  }
+
+  /// The ZeRO stage in effect: options.zero, or 0 on one rank (nothing to shard).
+  [[nodiscard]] int zero_stage() const noexcept { return sharding_ ? options_.zero : 0; }
 
   [[nodiscard]] int rank() const { return comm_.rank(); }
   [[nodiscard]] int world_size() const { return comm_.size(); }
@@ -114,8 +150,10 @@ class distributed_data_parallel {
   [[nodiscard]] std::size_t bucket_count() const noexcept { return buckets_.size(); }
   [[nodiscard]] const std::vector<std::size_t>& bucket_parameters(std::size_t b) const { return buckets_.at(b).params; }
 
-  /// The model's forward on this rank's shard.
+  /// The model's forward on this rank's shard. Under ZeRO, first gathers the values updated since the last
+  /// backward (gather_parameters()).
   tensor_view forward(const tensor_view& x) {
+    gather_parameters();
     compute_timeline_.begin(phase::compute, ctx_->stream());
     tensor_view y = model_->forward(x, *ctx_);
     compute_timeline_.end(ctx_->stream());
@@ -128,11 +166,12 @@ class distributed_data_parallel {
   void backward(const tensor_view& grad_output) {
     const stream_ref s = ctx_->stream();
     check_communication();
+    gather_parameters();  // a rank without rows this step calls backward without forward: it gathers here
     LOCKSTEP_EXPECTS(ctx_->deterministic().has_value() == deterministic_,
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
                      "built (its buckets hold ", deterministic_ ? "exact sums" : "gradients", "); build the wrapper after "
                      "setting the mode");
-    if (!syncing_) {
+    if (!syncing_ && !stage2_) {  // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
       if (!grad_output.empty()) {
         compute_timeline_.begin(phase::compute, s);
         model_->backward(grad_output, *ctx_, input_grad::not_required);
@@ -163,10 +202,65 @@ class distributed_data_parallel {
       s.wait(*b.done);
       if (deterministic_) {
         for (const std::size_t k : b.params) round_exact_gradient(*params_[k].param, s);
-      } else {
+      } else if (!sharding_) {
         unpack(b);
       }
     }
+    if (sharding_) {  // each rank updates its shard: the others' values arrive with the next gather
+      for (const auto& p : params_) p.param->set_stale(true);
+      stale_ = true;
+    }
+  }
+
+  /// ZeRO: all-gathers the values each rank updated into every rank's copy, in stream order on the context's
+  /// stream (a collective: every rank calls it, as forward() does). No-op when nothing changed since the last
+  /// gather, and without ZeRO.
+  void gather_parameters() {
+    if (!stale_) return;
+    check_communication();
+    const stream_ref s = ctx_->stream();
+    grads_ready_.record(s);  // the optimizer step that updated the shards
+    comm_stream_.wait(grads_ready_);
+    comm_timeline_.begin(phase::communication, comm_stream_);
+    for (auto& b : buckets_) {
+      const std::size_t es = size_of(b.wire);
+      comm_.all_gather(static_cast<const std::byte*>(b.values->data()) + rank_offset(b) * es, b.values->data(),
+                       b.shard_elements, b.wire, comm_stream_);
+    }
+    comm_timeline_.end(comm_stream_);
+    gathered_.record(comm_stream_);
+    s.wait(gathered_);
+    for (const auto& p : params_) p.param->set_stale(false);
+    stale_ = false;
+  }
+
+  /// ZeRO: while the returned guard lives, every rank holds whole parameters (their fp32 master values) and the
+  /// whole state of `opt` (the optimizer of these parameters), as plain DDP does: save or load checkpoints, or
+  /// compute weights_sha256, inside it. Its end shards them again (keeping whatever was loaded). Collective:
+  /// every rank creates and ends it at the same point. Without ZeRO, a guard that does nothing.
+  template <class Optimizer>
+  [[nodiscard]] auto consolidated(Optimizer& opt) {
+    struct guard {
+      guard(distributed_data_parallel* d, Optimizer* o) : ddp(d), optimizer(o), unwinding(std::uncaught_exceptions()) {
+        ddp->unshard(*optimizer);
+      }
+      guard(const guard&) = delete;
+      guard& operator=(const guard&) = delete;
+      ~guard() noexcept(false) {
+        if (std::uncaught_exceptions() > unwinding) {  // leaving by an exception: shard again if possible
+          try {
+            ddp->reshard(*optimizer);
+          } catch (...) {
+          }
+          return;
+        }
+        ddp->reshard(*optimizer);
+      }
+      distributed_data_parallel* ddp;
+      Optimizer* optimizer;
+      int unwinding;
+    };
+    return guard(this, &opt);
   }
 
   /// While the returned guard lives, backward accumulates gradients locally without communication.
@@ -190,7 +284,43 @@ class distributed_data_parallel {
     r.communication_ms = c.communication_ms;
     r.wall_ms = std::max(r.wall_ms, c.wall_ms);
     r.idle_ms = std::max(0.0, r.wall_ms - r.compute_ms);  // communication overlaps compute: idle is non-compute
+    r.parameter_bytes = parameter_bytes();
+    r.gradient_bytes = gradient_bytes();
     return r;
+  }
+
+  /// Bytes this rank holds for the parameters: the values forward reads (the working copies, or the master
+  /// values under f32) and the fp32 master values (under ZeRO and f16/bf16: the shard's).
+  [[nodiscard]] std::uint64_t parameter_bytes() const {
+    std::uint64_t n = 0;
+    for (const auto& p : params_) {
+      const parameter& q = *p.param;
+      const auto numel = static_cast<std::uint64_t>(q.numel());
+      if (q.working().empty()) {
+        n += sharding_ ? 0 : 4 * numel;  // under ZeRO in the buckets' value buffers, counted below
+      } else {
+        n += 4 * static_cast<std::uint64_t>(q.master_shard().numel()) + (sharding_ ? 0 : numel * size_of(q.compute_type()));
+      }
+    }
+    for (const auto& b : buckets_) n += b.values ? b.elements * size_of(b.wire) : 0;
+    return n;
+  }
+  /// Bytes this rank holds for the gradients: the buckets (with their padding), gradients kept apart from them,
+  /// deterministic mode's accumulators, and under ZeRO-2 the two reused buffers and the gradient shards.
+  [[nodiscard]] std::uint64_t gradient_bytes() const {
+    std::uint64_t n = 0;
+    if (stage2_) {
+      for (const auto& buffer : grad_buffers_) n += buffer ? buffer->capacity_bytes() : 0;
+      for (const auto& p : params_) n += static_cast<std::uint64_t>(p.param->grad_shard().numel()) * size_of(p.param->compute_type());
+      return n;
+    }
+    for (const auto& b : buckets_) {
+      n += b.elements * size_of(b.wire);
+      for (std::size_t i = 0; i < b.params.size(); ++i) {
+        if (!deterministic_ && !in_place(b, i)) n += static_cast<std::uint64_t>(params_[b.params[i]].param->grad().bytes().size());
+      }
+    }
+    return n;
   }
   void reset_report() {
     compute_timeline_.reset();
@@ -207,6 +337,10 @@ class distributed_data_parallel {
     std::shared_ptr<tensor> flat;      // shared with the parameters whose gradients live in it
     std::optional<event> done;
     std::size_t ready = 0;
+    // ZeRO
+    std::size_t shard_elements = 0;     // elements / world: each rank's range
+    std::shared_ptr<tensor> values;     // the values forward reads, in the layout of `flat`
+    std::optional<event> released;      // stage 2: `flat` (a reused buffer) was reduced and copied out
   };
 
   // A failed all-reduce of an earlier step ends training here, on the calling thread, before another step is
@@ -219,6 +353,7 @@ class distributed_data_parallel {
 
   [[nodiscard]] dtype wire_type(dtype grad) const {
     if (deterministic_) return dtype::i64;  // exact accumulators (kernels/exact.hpp)
+    if (options_.zero > 0) return grad;     // in place, reduced in fp32 by host and MPI communicators
     switch (options_.hook) {
       case comm_hook::fp16: return dtype::f16;
       case comm_hook::bf16: return dtype::bf16;
@@ -252,10 +387,37 @@ class distributed_data_parallel {
     }
     if (!current.params.empty()) buckets_.push_back(std::move(current));
     const stream_ref s = ctx_->stream();
+    const auto world = static_cast<std::size_t>(comm_.size());
+    if (stage2_) {  // two buffers, bucket b using buffer b % 2, each as large as its largest bucket
+      std::size_t bytes_of[2] = {0, 0};
+      for (std::size_t b = 0; b < buckets_.size(); ++b) {
+        auto& bk = buckets_[b];
+        bk.elements = round_up(bk.elements, world * (alignment / size_of(bk.wire)));
+        bytes_of[b % 2] = std::max(bytes_of[b % 2], bk.elements * size_of(bk.wire));
+      }
+      for (int i = 0; i < 2; ++i) {
+        if (bytes_of[i] == 0) continue;
+        grad_buffers_[i] = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bytes_of[i])}, dtype::u8, s);
+        fill_zero(grad_buffers_[i]->bytes(), s);
+      }
+    }
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& bk = buckets_[b];
-      bk.flat = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
-      fill_zero(bk.flat->bytes(), s);  // the padding between gradients stays zero
+      if (sharding_) {  // every rank's range the same size, at a 256-byte boundary
+        bk.elements = round_up(bk.elements, world * (alignment / size_of(bk.wire)));
+        bk.shard_elements = bk.elements / world;
+      }
+      if (stage2_) {
+        bk.flat = grad_buffers_[b % 2];
+        bk.released.emplace(ctx_->get_device());
+      } else {
+        bk.flat = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
+        fill_zero(bk.flat->bytes(), s);  // the padding between gradients stays zero
+      }
+      if (sharding_) {
+        bk.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
+        fill_zero(bk.values->bytes(), s);
+      }
       bk.done.emplace(ctx_->get_device());
       for (std::size_t i = 0; i < bk.params.size(); ++i) {
         bucket_of_.emplace(bk.params[i], b);
@@ -265,8 +427,41 @@ class distributed_data_parallel {
         } else if (p.compute_type() == bk.wire) {
           p.share_grad_storage(slot(bk, i), bk.flat, s);
         }
+        if (sharding_) {
+          p.share_compute_storage(slot(bk, i, *bk.values), bk.values, s);
+          ranges_[bk.params[i]] = shard_of(bk, i);
+          if (stage2_) p.set_first_write_hook([this, b] { before_first_write(b); });
+        }
       }
     }
+    if (sharding_) {
+      for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
+    }
+  }
+
+  // ZeRO: the first element of this rank's range in bucket b.
+  [[nodiscard]] std::size_t rank_offset(const bucket& b) const noexcept {
+    return static_cast<std::size_t>(comm_.rank()) * b.shard_elements;
+  }
+  // ZeRO: the elements of the i-th parameter of bucket b that fall in this rank's range.
+  [[nodiscard]] element_range shard_of(const bucket& b, std::size_t i) const {
+    const auto n = static_cast<std::int64_t>(params_[b.params[i]].param->numel());
+    const auto at = static_cast<std::int64_t>(b.offsets[i]);
+    const auto first = static_cast<std::int64_t>(rank_offset(b));
+    const auto last = first + static_cast<std::int64_t>(b.shard_elements);
+    const element_range r{std::clamp<std::int64_t>(first - at, 0, n), std::clamp<std::int64_t>(last - at, 0, n)};
+    return r.empty() ? element_range{} : r;
+  }
+
+  // ZeRO-2: the whole gradient of a parameter of bucket b is about to be written into its buffer, which bucket
+  // b - 2 used before: the write waits until that bucket was reduced and copied out. (Buckets 0 and 1 follow the
+  // previous step's last buckets, which backward waited for.)
+  void before_first_write(std::size_t b) {
+    if (b < 2) return;
+    LOCKSTEP_EXPECTS(next_launch_ > b - 2, "distributed_data_parallel (ZeRO-2): a gradient of bucket ", b,
+                     " is written before bucket ", b - 2, ", which shares its buffer, was reduced (a layer whose "
+                     "parameters span three buckets); raise ddp_options::bucket_bytes");
+    ctx_->stream().wait(*buckets_[b - 2].released);
   }
 
   static constexpr std::size_t alignment = 256;  // bytes, as cudaMalloc's
@@ -274,11 +469,13 @@ class distributed_data_parallel {
 
   // Where the gradient (in deterministic mode: the exact accumulator) of the i-th parameter of bucket b goes in
   // its buffer.
-  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const {
+  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const { return slot(b, i, *b.flat); }
+  // The same place in another buffer of the bucket's layout (ZeRO's values).
+  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i, const tensor& buffer) const {
     const parameter& p = *params_[b.params[i]].param;
     const shape dims = deterministic_ ? shape{p.exact_words()} : p.dims();
-    return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.offsets[i] * size_of(b.wire), b.wire, dims,
-                       ctx_->get_device());
+    return tensor_view(static_cast<std::byte*>(const_cast<void*>(buffer.data())) + b.offsets[i] * size_of(b.wire),
+                       b.wire, dims, ctx_->get_device());
   }
   // Whether the i-th parameter's gradient (or exact accumulator) lives in bucket b's buffer (no copy needed).
   [[nodiscard]] bool in_place(const bucket& b, std::size_t i) const {
@@ -308,16 +505,139 @@ class distributed_data_parallel {
     const stream_ref s = ctx_->stream();
     for (std::size_t i = 0; i < b.params.size(); ++i) {
       parameter& p = *params_[b.params[i]].param;
-      p.materialize_grad(s);
+      p.materialize_full_grad(s);
       if (!in_place(b, i)) convert(p.grad(), slot(b, i), s);
     }
     grads_ready_.record(s);
     comm_stream_.wait(grads_ready_);
     comm_timeline_.begin(phase::communication, comm_stream_);
-    comm_.all_reduce(b.flat->data(), b.flat->data(), b.elements, b.wire,
-                     options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum, comm_stream_);
+    const reduce_op op = options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum;
+    if (sharding_) {
+      // in place: this rank's range of the buffer receives the sum of everyone's
+      comm_.reduce_scatter(b.flat->data(), static_cast<std::byte*>(b.flat->data()) + rank_offset(b) * size_of(b.wire),
+                           b.shard_elements, b.wire, op, comm_stream_);
+    } else {
+      comm_.all_reduce(b.flat->data(), b.flat->data(), b.elements, b.wire, op, comm_stream_);
+    }
     comm_timeline_.end(comm_stream_);
+    if (stage2_) copy_out(b);
     b.done->record(comm_stream_);
+  }
+
+  // ZeRO-2: the reduced shard of bucket b into the parameters' own gradient shards (added to what they hold since
+  // zero_grad), on the communication stream; then the buffer may be reused.
+  void copy_out(bucket& b) {
+    for (std::size_t i = 0; i < b.params.size(); ++i) {
+      parameter& p = *params_[b.params[i]].param;
+      const element_range r = ranges_[b.params[i]];
+      const tensor_view to = p.grad_shard();
+      p.release_full_grad();
+      if (r.empty()) continue;
+      const tensor_view from(static_cast<std::byte*>(b.flat->data()) + (b.offsets[i] + static_cast<std::size_t>(r.begin)) * size_of(b.wire),
+                             b.wire, shape{r.size()}, ctx_->get_device());
+      const float keep = p.begin_shard_accumulate();
+      dispatch_floating(b.wire, "ZeRO-2 gradient shard", [&]<class T>() {
+        if (keep == 0.0f) {
+          copy(to.span<T>(), from.span<const T>(), comm_stream_);
+        } else {
+          axpy<T>(1.0f, from.span<const T>(), to.span<T>(), comm_stream_);
+        }
+      });
+    }
+    b.released->record(comm_stream_);
+  }
+
+  // ZeRO: whole fp32 tensors from every rank's shards, bucket by bucket, in stream order on the communication
+  // stream (which waits for the context's stream first; the context's stream waits for it at the end). For each
+  // parameter k with wanted(k) (the same on every rank), piece(k) is its shard on this rank (shard().size()
+  // floats) and take(k, whole) receives all numel() values, flat, in a temporary buffer.
+  template <class Wanted, class Piece, class Take>
+  void gather_whole(Wanted&& wanted, Piece&& piece, Take&& take) {
+    const stream_ref s = comm_stream_;
+    grads_ready_.record(ctx_->stream());
+    s.wait(grads_ready_);
+    for (auto& b : buckets_) {
+      if (std::none_of(b.params.begin(), b.params.end(), wanted)) continue;
+      tensor flat(shape{static_cast<std::int64_t>(b.elements)}, dtype::f32, s);
+      fill_zero(flat.span<float>(), s);
+      for (std::size_t i = 0; i < b.params.size(); ++i) {
+        const std::size_t k = b.params[i];
+        if (!wanted(k) || ranges_[k].empty()) continue;
+        copy(flat.span<float>().subspan(b.offsets[i] + static_cast<std::size_t>(ranges_[k].begin),
+                                        static_cast<std::size_t>(ranges_[k].size())),
+             piece(k).template span<const float>(), s);
+      }
+      comm_.all_gather(flat.span<float>().data() + rank_offset(b), flat.data(), b.shard_elements, dtype::f32, s);
+      for (std::size_t i = 0; i < b.params.size(); ++i) {
+        const std::size_t k = b.params[i];
+        if (!wanted(k)) continue;
+        take(k, tensor_view(flat.span<float>().data() + b.offsets[i], dtype::f32, shape{params_[k].param->numel()},
+                            ctx_->get_device()));
+      }
+    }
+    gathered_.record(s);
+    ctx_->stream().wait(gathered_);
+  }
+
+  // ZeRO: the whole master values and optimizer state on every rank (consolidated()).
+  template <class Optimizer>
+  void unshard(Optimizer& opt) {
+    if (!sharding_ || !sharded_now_) return;
+    gather_parameters();
+    const stream_ref s = comm_stream_;
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
+      for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
+      gather_whole([&](std::size_t k) { return where.contains(k); },
+                   [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
+                   [&](std::size_t k, const tensor_view& whole) {
+                     tensor t(params_[k].param->dims(), dtype::f32, s);
+                     copy(t.span<float>(), whole.span<const float>(), s);
+                     opt.replace_state(where.at(k).first, where.at(k).second, which, std::move(t));
+                   });
+    }
+    gather_whole([&](std::size_t k) { return !params_[k].param->working().empty(); },  // f16/bf16: masters sharded
+                 [&](std::size_t k) { return params_[k].param->master_shard(); },
+                 [&](std::size_t k, const tensor_view& whole) { params_[k].param->clear_shard(whole, s); });
+    for (const auto& p : params_) p.param->clear_shard(tensor_view{}, s);  // the f32 ones: nothing to gather
+    comm_.synchronize(s);
+    sharded_now_ = false;
+  }
+
+  // ZeRO: back to shards after consolidated(): the optimizer state and the master values keep this rank's range.
+  template <class Optimizer>
+  void reshard(Optimizer& opt) {
+    if (!sharding_ || sharded_now_) return;
+    const stream_ref s = ctx_->stream();
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) {
+        const element_range r = ranges_[k];
+        tensor part(shape{r.size()}, dtype::f32, s);
+        if (!r.empty()) {
+          copy(part.span<float>(),
+               opt.state(g, i, which).template span<const float>().subspan(static_cast<std::size_t>(r.begin),
+                                                                            static_cast<std::size_t>(r.size())),
+               s);
+        }
+        opt.replace_state(g, i, which, std::move(part));
+      });
+    }
+    for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
+    sharded_now_ = true;
+  }
+
+  // Calls f(group, index in group, parameter index) for every parameter of this wrapper for which `opt` holds
+  // state (all of a group's state tensors exist once it has any).
+  template <class Optimizer, class F>
+  void for_each_state(Optimizer& opt, F&& f) {
+    for (std::size_t g = 0; g < opt.group_count(); ++g) {
+      if (!opt.has_state(g)) continue;
+      const auto& ps = opt.params(g);
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        const auto it = index_.find(ps[i]);
+        if (it != index_.end()) f(g, i, it->second);
+      }
+    }
   }
 
   // Copies `from` into `to` (same number of elements), casting between floating types.
@@ -439,6 +759,14 @@ class distributed_data_parallel {
   std::size_t next_launch_ = 0;  // the next bucket to all-reduce, in bucket order
   event grads_ready_;
   bool syncing_ = true;
+  // ZeRO
+  bool sharding_ = false;                        // zero > 0 on more than one rank
+  bool stage2_ = false;                          // and zero == 2
+  bool sharded_now_ = true;                      // false inside consolidated()
+  bool stale_ = false;                           // shards updated since the last gather
+  std::vector<element_range> ranges_;            // each parameter's shard on this rank
+  std::shared_ptr<tensor> grad_buffers_[2];      // stage 2: the buffers buckets take turns in
+  event gathered_;
   timeline compute_timeline_;
   timeline comm_timeline_;
 };

@@ -29,6 +29,11 @@ struct device_report {
   double communication_ms = 0;    // broadcasts, scatters, gathers, reductions, all-reduces
   double wall_ms = 0;             // from the first measured work to the last
   double idle_ms = 0;             // wall - compute - communication (waiting for other devices or the host)
+  // What the model's training state holds on this device (0: not reported): the values forward reads and the
+  // fp32 master values, the gradients (with the buffers they are reduced in), the optimizer's state.
+  std::uint64_t parameter_bytes = 0;
+  std::uint64_t gradient_bytes = 0;
+  std::uint64_t optimizer_bytes = 0;
 };
 
 class timeline {
