@@ -3,6 +3,7 @@
 #
 #   scripts/setup.sh            build, test and sample dependencies
 #   scripts/setup.sh --torch    also PyTorch (python3-torch), the peer of bench/compare_pytorch.py
+#   scripts/setup.sh --plots    also matplotlib (python3-matplotlib), for bench/plot.py's figures in docs/
 set -euo pipefail
 
 packages=(
@@ -15,7 +16,8 @@ packages=(
 for arg in "$@"; do
   case "$arg" in
     --torch) packages+=(python3-torch) ;;
-    *) echo "setup.sh: unknown option '$arg' (known: --torch)" >&2; exit 2 ;;
+    --plots) packages+=(python3-matplotlib) ;;
+    *) echo "setup.sh: unknown option '$arg' (known: --torch, --plots)" >&2; exit 2 ;;
   esac
 done
 

@@ -652,7 +652,16 @@ TEST_P(ddp_test, ranks_with_different_models_are_rejected_with_the_rank_and_para
       distributed_data_parallel ddp(g, ctx, rc.comm(), rc.comm_stream());
     });
   });
-  EXPECT_CONTAINS(msg, "of rank 1 is 'fc1.weight' [9, 20] but rank 0's is 'fc1.weight' [8, 20]");
+  EXPECT_CONTAINS(msg, "of rank 1 is 'fc1.weight' [9, 20] f32 but rank 0's is 'fc1.weight' [8, 20] f32");
+  // the compute type decides the buckets' layout: ranks of different precisions are told apart too
+  const std::string types = message_of<error>([&] {
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      context ctx(rc.compute_stream(), rc.rank() == 0 ? dtype::f32 : dtype::f16);
+      graph model = make_model(ctx);
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 1});
+    });
+  });
+  EXPECT_CONTAINS(types, "of rank 1 is 'fc1.weight' [32, 20] f16 but rank 0's is 'fc1.weight' [32, 20] f32");
 }
 
 TEST_P(ddp_test, a_rank_that_throws_makes_the_others_fail_fast) {
@@ -793,7 +802,8 @@ TEST_P(ddp_test, zero_names_what_a_sharded_rank_cannot_do) {
     messages[3] = message_of<precondition_error>([&] { (void)clip.clip_grad_norm(params, {}, s); });
     messages[4] = message_of<precondition_error>([&] { early.step(s); });
   });
-  EXPECT_CONTAINS(messages[0], "ZeRO keeps only elements [");
+  EXPECT_CONTAINS(messages[0], "ZeRO shards it over the ranks: this rank updates elements [");
+  EXPECT_CONTAINS(messages[0], "and keeps only their fp32 master values");
   EXPECT_CONTAINS(messages[0], "consolidated(optimizer)");
   EXPECT_CONTAINS(messages[1], "stale");
   EXPECT_CONTAINS(messages[1], "gather_parameters()");
@@ -814,4 +824,66 @@ TEST_P(ddp_test, zero_names_what_a_sharded_rank_cannot_do) {
                     }),
                     expected);
   }
+}
+
+TEST_P(ddp_test, zero_consolidation_before_the_first_step_nested_or_between_backward_and_step_changes_nothing) {
+  if (!require_devices(2)) return;
+  // Each rank: a rank-0-only materialize_state (what a checkpoint saved before the first step does), nested
+  // consolidated() guards, then steps with a consolidation between backward and the step (a save there, under
+  // ZeRO-2, must keep the gradient shards). The same bits as plain DDP, and every collective matched.
+  auto train = [&](int zero) {
+    std::vector<std::vector<float>> out(2);
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      const stream_ref s = rc.compute_stream();
+      context ctx(s, dtype::f16);
+      graph model = make_model(ctx);
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                    ddp_options{.bucket_bytes = 2048, .first_bucket_bytes = 512, .zero = zero});
+      auto params = parameters_of(model).pointers();
+      adamw opt(params, adamw_options{.lr = 0.01f});
+      loss_scaler scaler(s, loss_scaler_options{.initial_scale = 256.0f});
+      scaler.attach(ctx);
+      softmax_cross_entropy loss(reduction::mean);
+      if (rc.rank() == 0) opt.materialize_state(s);
+      {
+        auto outer = ddp.consolidated(opt);
+        { auto inner = ddp.consolidated(opt); }
+        EXPECT_EQ(parameter_values(model, s).size(), static_cast<std::size_t>(parameters_of(model).numel()));
+      }
+      const auto x = inputs();
+      const auto y = labels();
+      for (int step = 0; step < 4; ++step) {
+        opt.zero_grad();
+        const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
+        tensor xf = device_tensor(slice(x, begin, 32, features), shape{32, features}, s);
+        tensor xb(shape{32, features}, dtype::f16, s);
+        cast<half, float>(xf.span<const float>(), xb.span<half>(), s);
+        tensor yb = device_labels(slice(y, begin, 32, 1), s);
+        loss.forward(ddp.forward(xb), yb, ctx, 64);
+        ddp.backward(loss.backward(ctx));
+        { auto whole = ddp.consolidated(opt); }
+        scaler.unscale_and_check(params, s, rc.comm());
+        opt.step(s, scaler.optimizer_inputs());
+        scaler.update(s);
+      }
+      auto whole = ddp.consolidated(opt);
+      out[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
+    });
+    return out;
+  };
+  const auto plain = train(0);
+  for (int zero : {1, 2}) {
+    const auto sharded = train(zero);
+    EXPECT_EQ(sharded[0], plain[0]) << "ZeRO-" << zero;
+    EXPECT_EQ(sharded[1], plain[0]) << "ZeRO-" << zero;
+  }
+  // f32: the master values are the values forward reads, whole on every rank, yet only a shard is current
+  std::string f32_value;
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 1});
+    if (rc.rank() == 0) f32_value = message_of<precondition_error>([&] { (void)parameters_of(model)[0].param->value(); });
+  });
+  EXPECT_CONTAINS(f32_value, "ZeRO shards it over the ranks: this rank updates elements [");
 }

@@ -412,9 +412,14 @@ class checkpoint_state {
     auto each_state = [&opt, names](auto&& f) {
       for (std::size_t g = 0; g < opt.group_count(); ++g) {
         if (!Optimizer::group_needs_state(opt.options(g))) continue;
-        for (std::size_t i = 0; i < opt.params(g).size(); ++i)
+        for (std::size_t i = 0; i < opt.params(g).size(); ++i) {
+          const parameter* p = opt.params(g)[i];
+          LOCKSTEP_EXPECTS(!p->is_sharded(), "checkpoint: parameter '", names.at(p), "' is sharded over the ranks "
+                           "(ZeRO), and so is its optimizer state: save, load and hash inside "
+                           "distributed_data_parallel::consolidated(optimizer)");
           for (int k = 0; k < state_count; ++k)
-            f(g, i, k, "optimizer.state." + names.at(opt.params(g)[i]) + "." + detail::state_name(adam, k));
+            f(g, i, k, "optimizer.state." + names.at(p) + "." + detail::state_name(adam, k));
+        }
       }
     };
     auto group_names = [&opt, names](std::size_t g) {

@@ -26,6 +26,7 @@
 
 #include <functional>
 #include <memory>
+#include <optional>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -63,14 +64,16 @@ class parameter {
   [[nodiscard]] std::int64_t numel() const noexcept { return dims_.numel(); }
   [[nodiscard]] device get_device() const noexcept { return value_view_.get_device(); }
 
-  /// The fp32 master values (what the optimizer updates and checkpoints store). Throws precondition_error when
-  /// ZeRO keeps only this rank's shard of them (see master_shard()).
+  /// The fp32 master values (what the optimizer updates and checkpoints store). Throws precondition_error while
+  /// ZeRO shards the parameter: this rank updates only its shard (see master_shard()), and under f16/bf16 keeps
+  /// only the shard's master values.
   [[nodiscard]] tensor_view value() const {
-    if (master_sharded_) {
+    if (sharded_) {
       throw precondition_error(detail::concat(
-          "parameter ", name_, ": ZeRO keeps only elements [", shard_.begin, ", ", shard_.end, ") of its ", numel(),
-          " fp32 master values on this rank; read master_shard(), or gather them all with "
-          "distributed_data_parallel::consolidated(optimizer) (checkpoints do it that way)"));
+          "parameter ", name_, ": ZeRO shards it over the ranks: this rank updates elements [", shard_.begin, ", ",
+          shard_.end, ") of its ", numel(), master_sharded_ ? " and keeps only their fp32 master values" : "",
+          "; read master_shard(), or gather whole values with distributed_data_parallel::consolidated(optimizer) "
+          "(save, load and hash checkpoints inside it)"));
     }
     return value_view_;
   }
@@ -252,16 +255,22 @@ class parameter {
       master_sharded_ = true;
     }
     if (own_grad_storage) {
-      grad_shard_ = tensor(shape{range.size()}, compute_type(), s);
+      if (parked_grad_shard_.has_value() && parked_grad_shard_->numel() == range.size()) {
+        grad_shard_ = std::move(*parked_grad_shard_);  // what it held before clear_shard (and its zero flag)
+      } else {
+        grad_shard_ = tensor(shape{range.size()}, compute_type(), s);
+        shard_grad_zero_ = true;
+      }
       own_grad_shard_ = true;
-      shard_grad_zero_ = true;
     }
+    parked_grad_shard_.reset();
     shard_ = range;
     sharded_ = true;
   }
 
   /// Undoes set_shard: `full` holds all numel() master values (flat fp32 on this device; read under f16/bf16
-  /// only, copied in stream order on `s`), and the gradient shard's own storage is freed.
+  /// only, copied in stream order on `s`). The gradient shard's own storage (ZeRO-2) is kept aside, with what it
+  /// holds, for the next set_shard of the same range.
   void clear_shard(const tensor_view& full, stream_ref s) {
     if (!sharded_) return;
     if (master_sharded_) {
@@ -275,7 +284,7 @@ class parameter {
       value_view_ = value_.view();
       master_sharded_ = false;
     }
-    if (own_grad_shard_) grad_shard_.set_stream(s);
+    if (own_grad_shard_) parked_grad_shard_ = std::move(grad_shard_);  // kept for set_shard with the same range
     grad_shard_ = tensor();
     own_grad_shard_ = false;
     sharded_ = false;
@@ -368,6 +377,7 @@ class parameter {
   element_range shard_;
   tensor grad_shard_;            // ZeRO-2: the gradient shard's own storage
   bool own_grad_shard_ = false;
+  std::optional<tensor> parked_grad_shard_;  // between clear_shard and set_shard
   bool shard_grad_zero_ = true;
   bool stale_ = false;
   std::function<void()> first_write_;

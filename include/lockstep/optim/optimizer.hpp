@@ -111,11 +111,12 @@ class optimizer_core {
   }
 
   /// Replaces state tensor `which` of parameter `index` of `group` (ZeRO gathers and re-shards the state when
-  /// the parameters' shards change). `t` must have state_shape() of the parameter as it will be stepped.
-  void replace_state(std::size_t group_index, std::size_t index, int which, tensor t) {
+  /// the parameters' shards change) and returns the old one, for the caller to free in the order of the streams
+  /// that read it (tensor::set_stream). `t` must have state_shape() of the parameter as it will be stepped.
+  [[nodiscard]] tensor replace_state(std::size_t group_index, std::size_t index, int which, tensor t) {
     auto& g = groups_.at(group_index);
     LOCKSTEP_EXPECTS(!g.state.empty(), "replace_state: group ", group_index, " has no state");
-    g.state.at(index).at(static_cast<std::size_t>(which)) = std::move(t);
+    return std::exchange(g.state.at(index).at(static_cast<std::size_t>(which)), std::move(t));
   }
 
   /// Bytes of state on the device: the state tensors and the step counters.

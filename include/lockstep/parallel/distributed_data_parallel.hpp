@@ -422,6 +422,9 @@ class distributed_data_parallel {
       for (std::size_t i = 0; i < bk.params.size(); ++i) {
         bucket_of_.emplace(bk.params[i], b);
         parameter& p = *params_[bk.params[i]].param;
+        // ZeRO-2: buckets share buffers, so a gradient must start zero (its first write then waits for the
+        // buffer's previous bucket): what one held before the wrapper is dropped
+        if (stage2_) p.zero_grad();
         if (deterministic_) {
           p.share_exact_storage(slot(bk, i), bk.flat);
         } else if (p.compute_type() == bk.wire) {
@@ -582,8 +585,14 @@ class distributed_data_parallel {
   // ZeRO: the whole master values and optimizer state on every rank (consolidated()).
   template <class Optimizer>
   void unshard(Optimizer& opt) {
-    if (!sharding_ || !sharded_now_) return;
+    if (!sharding_ || consolidations_++ > 0) return;  // nested guards: the outermost one gathers
+    // The values whole and current for the guard's readers; if a step may still come (a save between backward
+    // and the step), the next forward gathers again (reshard marks them stale again).
+    regather_ = stale_;
     gather_parameters();
+    // Every rank gathers the same state tensors: a rank that saved before the first step has state (the save
+    // materialized it) that the others lack, so all materialize it (zeros; the next step stays a first step).
+    opt.materialize_state(ctx_->stream());
     const stream_ref s = comm_stream_;
     for (int which = 0; which < Optimizer::state_count; ++which) {
       std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
@@ -593,7 +602,8 @@ class distributed_data_parallel {
                    [&](std::size_t k, const tensor_view& whole) {
                      tensor t(params_[k].param->dims(), dtype::f32, s);
                      copy(t.span<float>(), whole.span<const float>(), s);
-                     opt.replace_state(where.at(k).first, where.at(k).second, which, std::move(t));
+                     // the shard was read on this stream (gather_whole's copy): freed after that read
+                     opt.replace_state(where.at(k).first, where.at(k).second, which, std::move(t)).set_stream(s);
                    });
     }
     gather_whole([&](std::size_t k) { return !params_[k].param->working().empty(); },  // f16/bf16: masters sharded
@@ -601,13 +611,12 @@ class distributed_data_parallel {
                  [&](std::size_t k, const tensor_view& whole) { params_[k].param->clear_shard(whole, s); });
     for (const auto& p : params_) p.param->clear_shard(tensor_view{}, s);  // the f32 ones: nothing to gather
     comm_.synchronize(s);
-    sharded_now_ = false;
   }
 
   // ZeRO: back to shards after consolidated(): the optimizer state and the master values keep this rank's range.
   template <class Optimizer>
   void reshard(Optimizer& opt) {
-    if (!sharding_ || sharded_now_) return;
+    if (!sharding_ || --consolidations_ > 0) return;
     const stream_ref s = ctx_->stream();
     for (int which = 0; which < Optimizer::state_count; ++which) {
       for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) {
@@ -619,11 +628,14 @@ class distributed_data_parallel {
                                                                             static_cast<std::size_t>(r.size())),
                s);
         }
-        opt.replace_state(g, i, which, std::move(part));
+        opt.replace_state(g, i, which, std::move(part)).set_stream(s);  // the whole state, read above on `s`
       });
     }
     for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
-    sharded_now_ = true;
+    if (std::exchange(regather_, false)) {
+      for (const auto& p : params_) p.param->set_stale(true);
+      stale_ = true;
+    }
   }
 
   // Calls f(group, index in group, parameter index) for every parameter of this wrapper for which `opt` holds
@@ -667,7 +679,7 @@ class distributed_data_parallel {
     const stream_ref s = comm_stream_;
     const int world = comm_.size();
     constexpr std::size_t name_bytes = 56;
-    constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8;
+    constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8 + 8;  // name, rank and dims, compute type
     // 1. the counts
     auto count = to_device(std::vector<std::int64_t>{static_cast<std::int64_t>(params_.size())}, s);
     device_buffer<std::int64_t> counts(static_cast<std::size_t>(world), s);
@@ -692,6 +704,9 @@ class distributed_data_parallel {
       std::int64_t fields[shape::max_rank + 1] = {dims.rank()};
       for (int d = 0; d < dims.rank(); ++d) fields[d + 1] = dims[d];
       std::memcpy(rec + name_bytes, fields, sizeof fields);
+      // the compute type too: it decides the buckets' layout (under ZeRO, the type gradients travel in)
+      const auto type = static_cast<std::int64_t>(params_[i].param->compute_type());
+      std::memcpy(rec + name_bytes + sizeof fields, &type, sizeof type);
     }
     auto mine_dev = to_device(mine, s);
     device_buffer<std::uint8_t> all(mine.size() * static_cast<std::size_t>(world), s);
@@ -705,7 +720,9 @@ class distributed_data_parallel {
       std::memcpy(fields, rec + name_bytes, sizeof fields);
       std::string dims = "[";
       for (std::int64_t d = 0; d < fields[0]; ++d) dims += (d ? ", " : "") + std::to_string(fields[d + 1]);
-      return "'" + name + "' " + dims + "]";
+      std::int64_t type = 0;
+      std::memcpy(&type, rec + name_bytes + sizeof fields, sizeof type);
+      return "'" + name + "' " + dims + "] " + std::string(name_of(static_cast<dtype>(type)));
     };
     for (int r = 1; r < world; ++r) {
       for (std::size_t i = 0; i < params_.size(); ++i) {
@@ -762,7 +779,8 @@ class distributed_data_parallel {
   // ZeRO
   bool sharding_ = false;                        // zero > 0 on more than one rank
   bool stage2_ = false;                          // and zero == 2
-  bool sharded_now_ = true;                      // false inside consolidated()
+  int consolidations_ = 0;                       // consolidated() guards alive
+  bool regather_ = false;                        // stale when the outermost guard began: stale again at its end
   bool stale_ = false;                           // shards updated since the last gather
   std::vector<element_range> ranges_;            // each parameter's shard on this rank
   std::shared_ptr<tensor> grad_buffers_[2];      // stage 2: the buffers buckets take turns in

@@ -1,0 +1,157 @@
+#!/usr/bin/env python3
+"""ZeRO measured with the sample (examples/mlp_train --mode ddp --zero 0|1|2): memory per device and step time.
+
+    memory  for 1..--max-devices host devices and ZeRO stages 0 (plain DDP), 1 and 2: the peak memory per device
+            over a few training steps of --memory-hidden (default 4096,4096: 784-4096-4096-10, 20 M parameters),
+            AdamW, --memory-precision (default f16), batch 128; the bytes the sample reports for the parameters
+            (working copies and fp32 masters), the gradients (with the buffers they are reduced in) and the
+            optimizer state; and the bytes predicted from the layout (below). The largest device of each run.
+    speed   ms per step of DDP, ZeRO-1 and ZeRO-2 on --speed-devices host devices (default 2) for --speed-hidden
+            (default 1024,1024: 784-1024-1024-10) with the sample's recipe otherwise (f32, SGD, batch 128),
+            alternated (DDP, ZeRO-1, ZeRO-2, DDP, ...): the median of --repeats runs of --steps steps, and each
+            stage's ratio to DDP.
+
+Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), from how lockstep lays them out:
+    DDP     2 (working copy) + 4 (fp32 bucket: gradients are all-reduced in fp32) + 2 (the f16 gradient)
+            + 4 (master) + 8 (moments) = 20
+    ZeRO-1  2 + 2 (gradients reduced in place, in their type) + 12 / N (master and moments of the shard)
+    ZeRO-2  2 + B / P (two reused bucket buffers, B bytes: the largest bucket of each parity) + 2 / N + 12 / N
+(f32: the working copy is the master, and the f32 gradients are reduced in place in every stage.)
+
+Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--max-devices 4] [--steps N] [--repeats R]
+                     [--json FILE]
+Writes the figures as JSON (for bench/plot.py) with --json, and prints markdown tables.
+"""
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+
+
+def run(cmd, env):
+    out = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if out.returncode != 0:
+        sys.exit(f"{' '.join(cmd)} failed ({out.returncode}):\n{out.stderr}{out.stdout[-2000:]}")
+    return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+def mib(n):
+    return n / 1048576.0
+
+
+def model_parameters(hidden):
+    widths = [784] + [int(w) for w in hidden.split(",")] + [10]
+    return [(widths[i + 1] * widths[i], widths[i + 1]) for i in range(len(widths) - 1)]  # (weight, bias) per layer
+
+
+def ddp_buckets(hidden, elem_bytes, first=1 << 20, rest=25 << 20):
+    """The bucket sizes in bytes DDP builds (reverse parameter order, 1 MiB first bucket, 25 MiB after)."""
+    sizes = []
+    for w, b in model_parameters(hidden):
+        sizes += [w, b]
+    buckets, current, limit = [], 0, first
+    for n in reversed(sizes):
+        nbytes = n * elem_bytes
+        if current and current + nbytes > limit:
+            buckets.append(current)
+            current, limit = 0, rest
+        current += nbytes
+    buckets.append(current)
+    return buckets
+
+
+def predicted(hidden, precision, zero, n):
+    """Predicted bytes of the training state per device (see the module docstring)."""
+    p = sum(w + b for w, b in model_parameters(hidden))
+    low = precision != "f32"
+    if not low:  # f32: values are the masters; gradients f32 in place
+        if zero == 0 or n == 1:
+            return p * (4 + 4 + 8)
+        grads = 4 * p if zero == 1 else sum(max(ddp_buckets(hidden, 4)[i::2], default=0) for i in (0, 1)) + 4 * p / n
+        return 4 * p + grads + 8 * p / n
+    if zero == 0 or n == 1:
+        return p * (2 + 4 + 2 + 4 + 8) if zero == 0 else p * (2 + 2 + 4 + 8)
+    if zero == 1:
+        return p * (2 + 2) + 12 * p / n
+    buffers = sum(max(ddp_buckets(hidden, 2)[i::2], default=0) for i in (0, 1))
+    return 2 * p + buffers + 2 * p / n + 12 * p / n
+
+
+def main():
+    here = os.path.dirname(os.path.abspath(__file__))
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--mlp-train", default=os.path.join(here, "..", "build", "rel", "examples", "mlp_train", "mlp_train"))
+    p.add_argument("--modes", nargs="+", default=["memory", "speed"])
+    p.add_argument("--max-devices", type=int, default=4)
+    p.add_argument("--memory-hidden", default="4096,4096")
+    p.add_argument("--memory-precision", default="f16")
+    p.add_argument("--memory-steps", type=int, default=3)
+    p.add_argument("--speed-devices", type=int, default=2)
+    p.add_argument("--speed-hidden", default="1024,1024")
+    p.add_argument("--steps", type=int, default=100)
+    p.add_argument("--repeats", type=int, default=5)
+    p.add_argument("--json", default="")
+    a = p.parse_args()
+    env = dict(os.environ, LOCKSTEP_HOST_DEVICES=str(max(a.max_devices, a.speed_devices)))
+    env.pop("LOCKSTEP_HOST_STRICT", None)  # a test-time mode: measure the library as users run it
+    report = {}
+
+    if "memory" in a.modes:
+        rows = []
+        for n in range(1, a.max_devices + 1):
+            devices = ",".join(f"host:{i}" for i in range(n))
+            for zero in (0, 1, 2):
+                j = run([a.mlp_train, "--mode", "ddp", "--devices", devices, "--zero", str(zero), "--hidden",
+                         a.memory_hidden, "--optimizer", "adamw", "--lr", "0.001", "--precision", a.memory_precision,
+                         "--batch", "128", "--max-steps", str(a.memory_steps), "--lr-schedule", "constant", "--json"],
+                        env)
+                d = max(j["per_device"], key=lambda x: x["peak_memory_bytes"])
+                rows.append({"devices": n, "zero": zero, "peak_bytes": d["peak_memory_bytes"],
+                             "parameter_bytes": d["parameter_bytes"], "gradient_bytes": d["gradient_bytes"],
+                             "optimizer_bytes": d["optimizer_bytes"],
+                             "predicted_state_bytes": predicted(a.memory_hidden, a.memory_precision, zero, n)})
+        for r in rows:
+            base = next(x for x in rows if x["devices"] == r["devices"] and x["zero"] == 0)
+            r["peak_vs_ddp"] = r["peak_bytes"] / base["peak_bytes"]
+        report["memory"] = {"hidden": a.memory_hidden, "precision": a.memory_precision, "optimizer": "adamw",
+                            "batch": 128, "rows": rows}
+        print(f"memory per device: 784-{a.memory_hidden.replace(',', '-')}-10, AdamW, {a.memory_precision}, batch 128, "
+              f"{a.memory_steps} steps (MiB; the largest device)")
+        print("| devices | stage | peak | vs DDP | parameters | gradients | optimizer | state measured | state predicted |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        for r in rows:
+            state = r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"]
+            print(f"| {r['devices']} | {'DDP' if r['zero'] == 0 else 'ZeRO-' + str(r['zero'])} | {mib(r['peak_bytes']):.1f} | "
+                  f"{r['peak_vs_ddp']:.2f} | {mib(r['parameter_bytes']):.1f} | {mib(r['gradient_bytes']):.1f} | "
+                  f"{mib(r['optimizer_bytes']):.1f} | {mib(state):.1f} | {mib(r['predicted_state_bytes']):.1f} |")
+
+    if "speed" in a.modes:
+        devices = ",".join(f"host:{i}" for i in range(a.speed_devices))
+        times = {0: [], 1: [], 2: []}
+        for _ in range(a.repeats):
+            for zero in (0, 1, 2):
+                j = run([a.mlp_train, "--mode", "ddp", "--devices", devices, "--zero", str(zero), "--hidden",
+                         a.speed_hidden, "--batch", "128", "--max-steps", str(a.steps), "--lr-schedule", "constant",
+                         "--json"], env)
+                times[zero].append(1000.0 * j["train_seconds"] / j["steps"])
+        med = {z: statistics.median(t) for z, t in times.items()}
+        report["speed"] = {"hidden": a.speed_hidden, "devices": a.speed_devices, "steps": a.steps,
+                           "repeats": a.repeats, "ms_per_step": {str(z): t for z, t in times.items()},
+                           "median_ms": {str(z): m for z, m in med.items()}}
+        print(f"\nspeed: 784-{a.speed_hidden.replace(',', '-')}-10 on {a.speed_devices} host devices, f32 SGD, batch 128, "
+              f"median of {a.repeats} alternated runs of {a.steps} steps")
+        print("| stage | ms per step | vs DDP | runs |")
+        print("| --- | ---: | ---: | --- |")
+        for z in (0, 1, 2):
+            print(f"| {'DDP' if z == 0 else 'ZeRO-' + str(z)} | {med[z]:.2f} | {med[z] / med[0]:.3f}x | "
+                  f"{', '.join(f'{t:.2f}' for t in times[z])} |")
+
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump(report, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
