@@ -388,6 +388,10 @@ class distributed_data_parallel {
     if (!current.params.empty()) buckets_.push_back(std::move(current));
     const stream_ref s = ctx_->stream();
     const auto world = static_cast<std::size_t>(comm_.size());
+    // The pool's cached blocks (the model's initialization staging, say) go back first, so that the buckets
+    // (allocated once, for the whole run) are not served by larger cached blocks; see the end.
+    s.synchronize();
+    release_cached_memory(ctx_->get_device());
     if (stage2_) {  // two buffers, bucket b using buffer b % 2, each as large as its largest bucket
       std::size_t bytes_of[2] = {0, 0};
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
@@ -437,8 +441,15 @@ class distributed_data_parallel {
         }
       }
     }
+    // What the wrapper freed (gradients moved into buckets; under ZeRO the working copies, then the whole masters)
+    // goes back to the device rather than staying cached in its pool, where a later allocation of another size
+    // could take a block up to twice its size (host devices) and hold memory training does not need.
+    s.synchronize();
+    release_cached_memory(ctx_->get_device());
     if (sharding_) {
       for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
+      s.synchronize();
+      release_cached_memory(ctx_->get_device());
     }
   }
 
