@@ -21,7 +21,8 @@
 // and under ZeRO-2 the gradient shard has storage of its own while the whole gradient lives only during
 // backward, in memory reused bucket after bucket (a first-write hook lets the owner of that memory order the
 // writes after its previous use). Between a ZeRO backward and the gather of the updated values the compute
-// values are stale: `compute_value()` refuses.
+// values are stale: `compute_value()` refuses; after the gather, its first call orders the reader (the context's
+// stream) after the parameter's all-gather (a read hook).
 #pragma once
 
 #include <functional>
@@ -86,6 +87,7 @@ class parameter {
           "updates arrive with the next distributed_data_parallel::forward or gather_parameters()); call "
           "ddp.gather_parameters() before using the model outside the wrapper"));
     }
+    if (read_hook_) std::exchange(read_hook_, nullptr)();
     return working_view_.empty() ? value_view_ : working_view_;
   }
   /// The gradient, in the compute precision.
@@ -301,6 +303,9 @@ class parameter {
   void set_first_write_hook(std::function<void()> hook) { first_write_ = std::move(hook); }
   /// Marks the compute values stale (ZeRO, after backward) or current (after the gather).
   void set_stale(bool stale) noexcept { stale_ = stale; }
+  /// Runs once, at the next compute_value() (empty: nothing). ZeRO orders the first read of gathered values after
+  /// their bucket's all-gather, so that forward starts before the last bucket arrives.
+  void set_read_hook(std::function<void()> hook) { read_hook_ = std::move(hook); }
 
   /// Switches the compute precision: allocates the gradient in `type` and, for f16/bf16, a working copy
   /// refreshed from the master values (in stream order on `s`). f32 drops the working copy.
@@ -381,6 +386,7 @@ class parameter {
   bool shard_grad_zero_ = true;
   bool stale_ = false;
   std::function<void()> first_write_;
+  mutable std::function<void()> read_hook_;
 };
 
 /// A parameter and its qualified name ("fc1.weight").

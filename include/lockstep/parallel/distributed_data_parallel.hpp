@@ -136,7 +136,11 @@ class distributed_data_parallel {
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
   /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
   ~distributed_data_parallel() {
-    for (const auto& p : params_) p.param->set_first_write_hook(nullptr);
+    if (pending_reads_) ctx_->stream().wait(gathered_);  // nobody waits for the gathers after this
+    for (const auto& p : params_) {
+      p.param->set_first_write_hook(nullptr);
+      p.param->set_read_hook(nullptr);
+    }
   }
 
   /// The ZeRO stage in effect: options.zero, or 0 on one rank (nothing to shard).
@@ -167,6 +171,7 @@ class distributed_data_parallel {
     const stream_ref s = ctx_->stream();
     check_communication();
     gather_parameters();  // a rank without rows this step calls backward without forward: it gathers here
+    wait_for_gathers();   // backward and the step after it: after every all-gather (which reads the shards)
     LOCKSTEP_EXPECTS(ctx_->deterministic().has_value() == deterministic_,
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
                      "built (its buckets hold ", deterministic_ ? "exact sums" : "gradients", "); build the wrapper after "
@@ -222,14 +227,21 @@ class distributed_data_parallel {
     grads_ready_.record(s);  // the optimizer step that updated the shards
     comm_stream_.wait(grads_ready_);
     comm_timeline_.begin(phase::communication, comm_stream_);
-    for (auto& b : buckets_) {
-      const std::size_t es = size_of(b.wire);
-      comm_.all_gather(static_cast<const std::byte*>(b.values->data()) + rank_offset(b) * es, b.values->data(),
-                       b.shard_elements, b.wire, comm_stream_);
+    // Last bucket first: it holds the first layers, which forward reads first. Each parameter's first read waits
+    // for its own bucket only (a read hook), so that forward overlaps the later gathers.
+    for (std::size_t b = buckets_.size(); b-- > 0;) {
+      bucket& bk = buckets_[b];
+      const std::size_t es = size_of(bk.wire);
+      comm_.all_gather(static_cast<const std::byte*>(bk.values->data()) + rank_offset(bk) * es, bk.values->data(),
+                       bk.shard_elements, bk.wire, comm_stream_);
+      bk.gathered->record(comm_stream_);
+      for (const std::size_t k : bk.params) {
+        params_[k].param->set_read_hook([this, &bk] { ctx_->stream().wait(*bk.gathered); });
+      }
     }
     comm_timeline_.end(comm_stream_);
     gathered_.record(comm_stream_);
-    s.wait(gathered_);
+    pending_reads_ = true;
     for (const auto& p : params_) p.param->set_stale(false);
     stale_ = false;
   }
@@ -341,6 +353,7 @@ class distributed_data_parallel {
     std::size_t shard_elements = 0;     // elements / world: each rank's range
     std::shared_ptr<tensor> values;     // the values forward reads, in the layout of `flat`
     std::optional<event> released;      // stage 2: `flat` (a reused buffer) was reduced and copied out
+    std::optional<event> gathered;      // `values` was all-gathered
   };
 
   // A failed all-reduce of an earlier step ends training here, on the calling thread, before another step is
@@ -421,6 +434,7 @@ class distributed_data_parallel {
       if (sharding_) {
         bk.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
         fill_zero(bk.values->bytes(), s);
+        bk.gathered.emplace(ctx_->get_device());
       }
       bk.done.emplace(ctx_->get_device());
       for (std::size_t i = 0; i < bk.params.size(); ++i) {
@@ -538,6 +552,15 @@ class distributed_data_parallel {
     b.done->record(comm_stream_);
   }
 
+  // ZeRO: orders the context's stream after every all-gather of the last gather_parameters() (the read hooks
+  // ordered only the reads forward made).
+  void wait_for_gathers() {
+    if (!pending_reads_) return;
+    ctx_->stream().wait(gathered_);
+    for (const auto& p : params_) p.param->set_read_hook(nullptr);
+    pending_reads_ = false;
+  }
+
   // ZeRO-2: the reduced shard of bucket b into the parameters' own gradient shards (added to what they hold since
   // zero_grad), on the communication stream; then the buffer may be reused.
   void copy_out(bucket& b) {
@@ -601,6 +624,7 @@ class distributed_data_parallel {
     // and the step), the next forward gathers again (reshard marks them stale again).
     regather_ = stale_;
     gather_parameters();
+    wait_for_gathers();  // the guard's readers (checkpoints) read the values on any stream
     // Every rank gathers the same state tensors: a rank that saved before the first step has state (the save
     // materialized it) that the others lack, so all materialize it (zeros; the next step stays a first step).
     opt.materialize_state(ctx_->stream());
@@ -792,6 +816,7 @@ class distributed_data_parallel {
   bool stage2_ = false;                          // and zero == 2
   int consolidations_ = 0;                       // consolidated() guards alive
   bool regather_ = false;                        // stale when the outermost guard began: stale again at its end
+  bool pending_reads_ = false;                   // gathered, and the context's stream not yet after every gather
   bool stale_ = false;                           // shards updated since the last gather
   std::vector<element_range> ranges_;            // each parameter's shard on this rank
   std::shared_ptr<tensor> grad_buffers_[2];      // stage 2: the buffers buckets take turns in

@@ -1,0 +1,223 @@
+// Tests of ZeRO (ddp_options::zero, parallel/distributed_data_parallel.hpp): stages 1 and 2 against plain DDP on
+// host cliques (the same bits: the same reduction order), their state split between the ranks, no_sync and
+// clipping, consolidation for checkpoints, and the errors a sharded rank gives. Its own program so that it also
+// runs under ThreadSanitizer, which checks the hand-offs between the compute and communication streams
+// (reduce-scatter, the ZeRO-2 buffers' reuse, the all-gather read by the next forward). Every test runs once per
+// backend (host devices, 4 of them: LOCKSTEP_HOST_DEVICES=4; GPUs with NCCL, skipped without them).
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/run_on_devices.hpp"
+#include "lockstep/parallel/distributed_data_parallel.hpp"
+#include "parallel_common.hpp"
+#include "test_support.hpp"
+
+using namespace lockstep;
+using namespace lockstep_test;
+using namespace parallel_test;
+
+namespace {
+
+// The parameters the runs start from.
+std::vector<float> initial_parameters(device d) {
+  stream s(d);
+  context ctx(s);
+  graph model = make_model(ctx);
+  return parameter_values(model, s);
+}
+
+class zero_test : public backend_test {};
+INSTANTIATE_TEST_SUITE_P(all, zero_test, all_backends(), backend_name);
+
+// Recipe r on one thread per device; every rank's result.
+std::vector<recipe_result> train_recipe_threads(const device_set& devices, std::int64_t batch, const recipe& r) {
+  std::vector<recipe_result> out(devices.size());
+  run_on_devices(devices, [&](rank_context& rc) {
+    out[static_cast<std::size_t>(rc.rank())] = train_recipe_rank(rc.comm(), rc.compute_stream(), rc.comm_stream(), batch, r);
+  });
+  return out;
+}
+
+}  // namespace
+
+// Parameterized over (backend, (devices, global batch, precision, AdamW rather than SGD)).
+class zero_equivalence : public on_backend<std::tuple<device_kind, std::tuple<int, std::int64_t, dtype, bool>>> {};
+
+TEST_P(zero_equivalence, stages_1_and_2_give_the_bits_of_ddp_and_split_the_state_between_the_ranks) {
+  const auto [k, batch, precision, use_adamw] = std::get<1>(GetParam());
+  if (!require_devices(k)) return;
+  recipe r{.precision = precision, .adamw = use_adamw};
+  const auto ddp = train_recipe_threads(devices(k), batch, r);
+  ASSERT_NE(ddp[0].parameters, initial_parameters(dev(0))) << "the run must train";
+  for (int zero : {1, 2}) {
+    r.zero = zero;
+    const auto sharded = train_recipe_threads(devices(k), batch, r);
+    std::uint64_t optimizer_bytes = 0, master_bytes = 0;
+    for (int rank = 0; rank < k; ++rank) {
+      const auto& mine = sharded[static_cast<std::size_t>(rank)];
+      EXPECT_EQ(mine.parameters, ddp[0].parameters) << "ZeRO-" << zero << ", rank " << rank << " of " << k;
+      EXPECT_EQ(mine.optimizer_state, ddp[0].optimizer_state) << "ZeRO-" << zero << ", rank " << rank << " of " << k;
+      optimizer_bytes += mine.report.optimizer_bytes;
+      if (precision != dtype::f32) master_bytes += mine.report.parameter_bytes;
+    }
+    // the shards partition the state: together the ranks hold one copy (plus a step counter each)
+    const std::uint64_t counters = sizeof(kernels::optimizer_counters);
+    EXPECT_EQ(optimizer_bytes, ddp[0].report.optimizer_bytes + static_cast<std::uint64_t>(k - 1) * counters)
+        << "ZeRO-" << zero;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(devices_batches_precisions, zero_equivalence,
+                         ::testing::Combine(all_backends(),
+                                            ::testing::Values(std::make_tuple(1, std::int64_t{64}, dtype::f32, false),
+                                                              std::make_tuple(2, std::int64_t{64}, dtype::f32, false),
+                                                              std::make_tuple(3, std::int64_t{130}, dtype::f16, true),
+                                                              std::make_tuple(4, std::int64_t{130}, dtype::bf16, false),
+                                                              std::make_tuple(4, std::int64_t{64}, dtype::f16, false),
+                                                              std::make_tuple(3, std::int64_t{64}, dtype::f32, true),
+                                                              std::make_tuple(4, std::int64_t{3}, dtype::bf16, true))),
+                         [](const auto& param_info) {
+                           const auto& p = std::get<1>(param_info.param);
+                           return std::string(name_of(std::get<0>(param_info.param))) + "_" +
+                                  std::to_string(std::get<0>(p)) + "_devices_batch_" + std::to_string(std::get<1>(p)) +
+                                  "_" + std::string(name_of(std::get<2>(p))) + (std::get<3>(p) ? "_adamw" : "_sgd");
+                         });
+
+TEST_P(zero_test, no_sync_micro_batches_and_clipping_agree_with_ddp) {
+  if (!require_devices(3)) return;
+  // no_sync: stage 1 accumulates whole gradients as DDP does (the same bits); stage 2 reduces every micro-batch
+  // and adds the sums (the same sum, rounded in another order)
+  recipe r{.precision = dtype::f32, .adamw = true, .micro_batches = 2};
+  const auto ddp = train_recipe_threads(devices(3), 130, r);
+  r.zero = 1;
+  EXPECT_EQ(train_recipe_threads(devices(3), 130, r)[2].parameters, ddp[0].parameters);
+  r.zero = 2;
+  EXPECT_LE(relative_difference(train_recipe_threads(devices(3), 130, r)[1].parameters, ddp[0].parameters), 1e-5);
+  // clipping: the norm over the ranks' shards (one all-reduce) is DDP's norm
+  r = recipe{.precision = dtype::f16, .adamw = true, .clip = 0.05f};
+  const auto clipped = train_recipe_threads(devices(3), 130, r);
+  ASSERT_GT(clipped[0].norm, 0.05f) << "the test must clip";
+  for (int zero : {1, 2}) {
+    r.zero = zero;
+    const auto sharded = train_recipe_threads(devices(3), 130, r);
+    for (const auto& rank : sharded) {
+      EXPECT_LE(std::abs(rank.norm - clipped[0].norm), 1e-6 * clipped[0].norm) << "ZeRO-" << zero;
+      EXPECT_LE(relative_difference(rank.parameters, clipped[0].parameters), 1e-5) << "ZeRO-" << zero;
+    }
+  }
+}
+
+TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
+  if (!require_devices(2)) return;
+  std::vector<std::string> messages(8);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s, dtype::f16);
+    graph model = make_model(ctx);
+    auto params = parameters_of(model).pointers();
+    adamw early(params, adamw_options{});
+    early.step(s);  // state for whole parameters, before the wrapper shards them
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 2});
+    EXPECT_EQ(ddp.zero_stage(), 2);
+    softmax_cross_entropy loss(reduction::mean);
+    tensor x(shape{4, features}, dtype::f16, s);
+    fill_zero(x.bytes(), s);
+    tensor y = device_labels({1, 2, 3, 4}, s);
+    loss.forward(ddp.forward(x), y, ctx);
+    ddp.backward(loss.backward(ctx));
+    loss_scaler scaler(s);
+    gradient_clipper clip(s);
+    if (rc.rank() != 0) return;
+    messages[0] = message_of<precondition_error>([&] { (void)params[0]->value(); });
+    messages[1] = message_of<precondition_error>([&] { (void)model.forward(x, ctx); });
+    messages[2] = message_of<precondition_error>([&] { scaler.unscale_and_check(params, s); });
+    messages[3] = message_of<precondition_error>([&] { (void)clip.clip_grad_norm(params, {}, s); });
+    messages[4] = message_of<precondition_error>([&] { early.step(s); });
+  });
+  EXPECT_CONTAINS(messages[0], "ZeRO shards it over the ranks: this rank updates elements [");
+  EXPECT_CONTAINS(messages[0], "and keeps only their fp32 master values");
+  EXPECT_CONTAINS(messages[0], "consolidated(optimizer)");
+  EXPECT_CONTAINS(messages[1], "stale");
+  EXPECT_CONTAINS(messages[1], "gather_parameters()");
+  EXPECT_CONTAINS(messages[2], "pass the communicator so that every rank skips the same steps");
+  EXPECT_CONTAINS(messages[3], "so that the norm covers every rank's shard");
+  EXPECT_CONTAINS(messages[4], "before distributed_data_parallel sharded the parameters");
+  for (const auto& [options, expected] :
+       {std::pair{ddp_options{.zero = 3}, "zero must be 0 (plain DDP), 1"},
+        std::pair{ddp_options{.hook = comm_hook::fp16, .zero = 1}, "cannot be combined with a comm hook"},
+        std::pair{ddp_options{.deterministic = deterministic_options{}, .zero = 1}, "cannot be combined with deterministic mode"}}) {
+    const auto o = options;
+    EXPECT_CONTAINS(message_of<error>([&] {
+                      run_on_devices(devices(2), [&](rank_context& rc) {
+                        context ctx(rc.compute_stream());
+                        graph model = make_model(ctx);
+                        distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), o);
+                      });
+                    }),
+                    expected);
+  }
+}
+
+TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward_and_step_changes_nothing) {
+  if (!require_devices(2)) return;
+  // Each rank: a rank-0-only materialize_state (what a checkpoint saved before the first step does), nested
+  // consolidated() guards, then steps with a consolidation between backward and the step (a save there, under
+  // ZeRO-2, must keep the gradient shards). The same bits as plain DDP, and every collective matched.
+  auto train = [&](int zero) {
+    std::vector<std::vector<float>> out(2);
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      const stream_ref s = rc.compute_stream();
+      context ctx(s, dtype::f16);
+      graph model = make_model(ctx);
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                    ddp_options{.bucket_bytes = 2048, .first_bucket_bytes = 512, .zero = zero});
+      auto params = parameters_of(model).pointers();
+      adamw opt(params, adamw_options{.lr = 0.01f});
+      loss_scaler scaler(s, loss_scaler_options{.initial_scale = 256.0f});
+      scaler.attach(ctx);
+      softmax_cross_entropy loss(reduction::mean);
+      if (rc.rank() == 0) opt.materialize_state(s);
+      {
+        auto outer = ddp.consolidated(opt);
+        { auto inner = ddp.consolidated(opt); }
+        EXPECT_EQ(parameter_values(model, s).size(), static_cast<std::size_t>(parameters_of(model).numel()));
+      }
+      const auto x = inputs();
+      const auto y = labels();
+      for (int step = 0; step < 4; ++step) {
+        opt.zero_grad();
+        const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
+        tensor xf = device_tensor(slice(x, begin, 32, features), shape{32, features}, s);
+        tensor xb(shape{32, features}, dtype::f16, s);
+        cast<half, float>(xf.span<const float>(), xb.span<half>(), s);
+        tensor yb = device_labels(slice(y, begin, 32, 1), s);
+        loss.forward(ddp.forward(xb), yb, ctx, 64);
+        ddp.backward(loss.backward(ctx));
+        { auto whole = ddp.consolidated(opt); }
+        scaler.unscale_and_check(params, s, rc.comm());
+        opt.step(s, scaler.optimizer_inputs());
+        scaler.update(s);
+      }
+      auto whole = ddp.consolidated(opt);
+      out[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
+    });
+    return out;
+  };
+  const auto plain = train(0);
+  for (int zero : {1, 2}) {
+    const auto sharded = train(zero);
+    EXPECT_EQ(sharded[0], plain[0]) << "ZeRO-" << zero;
+    EXPECT_EQ(sharded[1], plain[0]) << "ZeRO-" << zero;
+  }
+  // f32: the master values are the values forward reads, whole on every rank, yet only a shard is current
+  std::string f32_value;
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 1});
+    if (rc.rank() == 0) f32_value = message_of<precondition_error>([&] { (void)parameters_of(model)[0].param->value(); });
+  });
+  EXPECT_CONTAINS(f32_value, "ZeRO shards it over the ranks: this rank updates elements [");
+}
