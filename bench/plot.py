@@ -10,6 +10,7 @@ python3-matplotlib: scripts/setup.sh --plots; run with /usr/bin/python3, which s
                         stage, with the state bytes predicted from the layout
     --pytorch FILE      bench/compare_pytorch.py --json > FILE: lockstep's throughput against PyTorch's
     --out DIR           where the SVGs go (default docs/figures)
+    --format png        PNG instead of SVG (to preview)
 
 With --benchmark_repetitions, the median aggregate of each row is plotted. Rows that skipped (no GPU, no mpirun)
 are left out; a figure whose rows are all missing is not written.
@@ -22,7 +23,7 @@ import sys
 
 import matplotlib
 
-matplotlib.use("svg")
+matplotlib.use("Agg")
 import matplotlib.pyplot as plt  # noqa: E402
 
 plt.rcParams.update({"svg.hashsalt": "lockstep", "font.size": 9, "figure.dpi": 100})  # reproducible SVGs
@@ -43,7 +44,7 @@ def benchmark_rows(path):
     for b in data.get("benchmarks", []):
         if b.get("error_occurred"):
             continue
-        name = b.get("run_name", b["name"])
+        name = re.sub(r"(/iterations:\d+)?(/manual_time|/real_time)?$", "", b.get("run_name", b["name"]))
         if b.get("run_type") == "aggregate":
             if b.get("aggregate_name") == "median":
                 medians[name] = b
@@ -53,10 +54,13 @@ def benchmark_rows(path):
     return rows
 
 
+FORMAT = "svg"
+
+
 def save(fig, out, name):
-    path = os.path.join(out, name)
+    path = os.path.join(out, name.replace(".svg", "." + FORMAT))
     fig.tight_layout()
-    fig.savefig(path, metadata={"Date": None})
+    fig.savefig(path, metadata={"Date": None} if FORMAT == "svg" else None)
     plt.close(fig)
     print(f"wrote {path}")
 
@@ -76,7 +80,7 @@ def plot_collectives(rows, out):
     if not series:
         return
     backends = sorted({k[0] for k in series})
-    fig, axes = plt.subplots(1, len(backends), figsize=(6.5 * len(backends), 4.2), squeeze=False)
+    fig, axes = plt.subplots(1, len(backends), figsize=(8.5 * len(backends), 4.2), squeeze=False)
     for ax, backend in zip(axes[0], backends):
         top = max(k[2] for k in series if k[0] == backend)
         for (b, op, k), pts in sorted(series.items()):
@@ -94,7 +98,7 @@ def plot_collectives(rows, out):
         ax.set_ylabel("busbw (GB/s)")
         ax.set_title(f"{backend}: collectives of {top} ranks")
         ax.grid(True, alpha=0.3)
-        ax.legend(fontsize=7)
+        ax.legend(fontsize=7, loc="upper left", bbox_to_anchor=(1.01, 1.0))
     save(fig, out, "collectives_busbw.svg")
 
 
@@ -108,14 +112,14 @@ def plot_grad_sync(rows, out):
         return
     keys = sorted(data, key=lambda k: (k[0], k[1], k[2]))
     methods = sorted({meth for v in data.values() for meth in v})
-    fig, ax = plt.subplots(figsize=(max(6.5, 0.55 * len(keys) * len(methods) / 2), 4.2))
+    fig, ax = plt.subplots(figsize=(max(7.5, 1.2 * len(keys)), 4.2))
     width = 0.8 / len(methods)
     for i, meth in enumerate(methods):
         ax.bar([j + i * width for j in range(len(keys))], [data[k].get(meth, 0) for k in keys], width, label=meth)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(keys))])
-    ax.set_xticklabels([f"{b} {mlp}\n{k} ranks" for b, mlp, k in keys], fontsize=7)
+    ax.set_xticklabels([f"{mlp}\n{k} ranks" + ("" if b == "host" else f" ({b})") for b, mlp, k in keys], fontsize=7)
     ax.set_ylabel("gradient busbw (GB/s)")
-    ax.set_title("gradient synchronization three ways")
+    ax.set_title("gradient synchronization three ways (f32 gradients of MLPs, host devices)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, out, "grad_sync.svg")
@@ -163,7 +167,7 @@ def plot_pytorch(path, out):
     ax.set_xticks(list(xs))
     ax.set_xticklabels(labels, fontsize=7)
     ax.set_ylabel("samples per second (median)")
-    ax.set_title("training throughput: lockstep against PyTorch (single: 1 core; ddp: 2 devices / processes)")
+    ax.set_title("lockstep against PyTorch, samples/s (single: 1 core; ddp: 2 ranks)")
     ax.grid(True, axis="y", alpha=0.3)
     ax.legend(fontsize=7)
     save(fig, out, "pytorch_throughput.svg")
@@ -176,7 +180,10 @@ def main():
     p.add_argument("--zero")
     p.add_argument("--pytorch")
     p.add_argument("--out", default=os.path.join(here, "..", "docs", "figures"))
+    p.add_argument("--format", default="svg", choices=["svg", "png"])
     a = p.parse_args()
+    global FORMAT
+    FORMAT = a.format
     if not (a.collectives or a.zero or a.pytorch):
         p.error("give at least one of --collectives, --zero, --pytorch")
     os.makedirs(a.out, exist_ok=True)
