@@ -6,7 +6,7 @@
             AdamW, --memory-precision (default f16), batch 128 (126 on 3 devices); the bytes the sample reports for the parameters
             (working copies and fp32 masters), the gradients (with the buffers they are reduced in) and the
             optimizer state; and the bytes predicted from the layout (below). The largest device of each run.
-    speed   ms per step of DDP, ZeRO-1 and ZeRO-2 on --speed-devices host devices (default 2) for --speed-hidden
+    speed   ms per step of DDP, ZeRO-1 and ZeRO-2 on each of --speed-devices host device counts (default 2) for --speed-hidden
             (default 1024,1024: 784-1024-1024-10) with the sample's recipe otherwise (f32, SGD, batch 128),
             alternated (DDP, ZeRO-1, ZeRO-2, DDP, ...): the median of --repeats runs of --steps steps, and each
             stage's ratio to DDP.
@@ -18,8 +18,8 @@ Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), fro
     ZeRO-2  2 + B / P (two reused bucket buffers, B bytes: the largest bucket of each parity) + 2 / N + 12 / N
 (f32: the working copy is the master, and the f32 gradients are reduced in place in every stage.)
 
-Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--max-devices 4] [--steps N] [--repeats R]
-                     [--json FILE]
+Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--max-devices 4] [--speed-devices 1 2 3 4]
+                     [--steps N] [--repeats R] [--json FILE]
 Writes the figures as JSON (for bench/plot.py) with --json, and prints markdown tables.
 """
 import argparse
@@ -88,13 +88,13 @@ def main():
     p.add_argument("--memory-hidden", default="4096,4096")
     p.add_argument("--memory-precision", default="f16")
     p.add_argument("--memory-steps", type=int, default=3)
-    p.add_argument("--speed-devices", type=int, default=2)
+    p.add_argument("--speed-devices", type=int, nargs="+", default=[2])
     p.add_argument("--speed-hidden", default="1024,1024")
     p.add_argument("--steps", type=int, default=100)
     p.add_argument("--repeats", type=int, default=5)
     p.add_argument("--json", default="")
     a = p.parse_args()
-    env = dict(os.environ, LOCKSTEP_HOST_DEVICES=str(max(a.max_devices, a.speed_devices)))
+    env = dict(os.environ, LOCKSTEP_HOST_DEVICES=str(max([a.max_devices] + a.speed_devices)))
     env.pop("LOCKSTEP_HOST_STRICT", None)  # a test-time mode: measure the library as users run it
     report = {}
 
@@ -129,25 +129,29 @@ def main():
                   f"{mib(r['optimizer_bytes']):.1f} | {mib(state):.1f} | {mib(r['predicted_state_bytes']):.1f} |")
 
     if "speed" in a.modes:
-        devices = ",".join(f"host:{i}" for i in range(a.speed_devices))
-        times = {0: [], 1: [], 2: []}
-        for _ in range(a.repeats):
-            for zero in (0, 1, 2):
-                j = run([a.mlp_train, "--mode", "ddp", "--devices", devices, "--zero", str(zero), "--hidden",
-                         a.speed_hidden, "--batch", "128", "--max-steps", str(a.steps), "--lr-schedule", "constant",
-                         "--json"], env)
-                times[zero].append(1000.0 * j["train_seconds"] / j["steps"])
-        med = {z: statistics.median(t) for z, t in times.items()}
-        report["speed"] = {"hidden": a.speed_hidden, "devices": a.speed_devices, "steps": a.steps,
-                           "repeats": a.repeats, "ms_per_step": {str(z): t for z, t in times.items()},
-                           "median_ms": {str(z): m for z, m in med.items()}}
-        print(f"\nspeed: 784-{a.speed_hidden.replace(',', '-')}-10 on {a.speed_devices} host devices, f32 SGD, batch 128, "
+        speed = {"hidden": a.speed_hidden, "steps": a.steps, "repeats": a.repeats, "rows": []}
+        for n in a.speed_devices:
+            devices = ",".join(f"host:{i}" for i in range(n))
+            batch = 128 // n * n
+            times = {0: [], 1: [], 2: []}
+            for _ in range(a.repeats):
+                for zero in (0, 1, 2):
+                    j = run([a.mlp_train, "--mode", "ddp", "--devices", devices, "--zero", str(zero), "--hidden",
+                             a.speed_hidden, "--batch", str(batch), "--max-steps", str(a.steps), "--lr-schedule",
+                             "constant", "--json"], env)
+                    times[zero].append(1000.0 * j["train_seconds"] / j["steps"])
+            med = {z: statistics.median(t) for z, t in times.items()}
+            for z in (0, 1, 2):
+                speed["rows"].append({"devices": n, "zero": z, "batch": batch, "median_ms": med[z],
+                                      "vs_ddp": med[z] / med[0], "ms_per_step": times[z]})
+        report["speed"] = speed
+        print(f"\nspeed: 784-{a.speed_hidden.replace(',', '-')}-10, f32 SGD, batch 128 (126 on 3 devices), ms per step, "
               f"median of {a.repeats} alternated runs of {a.steps} steps")
-        print("| stage | ms per step | vs DDP | runs |")
-        print("| --- | ---: | ---: | --- |")
-        for z in (0, 1, 2):
-            print(f"| {'DDP' if z == 0 else 'ZeRO-' + str(z)} | {med[z]:.2f} | {med[z] / med[0]:.3f}x | "
-                  f"{', '.join(f'{t:.2f}' for t in times[z])} |")
+        print("| devices | stage | ms per step | vs DDP | runs |")
+        print("| ---: | --- | ---: | ---: | --- |")
+        for r in speed["rows"]:
+            print(f"| {r['devices']} | {'DDP' if r['zero'] == 0 else 'ZeRO-' + str(r['zero'])} | {r['median_ms']:.2f} | "
+                  f"{r['vs_ddp']:.3f}x | {', '.join(f'{t:.2f}' for t in r['ms_per_step'])} |")
 
     if a.json:
         with open(a.json, "w") as f:

@@ -191,7 +191,7 @@ TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward
         const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
         tensor xf = device_tensor(slice(x, begin, 32, features), shape{32, features}, s);
         tensor xb(shape{32, features}, dtype::f16, s);
-        cast<half, float>(xf.span<const float>(), xb.span<half>(), s);
+        cast<lockstep::half, float>(xf.span<const float>(), xb.span<lockstep::half>(), s);
         tensor yb = device_labels(slice(y, begin, 32, 1), s);
         loss.forward(ddp.forward(xb), yb, ctx, 64);
         ddp.backward(loss.backward(ctx));
