@@ -93,6 +93,14 @@ std::vector<float> parameter_values(Model& m, stream_ref s) {
   return out;
 }
 
+/// The parameters the runs start from.
+inline std::vector<float> initial_parameters(device d) {
+  stream s(d);
+  context ctx(s);
+  graph model = make_model(ctx);
+  return parameter_values(model, s);
+}
+
 /// `steps` steps of single-device training with global batch `batch` on `d` (in deterministic mode with
 /// `deterministic`); the final parameters.
 inline std::vector<float> train_single(device d, std::int64_t batch,

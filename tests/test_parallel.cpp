@@ -65,14 +65,6 @@ std::vector<std::vector<float>> train_ddp_threads(const device_set& devices, std
   return result;
 }
 
-// The parameters the runs start from.
-std::vector<float> initial_parameters(device d) {
-  stream s(d);
-  context ctx(s);
-  graph model = make_model(ctx);
-  return parameter_values(model, s);
-}
-
 // Every suite that runs on devices runs once per backend.
 class primitives_test : public backend_test {};
 class data_parallel_test : public backend_test {};

@@ -20,14 +20,6 @@ using namespace parallel_test;
 
 namespace {
 
-// The parameters the runs start from.
-std::vector<float> initial_parameters(device d) {
-  stream s(d);
-  context ctx(s);
-  graph model = make_model(ctx);
-  return parameter_values(model, s);
-}
-
 class zero_test : public backend_test {};
 INSTANTIATE_TEST_SUITE_P(all, zero_test, all_backends(), backend_name);
 
