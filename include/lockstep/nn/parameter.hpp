@@ -240,8 +240,9 @@ class parameter {
   }
 
   /// Makes `range` this rank's shard, in stream order on `s`. Under f16/bf16 the master values outside it are
-  /// freed (value() then refuses); with `own_grad_storage` (ZeRO-2) the gradient shard gets storage of its own,
-  /// marked zero. Call it between steps, with the gradient logically zero.
+  /// freed; value() refuses while the parameter is sharded. With `own_grad_storage` (ZeRO-2) the gradient shard
+  /// gets storage of its own: what clear_shard kept aside for the same range (with what it holds), else new
+  /// storage marked zero.
   void set_shard(element_range range, bool own_grad_storage, stream_ref s) {
     LOCKSTEP_EXPECTS(!sharded_ && range.begin >= 0 && range.begin <= range.end && range.end <= numel(),
                      "parameter ", name_, ": shard [", range.begin, ", ", range.end, ") of ", numel(),
