@@ -224,7 +224,7 @@ class optimizer_core {
           for (int k = 0; k < State; ++k) {
             tg.ptr[2 + k] = g.state.empty() ? nullptr : g.state[i][static_cast<std::size_t>(k)].data();
           }
-          tg.ptr[K - 1] = p->working().empty() ? nullptr : p->working_shard().data();
+          tg.ptr[K - 1] = p->working_shard().data();  // null under f32
           tg.size = n;
           batch.push_back(tg);
         }

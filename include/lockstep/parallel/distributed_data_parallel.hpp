@@ -211,10 +211,7 @@ class distributed_data_parallel {
         unpack(b);
       }
     }
-    if (sharding_) {  // each rank updates its shard: the others' values arrive with the next gather
-      for (const auto& p : params_) p.param->set_stale(true);
-      stale_ = true;
-    }
+    if (sharding_) set_stale(true);  // each rank updates its shard: the others' values arrive with the next gather
   }
 
   /// ZeRO: all-gathers the values each rank updated into every rank's copy, in stream order on the context's
@@ -242,8 +239,7 @@ class distributed_data_parallel {
     comm_timeline_.end(comm_stream_);
     gathered_.record(comm_stream_);
     pending_reads_ = true;
-    for (const auto& p : params_) p.param->set_stale(false);
-    stale_ = false;
+    set_stale(false);
   }
 
   /// ZeRO: while the returned guard lives, every rank holds whole parameters (their fp32 master values) and the
@@ -402,15 +398,19 @@ class distributed_data_parallel {
     const stream_ref s = ctx_->stream();
     const auto world = static_cast<std::size_t>(comm_.size());
     // The pool's cached blocks (the model's initialization staging, say) go back first, so that the buckets
-    // (allocated once, for the whole run) are not served by larger cached blocks; see the end.
-    s.synchronize();
+    // (allocated once, for the whole run) are not served by larger cached blocks; see the end. (It waits for the
+    // frees still pending on streams.)
     release_cached_memory(ctx_->get_device());
+    if (sharding_) {  // every rank's range the same size, at a 256-byte boundary
+      for (auto& bk : buckets_) {
+        bk.elements = round_up(bk.elements, world * (alignment / size_of(bk.wire)));
+        bk.shard_elements = bk.elements / world;
+      }
+    }
     if (stage2_) {  // two buffers, bucket b using buffer b % 2, each as large as its largest bucket
       std::size_t bytes_of[2] = {0, 0};
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        auto& bk = buckets_[b];
-        bk.elements = round_up(bk.elements, world * (alignment / size_of(bk.wire)));
-        bytes_of[b % 2] = std::max(bytes_of[b % 2], bk.elements * size_of(bk.wire));
+        bytes_of[b % 2] = std::max(bytes_of[b % 2], buckets_[b].elements * size_of(buckets_[b].wire));
       }
       for (int i = 0; i < 2; ++i) {
         if (bytes_of[i] == 0) continue;
@@ -420,10 +420,6 @@ class distributed_data_parallel {
     }
     for (std::size_t b = 0; b < buckets_.size(); ++b) {
       auto& bk = buckets_[b];
-      if (sharding_) {  // every rank's range the same size, at a 256-byte boundary
-        bk.elements = round_up(bk.elements, world * (alignment / size_of(bk.wire)));
-        bk.shard_elements = bk.elements / world;
-      }
       if (stage2_) {
         bk.flat = grad_buffers_[b % 2];
         bk.released.emplace(ctx_->get_device());
@@ -458,11 +454,9 @@ class distributed_data_parallel {
     // What the wrapper freed (gradients moved into buckets; under ZeRO the working copies, then the whole masters)
     // goes back to the device rather than staying cached in its pool, where a later allocation of another size
     // could take a block up to twice its size (host devices) and hold memory training does not need.
-    s.synchronize();
     release_cached_memory(ctx_->get_device());
     if (sharding_) {
       for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
-      s.synchronize();
       release_cached_memory(ctx_->get_device());
     }
   }
@@ -629,9 +623,9 @@ class distributed_data_parallel {
     // materialized it) that the others lack, so all materialize it (zeros; the next step stays a first step).
     opt.materialize_state(ctx_->stream());
     const stream_ref s = comm_stream_;
+    std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
+    for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
     for (int which = 0; which < Optimizer::state_count; ++which) {
-      std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
-      for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
       gather_whole([&](std::size_t k) { return where.contains(k); },
                    [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
                    [&](std::size_t k, const tensor_view& whole) {
@@ -667,10 +661,13 @@ class distributed_data_parallel {
       });
     }
     for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
-    if (std::exchange(regather_, false)) {
-      for (const auto& p : params_) p.param->set_stale(true);
-      stale_ = true;
-    }
+    if (std::exchange(regather_, false)) set_stale(true);
+  }
+
+  // ZeRO: every parameter's values stale (after backward) or current (after a gather).
+  void set_stale(bool stale) {
+    for (const auto& p : params_) p.param->set_stale(stale);
+    stale_ = stale;
   }
 
   // Calls f(group, index in group, parameter index) for every parameter of this wrapper for which `opt` holds
