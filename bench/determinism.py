@@ -5,7 +5,8 @@ and that one epoch ends with the same weights in every mode and on every number 
     cost      ms per training step with and without --deterministic, alternated (ordinary, deterministic,
               ordinary, ...) so that a noisy neighbour slows both; the median of each side's --repeats runs of
               --steps steps and the ratio of the medians. On one host device and with DDP on 2, for each of
-              --hidden. --chunk-rows lists the chunk sizes measured (default 32).
+              --hidden; DDP also with --exact-sums accumulators (exact sums all-reduced, not partial gradients
+              gathered). --chunk-rows lists the chunk sizes measured (default 32).
     accuracy  the test accuracy after the sample's full recipe (5 epochs, cosine schedule) for each of --seeds,
               with and without --deterministic, on one host device; the largest difference.
     hashes    weights_sha256 after --epochs epochs (default 1) for single, dp on 2/3/4 host devices, DDP on 2/3/4
@@ -60,23 +61,33 @@ def main():
                 for chunk in a.chunk_rows:
                     base = [a.mlp_train, "--mode", mode, "--devices", devices, "--hidden", hidden, "--batch", "128",
                             "--max-steps", str(a.steps), "--lr-schedule", "constant", "--json"]
-                    times = {"ordinary": [], "deterministic": []}
+                    # DDP two ways: the partial gradients gathered (auto, when they fit) and exact sums all-reduced
+                    sides = {"ordinary": [], "deterministic": []}
+                    if mode == "ddp":
+                        sides["accumulators"] = []
                     for _ in range(a.repeats):
-                        for side in ("ordinary", "deterministic"):
-                            extra = ["--deterministic", "--chunk-rows", str(chunk)] if side == "deterministic" else []
+                        for side in sides:
+                            extra = [] if side == "ordinary" else ["--deterministic", "--chunk-rows", str(chunk)]
+                            if side == "accumulators":
+                                extra += ["--exact-sums", "accumulators"]
                             j = run(base + extra, env)
-                            times[side].append(1000.0 * j["train_seconds"] / j["steps"])
-                    o, d = statistics.median(times["ordinary"]), statistics.median(times["deterministic"])
-                    rows.append({"hidden": hidden, "mode": mode, "devices": devices, "chunk_rows": chunk,
-                                 "ordinary_ms": o, "deterministic_ms": d, "ratio": d / o})
+                            sides[side].append(1000.0 * j["train_seconds"] / j["steps"])
+                    o, d = statistics.median(sides["ordinary"]), statistics.median(sides["deterministic"])
+                    row = {"hidden": hidden, "mode": mode, "devices": devices, "chunk_rows": chunk,
+                           "ordinary_ms": o, "deterministic_ms": d, "ratio": d / o}
+                    if "accumulators" in sides:
+                        acc = statistics.median(sides["accumulators"])
+                        row.update({"accumulators_ms": acc, "accumulators_ratio": acc / o})
+                    rows.append(row)
         report["cost"] = rows
         if not a.json:
             print(f"cost: ms per step, batch 128, median of {a.repeats} alternated runs of {a.steps} steps")
-            print("| model | mode | chunk rows | ordinary | deterministic | ratio |")
-            print("| --- | --- | ---: | ---: | ---: | ---: |")
+            print("| model | mode | chunk rows | ordinary | deterministic | ratio | DDP, exact sums all-reduced |")
+            print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
             for r in rows:
+                acc = f"{r['accumulators_ms']:.2f} ({r['accumulators_ratio']:.2f}x)" if "accumulators_ms" in r else ""
                 print(f"| 784-{r['hidden'].replace(',', '-')}-10 | {r['mode']} ({r['devices']}) | {r['chunk_rows']} | "
-                      f"{r['ordinary_ms']:.2f} | {r['deterministic_ms']:.2f} | {r['ratio']:.2f}x |")
+                      f"{r['ordinary_ms']:.2f} | {r['deterministic_ms']:.2f} | {r['ratio']:.2f}x | {acc} |")
 
     if "accuracy" in a.modes:
         rows = []

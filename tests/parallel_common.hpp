@@ -130,9 +130,13 @@ inline std::vector<float> train_single(device d, std::int64_t batch,
 /// of `batch` rows (the loss is the mean over the global batch); in deterministic mode (`deterministic`) its
 /// deterministic_shard. The rank's final parameters. Threads (run_on_devices) and processes (mpirun) run the same
 /// code.
+/// In deterministic mode, `global` tells the context the global batch (context::set_global_rows), with which the
+/// wrapper may gather partial gradients; `*gathered` (when given) then says whether the last backward did.
+enum class global_batch : std::uint8_t { not_told, told };
 inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, stream_ref comm_stream,
                                          std::int64_t batch, ddp_options options = {},
-                                         std::optional<deterministic_options> deterministic = std::nullopt) {
+                                         std::optional<deterministic_options> deterministic = std::nullopt,
+                                         global_batch global = global_batch::not_told, bool* gathered = nullptr) {
   const stream_ref s = ctx.stream();
   graph model = make_model(ctx);
   options.deterministic = deterministic;  // the wrapper sets the mode on the context
@@ -151,6 +155,7 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
       // row is then the batch's end, not a chunk boundary)
       const row_range mine = deterministic_shard(batch, deterministic->chunk_rows, comm.rank(), comm.size());
       ctx.set_row_offset(mine.begin);
+      if (global == global_batch::told) ctx.set_global_rows(batch);
       tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
       tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
       loss.forward(ddp.forward(xb), yb, ctx, batch);
@@ -166,6 +171,7 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
     }
     opt.step(s);
   }
+  if (gathered != nullptr) *gathered = ddp.gathered_partials();
   return parameter_values(model, s);
 }
 
@@ -180,6 +186,8 @@ struct recipe {
   float clip = 0.0f;  // max norm (0: none)
   std::size_t bucket_bytes = 2048;
   std::size_t first_bucket_bytes = 512;
+  float initial_scale = 0.0f;  // f16's loss scale to start from (0: 2^10)
+  std::optional<deterministic_options> deterministic = std::nullopt;  // each rank on its deterministic_shard
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -189,6 +197,7 @@ struct recipe_result {
   std::vector<float> optimizer_state;
   device_report report;
   float norm = 0.0f;
+  std::int64_t skipped_steps = 0;  // by the loss scaler
 };
 
 /// One rank of distributed_data_parallel training with recipe `r`: `steps` steps of the same global batch of
@@ -199,7 +208,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   graph model = make_model(ctx);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,
                                 ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
-                                            .zero = r.zero});
+                                            .deterministic = r.deterministic, .zero = r.zero});
   auto params = parameters_of(model).pointers();
   std::optional<sgd> plain;
   std::optional<adamw> adam;
@@ -211,7 +220,8 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   std::optional<loss_scaler> scaler;
   if (r.precision != dtype::f32) {
     // f16: a scale of 2^10 growing every 5 clean steps, so that growth and (at 2^15+) overflows happen
-    scaler.emplace(s, r.precision == dtype::f16 ? loss_scaler_options{.initial_scale = 1024.0f, .growth_interval = 5}
+    const float initial = r.initial_scale > 0.0f ? r.initial_scale : 1024.0f;
+    scaler.emplace(s, r.precision == dtype::f16 ? loss_scaler_options{.initial_scale = initial, .growth_interval = 5}
                                                 : loss_scaler_options::for_precision(r.precision));
     scaler->attach(ctx);
   }
@@ -224,9 +234,13 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   for (int step = 0; step < steps; ++step) {
     const std::int64_t first = first_row(step, batch);
     plain ? plain->zero_grad() : adam->zero_grad();
-    const row_range mine = static_cast<std::size_t>(comm.rank()) < chunks.size() ? chunks[static_cast<std::size_t>(comm.rank())]
-                                                                                  : row_range{batch, 0};
-    const auto micro = chunk_rows(mine.rows, static_cast<std::size_t>(r.micro_batches));
+    row_range mine = static_cast<std::size_t>(comm.rank()) < chunks.size() ? chunks[static_cast<std::size_t>(comm.rank())]
+                                                                            : row_range{batch, 0};
+    auto micro = chunk_rows(mine.rows, static_cast<std::size_t>(r.micro_batches));
+    if (r.deterministic) {  // whole chunks, for the rank and for its micro-batches
+      mine = deterministic_shard(batch, r.deterministic->chunk_rows, comm.rank(), comm.size());
+      micro = deterministic_shards(mine.rows, r.deterministic->chunk_rows, static_cast<std::size_t>(r.micro_batches));
+    }
     for (int m = 0; m < r.micro_batches; ++m) {
       const bool last = m + 1 == r.micro_batches;
       auto pass = [&] {
@@ -236,6 +250,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
         }
         const std::int64_t at = first + mine.begin + micro[static_cast<std::size_t>(m)].begin;
         const std::int64_t rows = micro[static_cast<std::size_t>(m)].rows;
+        if (r.deterministic) ctx.set_row_offset(mine.begin + micro[static_cast<std::size_t>(m)].begin);
         tensor xb = device_tensor(slice(x, at, rows, features), shape{rows, features}, s);
         tensor yb = device_labels(slice(y, at, rows, 1), s);
         tensor input(shape{rows, features}, r.precision, s);
@@ -273,6 +288,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   out.report = ddp.report();
   out.report.optimizer_bytes = plain ? plain->state_bytes() : adam->state_bytes();  // sharded, as trained
   if (r.clip > 0.0f) out.norm = clipper.total_norm(s);
+  if (scaler) out.skipped_steps = scaler->read(s).skipped_steps;
   auto whole = [&](auto& opt) {
     auto full = ddp.consolidated(opt);
     out.parameters = parameter_values(model, s);

@@ -568,7 +568,14 @@ TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_te
     launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data() + 2 * n, 3, n, acc.data(), false}, s,
                        "accumulate");
     device_buffer<T> rounded(n, s), one_pass(n, s);
-    launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), n, rounded.data()}, s, "round");
+    launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), acc.data() + n, acc.data() + 2 * n, rounded.data()}, s,
+                       "round");
+    // a range of the elements alone (a ZeRO shard): [n/3, n - n/4)
+    const std::size_t from = n / 3, to = n - n / 4;
+    device_buffer<T> range(to - from, s);
+    launch_elementwise(to - from,
+                       kernels::exact_round_op<T>{acc.data() + from, acc.data() + n + from, acc.data() + 2 * n, range.data()},
+                       s, "round a range");
     device_buffer<std::int64_t> outside(1, s);
     fill_zero(outside.span(), s);
     launch_elementwise(n, kernels::exact_sum_op<T>{partials.data(), chunks, n, one_pass.data(), outside.data()}, s,
@@ -580,6 +587,8 @@ TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_te
       ASSERT_EQ(a[i], expected[i]) << "accumulated, element " << i;
       ASSERT_EQ(b[i], expected[i]) << "one pass, element " << i;
     }
+    const auto ranged = to_floats(to_vector(device_span<const T>(range.span()), s));
+    for (std::size_t i = from; i < to; ++i) ASSERT_EQ(ranged[i - from], expected[i]) << "range, element " << i;
     // one term outside the window: every element of the tensor is NaN, on both paths
     std::vector<float> with_inf(partial);
     with_inf[3 * n + 17] = std::numeric_limits<float>::infinity();
@@ -587,7 +596,8 @@ TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_te
     fill_zero(acc.span(), s);
     fill_zero(outside.span(), s);
     launch_elementwise(n, kernels::exact_accumulate_op<T>{bad.data(), chunks, n, acc.data(), true}, s, "accumulate");
-    launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), n, rounded.data()}, s, "round");
+    launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), acc.data() + n, acc.data() + 2 * n, rounded.data()}, s,
+                       "round");
     launch_elementwise(n, kernels::exact_sum_op<T>{bad.data(), chunks, n, one_pass.data(), outside.data()}, s, "sum");
     launch_elementwise(n, kernels::exact_poison_op<T>{outside.data(), one_pass.data()}, s, "poison");
     const auto c = to_floats(to_vector(device_span<const T>(rounded.span()), s));

@@ -55,12 +55,17 @@ std::vector<float> train_data_parallel(const device_set& devices, std::int64_t b
 // Returns every rank's final parameters.
 std::vector<std::vector<float>> train_ddp_threads(const device_set& devices, std::int64_t batch,
                                                   ddp_options options = {},
-                                                  std::optional<deterministic_options> deterministic = std::nullopt) {
+                                                  std::optional<deterministic_options> deterministic = std::nullopt,
+                                                  global_batch global = global_batch::not_told,
+                                                  std::vector<char>* gathered = nullptr) {
   std::vector<std::vector<float>> result(devices.size());
+  if (gathered != nullptr) gathered->assign(devices.size(), 0);
   run_on_devices(devices, [&](rank_context& rc) {
     context ctx(rc.compute_stream());
+    bool mine = false;
     result[static_cast<std::size_t>(rc.rank())] =
-        train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options, deterministic);
+        train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options, deterministic, global, &mine);
+    if (gathered != nullptr) (*gathered)[static_cast<std::size_t>(rc.rank())] = mine;
   });
   return result;
 }
@@ -224,8 +229,18 @@ TEST_P(deterministic_equivalence, single_dp_and_ddp_give_the_same_bits_on_any_nu
   EXPECT_LE(relative_difference(single, train_single(dev(0), batch)), 1e-5);
   EXPECT_NE(single, initial_parameters(dev(0))) << "the run must train";
   EXPECT_EQ(train_data_parallel(devices(k), batch, nullptr, det), single) << "data_parallel on " << k << " devices";
-  const auto ranks = train_ddp_threads(devices(k), batch, {}, det);
-  for (int r = 0; r < k; ++r) EXPECT_EQ(ranks[static_cast<std::size_t>(r)], single) << "ddp rank " << r << " of " << k;
+  // DDP two ways: exact accumulators all-reduced, and (told the global batch) the chunks' partial gradients
+  // gathered where they fit (16 bytes per parameter: ranks x slots x 4 for f32)
+  const std::int64_t chunks = (batch + chunk - 1) / chunk, slots = (chunks + k - 1) / k;
+  for (const global_batch global : {global_batch::not_told, global_batch::told}) {
+    std::vector<char> gathered;
+    const auto ranks = train_ddp_threads(devices(k), batch, {}, det, global, &gathered);
+    const bool expected = global == global_batch::told && k * slots * 4 <= 16;
+    for (int r = 0; r < k; ++r) {
+      EXPECT_EQ(ranks[static_cast<std::size_t>(r)], single) << "ddp rank " << r << " of " << k << ", gathered " << expected;
+      EXPECT_EQ(gathered[static_cast<std::size_t>(r)] != 0, expected) << "rank " << r;
+    }
+  }
 }
 
 INSTANTIATE_TEST_SUITE_P(devices_batches_chunks, deterministic_equivalence,
@@ -275,11 +290,14 @@ TEST_P(ddp_test, deterministic_micro_batches_on_one_device_give_the_bits_of_one_
 }
 
 TEST_P(ddp_test, deterministic_no_sync_micro_batches_give_the_bits_of_one_device) {
-  // 2 ranks x 2 micro-batches of 16 rows (the first under no_sync) make the 64-row batch of one device.
+  // 2 ranks x 2 micro-batches of 16 rows (the first under no_sync) make the 64-row batch of one device. Told the
+  // global batch, the wrapper could gather partial gradients for it, but not after a no_sync backward: it adds to
+  // the exact sums that one kept.
   if (!require_devices(2)) return;
   const deterministic_options det{.chunk_rows = 16};
   const std::int64_t batch = 64, rows = 16;
   std::vector<std::vector<float>> ranks(2);
+  std::vector<char> gathered(2, 1);
   run_on_devices(devices(2), [&](rank_context& rc) {
     const stream_ref s = rc.compute_stream();
     context ctx(s);
@@ -292,6 +310,7 @@ TEST_P(ddp_test, deterministic_no_sync_micro_batches_give_the_bits_of_one_device
       for (int m = 0; m < 2; ++m) {
         const std::int64_t offset = rc.rank() * 2 * rows + m * rows, first = first_row(step, batch) + offset;
         ctx.set_row_offset(offset);
+        ctx.set_global_rows(batch);
         tensor xb = device_tensor(slice(inputs(), first, rows, features), shape{rows, features}, s);
         tensor yb = device_labels(slice(labels(), first, rows, 1), s);
         loss.forward(ddp.forward(xb), yb, ctx, batch);
@@ -305,10 +324,12 @@ TEST_P(ddp_test, deterministic_no_sync_micro_batches_give_the_bits_of_one_device
       opt.step(s);
     }
     ranks[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
+    gathered[static_cast<std::size_t>(rc.rank())] = ddp.gathered_partials();
   });
   const auto single = train_single(dev(0), batch, det);
   EXPECT_EQ(ranks[0], single);
   EXPECT_EQ(ranks[1], single);
+  EXPECT_EQ(gathered, std::vector<char>(2, 0));
 }
 
 namespace {

@@ -52,17 +52,24 @@ int main(int argc, char** argv) {
                   identical ? "" : ", parameters differ from rank 0's", ok ? "ok" : "FAILED");
       if (!ok) failed = 1;
     }
-    // deterministic mode: the same bits as one device, whatever the number of processes and however uneven
+    // deterministic mode: the same bits as one device, whatever the number of processes and however uneven;
+    // exact accumulators all-reduced, or (told the global batch) partial gradients gathered where they fit
     for (const auto& [batch, chunk] : {std::pair<std::int64_t, std::int64_t>{64, 16}, {130, 16}, {3, 1}}) {
       const lockstep::deterministic_options det{.chunk_rows = chunk};
       const auto reference = train_single(host0, batch, det);
-      lockstep::context ctx(compute);
-      const auto mine = train_ddp_rank(ctx, comm, comm_stream, batch, {}, det);
-      const bool ok = mine == reference;
-      std::printf("[rank %d of %d] batch %3lld, deterministic (chunks of %lld): %s\n", rank, comm.size(),
-                  static_cast<long long>(batch), static_cast<long long>(chunk),
-                  ok ? "bit-identical to one device — ok" : "differs from one device — FAILED");
-      if (!ok) failed = 1;
+      for (const global_batch global : {global_batch::not_told, global_batch::told}) {
+        lockstep::context ctx(compute);
+        bool gathered = false;
+        const auto mine = train_ddp_rank(ctx, comm, comm_stream, batch, {}, det, global, &gathered);
+        const std::int64_t slots = ((batch + chunk - 1) / chunk + comm.size() - 1) / comm.size();
+        const bool expected = global == global_batch::told && comm.size() * slots * 4 <= 16;
+        const bool ok = mine == reference && gathered == expected;
+        std::printf("[rank %d of %d] batch %3lld, deterministic (chunks of %lld, %s): %s\n", rank, comm.size(),
+                    static_cast<long long>(batch), static_cast<long long>(chunk),
+                    gathered ? "partial gradients gathered" : "exact sums all-reduced",
+                    ok ? "bit-identical to one device — ok" : "FAILED");
+        if (!ok) failed = 1;
+      }
     }
     // ZeRO-1 and ZeRO-2 against plain DDP on the same processes: within 1e-6 relative (MPI may sum a
     // reduce-scatter in another order than an all-reduce), and the same on every rank

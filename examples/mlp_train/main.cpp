@@ -656,6 +656,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
           global = b.rows;
           const row_range mine = deterministic_shard(b.rows, o.chunk_rows, rank, world);
           ctx.set_row_offset(mine.begin);
+          if (o.exact_sums == "auto") ctx.set_global_rows(b.rows);  // lets the wrapper gather partial gradients
           input = b.input.slice_rows(mine.begin, mine.rows);
           target = b.target.slice_rows(mine.begin, mine.rows);
         }
@@ -857,6 +858,7 @@ int run(const mlp_options& o) {
   j["lr_schedule"] = o.lr_schedule;
   if (o.clip_grad_norm > 0.0f) j["clip_grad_norm"] = o.clip_grad_norm;
   if (o.deterministic) j["chunk_rows"] = o.chunk_rows;
+  if (o.deterministic && o.mode == "ddp") j["exact_sums"] = o.exact_sums;
   j["deterministic"] = o.deterministic;
   if (o.mode == "ddp") j["zero"] = o.zero;
   if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;

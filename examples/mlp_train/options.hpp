@@ -27,6 +27,7 @@ struct mlp_options {
   float clip_grad_norm = 0.0f;  // 0: no clipping
   bool deterministic = false;   // the same bits on any number of devices and in any mode
   std::int64_t chunk_rows = 32;
+  std::string exact_sums = "auto";  // --mode ddp --deterministic: auto (partials gathered when few) or accumulators
   int zero = 0;                 // --mode ddp: ZeRO stage
   std::vector<std::int64_t> hidden = {256, 256};
   std::string optimizer = "sgd";
@@ -64,6 +65,8 @@ inline constexpr const char* usage_text =
     "  --deterministic       the same weights (weights_sha256) on 1..N devices, in every mode: batches in\n"
     "                        chunks of --chunk-rows rows, gradients summed exactly (docs/determinism.md)\n"
     "  --chunk-rows N        rows per chunk under --deterministic (default 32)\n"
+    "  --exact-sums S        --mode ddp --deterministic: auto (default: the chunks' partial gradients gathered when\n"
+    "                        the batch has few chunks) or accumulators (exact sums all-reduced); the same bits\n"
     "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
     "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too\n"
     "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
@@ -177,6 +180,11 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--chunk-rows") {
       o.chunk_rows = parse_number<std::int64_t>(flag, value());
       if (o.chunk_rows < 1) throw usage_error("--chunk-rows must be at least 1 (a power of two such as 32 is usual)");
+    } else if (flag == "--exact-sums") {
+      o.exact_sums = value();
+      if (o.exact_sums != "auto" && o.exact_sums != "accumulators") {
+        throw usage_error("--exact-sums must be auto or accumulators, got " + o.exact_sums);
+      }
     } else if (flag == "--zero") {
       o.zero = parse_number<int>(flag, value());
       if (o.zero < 0 || o.zero > 2) throw usage_error("--zero must be 0, 1 or 2, got " + std::string(argv[i]));
@@ -261,10 +269,6 @@ inline mlp_options parse_options(int argc, char** argv) {
   if (o.zero > 0 && o.mode != "ddp") {
     throw usage_error("--zero " + std::to_string(o.zero) + " shards the training state over DDP's ranks: use it with "
                       "--mode ddp (--mode " + o.mode + " keeps one copy)");
-  }
-  if (o.zero > 0 && o.deterministic) {
-    throw usage_error("--zero and --deterministic cannot be combined yet: deterministic mode all-reduces exact sums "
-                      "(use --zero 0 with --deterministic)");
   }
   if (!o.resume.empty() && !o.load_model.empty()) {
     throw usage_error("--resume and --load-model both set the weights: give one of them");

@@ -77,6 +77,15 @@ class context {
   /// Index, in the global batch, of this replica's first row (0 on one device).
   [[nodiscard]] std::int64_t row_offset() const noexcept { return row_offset_; }
   void set_row_offset(std::int64_t r) noexcept { row_offset_ = r; }
+  /// Deterministic mode under distributed_data_parallel: the rows of the global batch (every rank's together),
+  /// the same on every rank; 0 (the default) when not told. Knowing it, the wrapper can gather the chunks'
+  /// partial gradients themselves instead of all-reducing exact accumulators when the batch has few chunks (the
+  /// same bits, less memory traffic; see docs/determinism.md).
+  [[nodiscard]] std::int64_t global_rows() const noexcept { return global_rows_; }
+  void set_global_rows(std::int64_t rows) {
+    LOCKSTEP_EXPECTS(rows >= 0, "context::set_global_rows: rows must be >= 0, got ", rows);
+    global_rows_ = rows;
+  }
 
   /// Called by containers after a child's backward has been queued, with the child's parameters: their
   /// gradients are final once the work queued so far on stream() has run. DistributedDataParallel uses it
@@ -113,6 +122,7 @@ class context {
   std::uint64_t seed_ = 0;
   std::uint64_t step_ = 0;
   std::int64_t row_offset_ = 0;
+  std::int64_t global_rows_ = 0;
   gradients_ready_fn on_gradients_ready_;
   const float* loss_scale_ = nullptr;
   std::optional<deterministic_options> deterministic_;

@@ -42,18 +42,27 @@ void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, 
   for (std::int64_t b = 0; b < rows; b += cr) f(b, std::min(cr, rows - b));
 }
 
-/// Rounds p's exact accumulator into its gradient, in stream order on `s`.
-inline void round_exact_gradient(parameter& p, stream_ref s) {
-  if (p.numel() == 0) return;
+/// Rounds elements [r.begin, r.end) of p's exact accumulator into `out` (r.size() values of p's compute type on
+/// p's device), in stream order on `s`.
+inline void round_exact_gradient(parameter& p, element_range r, const tensor_view& out, stream_ref s) {
+  if (r.empty()) return;
   const tensor_view acc = p.exact_grad();
   LOCKSTEP_EXPECTS(!acc.empty() && p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
                    " has no exact gradient sum to round: its layer wrote the gradient without exact_gradient "
                    "(a layer of your own follows nn/deterministic.hpp's two rules, as linear does)");
-  const auto n = static_cast<std::size_t>(p.numel());
+  const std::int64_t* words = acc.as<std::int64_t>();
+  const auto n = static_cast<std::size_t>(p.numel()), first = static_cast<std::size_t>(r.begin);
   dispatch_floating(p.compute_type(), "exact gradient", [&]<class T>() {
-    launch_elementwise(n, kernels::exact_round_op<T>{acc.as<std::int64_t>(), n, p.grad().as<T>()}, s,
+    launch_elementwise(static_cast<std::size_t>(r.size()),
+                       kernels::exact_round_op<T>{words + first, words + n + first, words + 2 * n, out.as<T>()}, s,
                        "exact gradient rounding");
   });
+}
+
+/// Rounds p's exact accumulator into its gradient, in stream order on `s`.
+inline void round_exact_gradient(parameter& p, stream_ref s) {
+  if (p.numel() == 0) return;
+  round_exact_gradient(p, element_range{0, p.numel()}, p.grad(), s);
 }
 
 /// The per-chunk partial gradients of a layer's parameters, added exactly (rule 2 above). One per layer; it
@@ -75,6 +84,10 @@ class exact_gradient {
                      " rows (the exact sums take at most that many terms); use a larger chunk_rows");
     const stream_ref s = ctx.stream();
     const auto n = static_cast<std::size_t>(p.numel());
+    if (const parameter::exact_partials& target = p.exact_partials_target(); target.slots > 0) {
+      gather_partials<T>(p, rows, ctx, target, partial);
+      return;
+    }
     if (n == 0) {  // nothing to sum; the accumulator is the count word alone
       (void)p.begin_accumulate();
       fill_zero(p.exact_grad(s).bytes(), s);
@@ -98,8 +111,12 @@ class exact_gradient {
                            ctx.deterministic()->gradients == deterministic_options::accumulation::across_backward_calls;
     LOCKSTEP_EXPECTS(overwrite || p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
                      " receives a second backward before zero_grad, but the first one rounded its sum without keeping "
-                     "it; to accumulate micro-batches exactly, set deterministic_options::gradients to "
-                     "accumulation::across_backward_calls");
+                     "it; ",
+                     ctx.gradient_rounding() == exact_rounding::by_wrapper
+                         ? "call zero_grad before each step's first backward (distributed_data_parallel gathered the "
+                           "last step's partial gradients, context::set_global_rows), and no_sync() for micro-batches"
+                         : "to accumulate micro-batches exactly, set deterministic_options::gradients to "
+                           "accumulation::across_backward_calls");
     if (chunks > 0 && group == chunks && overwrite && !keep_sums) {
       // the whole sum in one pass, straight into the gradient: no accumulator (only a count word) at all
       partials(0, chunks);
@@ -134,6 +151,34 @@ class exact_gradient {
   }
 
  private:
+  // distributed_data_parallel gathers the partial gradients themselves (parameter::exact_partials_target): each
+  // chunk's into its slot, zeros into the slots this replica has no chunk for.
+  template <class T, class Partial>
+  static void gather_partials(parameter& p, std::int64_t rows, context& ctx, const parameter::exact_partials& target,
+                              Partial& partial) {
+    const std::int64_t cr = ctx.deterministic()->chunk_rows;
+    const std::int64_t chunks = (rows + cr - 1) / cr;
+    const bool first = p.begin_accumulate() == 0.0f;
+    LOCKSTEP_EXPECTS(first, "deterministic mode: parameter ", p.name(),
+                     " receives a second gradient in one backward, but distributed_data_parallel gathers one partial "
+                     "gradient per chunk and parameter when the context knows the global batch; leave "
+                     "context::set_global_rows at 0 for this model (the wrapper then adds exact sums)");
+    LOCKSTEP_EXPECTS(chunks <= target.slots, "deterministic mode: this rank has ", chunks, " chunks of ", cr,
+                     " rows, but a global batch of ", ctx.global_rows(), " rows (context::set_global_rows) gives a rank "
+                     "at most ", target.slots, "; split batches with deterministic_shard()");
+    const auto n = static_cast<std::size_t>(p.numel());
+    T* const slots = static_cast<T*>(target.first);
+    for (std::int64_t j = 0; j < target.slots; ++j) {
+      T* slot = slots + static_cast<std::size_t>(j * target.stride);
+      if (j < chunks) {
+        partial(j * cr, std::min(cr, rows - j * cr), slot);
+      } else {
+        fill_zero(device_span<T>(slot, n, p.get_device()), ctx.stream());
+      }
+    }
+    p.set_exact_grad_holds_sum(false);  // the wrapper sums the slots
+  }
+
   tensor scratch_;   // [group, numel] partial gradients
   tensor outside_;   // [1] the one-pass sum's count of terms outside the window
 };

@@ -158,6 +158,18 @@ class parameter {
     return static_cast<std::int64_t>(kernels::exact_words(static_cast<std::size_t>(numel())));
   }
 
+  /// Deterministic mode under distributed_data_parallel, when it gathers the chunks' partial gradients instead of
+  /// exact sums: where this backward writes them. Chunk j of the replica's rows goes to the numel() values (of
+  /// the compute type) at `first` + j * `stride` elements, for j < `slots`; the slots it has no chunk for get
+  /// zeros. `slots` 0: the exact accumulator, as usual.
+  struct exact_partials {
+    void* first = nullptr;
+    std::int64_t stride = 0;
+    std::int64_t slots = 0;
+  };
+  [[nodiscard]] const exact_partials& exact_partials_target() const noexcept { return partials_; }
+  void set_exact_partials_target(exact_partials target) noexcept { partials_ = target; }
+
   /// Moves the exact accumulator into `storage` (exact_words() i64 words on this parameter's device),
   /// kept alive by `owner`, as share_grad_storage does for the gradient. Its contents are not kept: call it
   /// while the gradient is logically zero (before a step's backward).
@@ -376,6 +388,7 @@ class parameter {
   std::shared_ptr<const void> exact_owner_;
   tensor_view exact_view_;
   bool exact_holds_sum_ = false;
+  exact_partials partials_;
   bool grad_zero_ = true;
   // ZeRO
   bool sharded_ = false;

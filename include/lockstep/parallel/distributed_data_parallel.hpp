@@ -112,10 +112,9 @@ class distributed_data_parallel {
                      "distributed_data_parallel: bucket sizes must be positive");
     LOCKSTEP_EXPECTS(options.zero >= 0 && options.zero <= 2, "distributed_data_parallel: zero must be 0 (plain DDP), "
                      "1 (optimizer state sharded) or 2 (gradients too), got ", options.zero);
-    LOCKSTEP_EXPECTS(options.zero == 0 || (options.hook == comm_hook::none && !deterministic_),
-                     "distributed_data_parallel: ZeRO stage ", options.zero, " reduces gradients in their own type; it "
-                     "cannot be combined with ", deterministic_ ? "deterministic mode" : "a comm hook",
-                     " (use zero = 0 for that)");
+    LOCKSTEP_EXPECTS(options.zero == 0 || options.hook == comm_hook::none, "distributed_data_parallel: ZeRO stage ",
+                     options.zero, " reduces gradients in their own type; it cannot be combined with a comm hook (use "
+                     "zero = 0 for that)");
     if (options.deterministic) ctx.set_deterministic(options.deterministic);
     if (deterministic_) {
       LOCKSTEP_EXPECTS(options.reduction == gradient_reduction::sum && options.hook == comm_hook::none,
@@ -150,6 +149,10 @@ class distributed_data_parallel {
   [[nodiscard]] int world_size() const { return comm_.size(); }
   [[nodiscard]] Model& module() noexcept { return *model_; }
   [[nodiscard]] context& module_context() noexcept { return *ctx_; }
+  /// Deterministic mode: whether the last backward gathered the chunks' partial gradients (possible when the
+  /// context knows the global batch, context::set_global_rows, and it has few chunks) rather than all-reducing
+  /// exact accumulators. The bits are the same either way.
+  [[nodiscard]] bool gathered_partials() const noexcept { return gathered_partials_; }
   /// Number of gradient buckets, and the parameters (indices into parameters_of(model)) of bucket b.
   [[nodiscard]] std::size_t bucket_count() const noexcept { return buckets_.size(); }
   [[nodiscard]] const std::vector<std::size_t>& bucket_parameters(std::size_t b) const { return buckets_.at(b).params; }
@@ -176,6 +179,14 @@ class distributed_data_parallel {
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
                      "built (its buckets hold ", deterministic_ ? "exact sums" : "gradients", "); build the wrapper after "
                      "setting the mode");
+    // deterministic mode: partial gradients gathered, or exact sums (whose buffers' padding a gathered step left
+    // dirty: zeros again, so that the i64 all-reduce adds zeros there)
+    gathering_ = syncing_ && start_gathering();
+    gathered_partials_ = gathering_;
+    if (deterministic_ && !gathering_ && std::exchange(buckets_dirty_, false)) {
+      for (const auto& b : buckets_) fill_zero(b.flat->bytes(), s);
+    }
+    buckets_dirty_ = buckets_dirty_ || gathering_;
     if (!syncing_ && !stage2_) {  // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
       if (!grad_output.empty()) {
         compute_timeline_.begin(phase::compute, s);
@@ -194,6 +205,7 @@ class distributed_data_parallel {
         model_->backward(grad_output, *ctx_, input_grad::not_required);
       } catch (...) {
         ctx_->set_gradients_ready_hook(nullptr);
+        set_partials_targets(0);
         throw;
       }
       compute_timeline_.end(s);
@@ -205,12 +217,19 @@ class distributed_data_parallel {
     // The gradients: wait for each bucket's all-reduce and unpack it (or round its exact sums).
     for (auto& b : buckets_) {
       s.wait(*b.done);
-      if (deterministic_) {
-        for (const std::size_t k : b.params) round_exact_gradient(*params_[k].param, s);
+      if (gathering_) {
+        sum_gathered(b);
+      } else if (deterministic_ && !stage2_) {  // (ZeRO-2 rounded its shards in copy_out)
+        // under ZeRO-1 the shard alone: the optimizer, the scaler and the clipper read nothing else
+        for (const std::size_t k : b.params) {
+          parameter& p = *params_[k].param;
+          round_exact_gradient(p, p.shard(), p.grad_shard(), s);
+        }
       } else if (!sharding_) {
         unpack(b);
       }
     }
+    if (std::exchange(gathering_, false)) set_partials_targets(0);
     if (sharding_) set_stale(true);  // each rank updates its shard: the others' values arrive with the next gather
   }
 
@@ -228,9 +247,9 @@ class distributed_data_parallel {
     // for its own bucket only (a read hook), so that forward overlaps the later gathers.
     for (std::size_t b = buckets_.size(); b-- > 0;) {
       bucket& bk = buckets_[b];
-      const std::size_t es = size_of(bk.wire);
+      const std::size_t es = size_of(bk.value_type);
       comm_.all_gather(static_cast<const std::byte*>(bk.values->data()) + rank_offset(bk) * es, bk.values->data(),
-                       bk.shard_elements, bk.wire, comm_stream_);
+                       bk.shard_elements, bk.value_type, comm_stream_);
       bk.gathered->record(comm_stream_);
       for (const std::size_t k : bk.params) {
         params_[k].param->set_read_hook([this, &bk] { ctx_->stream().wait(*bk.gathered); });
@@ -310,7 +329,7 @@ class distributed_data_parallel {
         n += 4 * static_cast<std::uint64_t>(q.master_shard().numel()) + (sharding_ ? 0 : numel * size_of(q.compute_type()));
       }
     }
-    for (const auto& b : buckets_) n += b.values ? b.elements * size_of(b.wire) : 0;
+    for (const auto& b : buckets_) n += b.values ? b.value_elements * size_of(b.value_type) : 0;
     return n;
   }
   /// Bytes this rank holds for the gradients: the buckets (with their padding), gradients kept apart from them,
@@ -320,12 +339,14 @@ class distributed_data_parallel {
     if (stage2_) {
       for (const auto& buffer : grad_buffers_) n += buffer ? buffer->capacity_bytes() : 0;
       for (const auto& p : params_) n += static_cast<std::uint64_t>(p.param->grad_shard().numel()) * size_of(p.param->compute_type());
+      for (const auto& t : exact_shards_) n += t.size_bytes();
       return n;
     }
     for (const auto& b : buckets_) {
-      n += b.elements * size_of(b.wire);
+      n += b.flat->size_bytes();
       for (std::size_t i = 0; i < b.params.size(); ++i) {
-        if (!deterministic_ && !in_place(b, i)) n += static_cast<std::uint64_t>(params_[b.params[i]].param->grad().bytes().size());
+        // deterministic mode: the buckets hold the accumulators, the gradients their own memory
+        if (deterministic_ || !in_place(b, i)) n += static_cast<std::uint64_t>(params_[b.params[i]].param->grad().bytes().size());
       }
     }
     return n;
@@ -342,14 +363,22 @@ class distributed_data_parallel {
     std::vector<std::size_t> offsets;  // element offset of each parameter's gradient in `flat`
     std::size_t elements = 0;          // of `flat`, padding included
     dtype wire = dtype::f32;
+    // The layout of the parameters' values, in their compute type (ZeRO's shards and `values`): the layout of
+    // `flat` when gradients travel in that type, else (deterministic mode's i64 words, a comm hook) its own.
+    std::vector<std::size_t> value_offsets;
+    std::size_t value_elements = 0;
+    dtype value_type = dtype::f32;
     std::shared_ptr<tensor> flat;      // shared with the parameters whose gradients live in it
     std::optional<event> done;
     std::size_t ready = 0;
     // ZeRO
-    std::size_t shard_elements = 0;     // elements / world: each rank's range
-    std::shared_ptr<tensor> values;     // the values forward reads, in the layout of `flat`
+    std::size_t shard_elements = 0;     // value_elements / world: each rank's range (of the values, and of `flat`
+                                        // when it has their layout)
+    std::shared_ptr<tensor> values;     // the values forward reads, in the values' layout
     std::optional<event> released;      // stage 2: `flat` (a reused buffer) was reduced and copied out
     std::optional<event> gathered;      // `values` was all-gathered
+    // deterministic mode: each parameter's count of partial gradients outside the exact window (gathered partials)
+    std::shared_ptr<tensor> outside;
   };
 
   // A failed all-reduce of an earlier step ends training here, on the calling thread, before another step is
@@ -382,16 +411,20 @@ class distributed_data_parallel {
       const dtype wire = wire_type(p.compute_type());
       const auto elements = static_cast<std::size_t>(deterministic_ ? p.exact_words() : p.numel());
       const std::size_t n = elements * size_of(wire);
-      if (!current.params.empty() && (bytes + n > limit || wire != current.wire)) {
+      if (!current.params.empty() && (bytes + n > limit || wire != current.wire ||
+                                       ((sharding_ || deterministic_) && p.compute_type() != current.value_type))) {
         buckets_.push_back(std::move(current));
         current = bucket{};
         bytes = 0;
         limit = options_.bucket_bytes;
       }
       current.wire = wire;
+      current.value_type = p.compute_type();
       current.params.push_back(k);
       current.offsets.push_back(current.elements);
       current.elements += round_up(elements, alignment / size_of(wire));
+      current.value_offsets.push_back(current.value_elements);
+      current.value_elements += round_up(static_cast<std::size_t>(p.numel()), alignment / size_of(current.value_type));
       bytes += n;
     }
     if (!current.params.empty()) buckets_.push_back(std::move(current));
@@ -403,14 +436,16 @@ class distributed_data_parallel {
     release_cached_memory(ctx_->get_device());
     if (sharding_) {  // every rank's range the same size, at a 256-byte boundary
       for (auto& bk : buckets_) {
-        bk.elements = round_up(bk.elements, world * (alignment / size_of(bk.wire)));
-        bk.shard_elements = bk.elements / world;
+        bk.value_elements = round_up(bk.value_elements, world * (alignment / size_of(bk.value_type)));
+        bk.shard_elements = bk.value_elements / world;
+        // reduce-scattered in the values' layout; deterministic mode's words are all-reduced (see launch)
+        if (!deterministic_) bk.elements = bk.value_elements;
       }
     }
     if (stage2_) {  // two buffers, bucket b using buffer b % 2, each as large as its largest bucket
       std::size_t bytes_of[2] = {0, 0};
       for (std::size_t b = 0; b < buckets_.size(); ++b) {
-        bytes_of[b % 2] = std::max(bytes_of[b % 2], buckets_[b].elements * size_of(buckets_[b].wire));
+        bytes_of[b % 2] = std::max(bytes_of[b % 2], stage2_bytes(buckets_[b]));
       }
       for (int i = 0; i < 2; ++i) {
         if (bytes_of[i] == 0) continue;
@@ -424,15 +459,21 @@ class distributed_data_parallel {
         bk.flat = grad_buffers_[b % 2];
         bk.released.emplace(ctx_->get_device());
       } else {
-        bk.flat = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
+        // deterministic mode: room for the exact accumulators, or for the partial gradients start_gathering()
+        // gathers (16 bytes per value: as much as the accumulators, but for the values' alignment)
+        const std::size_t words = deterministic_ && !sharding_ ? std::max(bk.elements, 2 * bk.value_elements) : bk.elements;
+        bk.flat = std::make_shared<tensor>(shape{static_cast<std::int64_t>(words)}, bk.wire, s);
         fill_zero(bk.flat->bytes(), s);  // the padding between gradients stays zero
       }
       if (sharding_) {
-        bk.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.elements)}, bk.wire, s);
+        bk.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.value_elements)}, bk.value_type, s);
         fill_zero(bk.values->bytes(), s);
         bk.gathered.emplace(ctx_->get_device());
       }
       bk.done.emplace(ctx_->get_device());
+      if (deterministic_) {
+        bk.outside = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.params.size())}, dtype::i64, s);
+      }
       for (std::size_t i = 0; i < bk.params.size(); ++i) {
         bucket_of_.emplace(bk.params[i], b);
         parameter& p = *params_[bk.params[i]].param;
@@ -441,11 +482,13 @@ class distributed_data_parallel {
         if (stage2_) p.zero_grad();
         if (deterministic_) {
           p.share_exact_storage(slot(bk, i), bk.flat);
+          // ZeRO-2: the whole gradient (only ever zeroed: the sums are rounded into the shard) after the words
+          if (stage2_) p.share_grad_storage(stage2_grad_slot(bk, i), bk.flat, s);
         } else if (p.compute_type() == bk.wire) {
           p.share_grad_storage(slot(bk, i), bk.flat, s);
         }
         if (sharding_) {
-          p.share_compute_storage(slot(bk, i, *bk.values), bk.values, s);
+          p.share_compute_storage(value_slot(bk, i, *bk.values), bk.values, s);
           ranges_[bk.params[i]] = shard_of(bk, i);
           if (stage2_) p.set_first_write_hook([this, b] { before_first_write(b); });
         }
@@ -457,8 +500,27 @@ class distributed_data_parallel {
     release_cached_memory(ctx_->get_device());
     if (sharding_) {
       for (std::size_t k = 0; k < params_.size(); ++k) params_[k].param->set_shard(ranges_[k], stage2_, s);
+      if (stage2_ && deterministic_) {  // each gradient shard's exact sum, kept across micro-batches
+        exact_shards_.resize(params_.size());
+        for (std::size_t k = 0; k < params_.size(); ++k) {
+          const auto m = static_cast<std::size_t>(ranges_[k].size());
+          exact_shards_[k] = tensor(shape{static_cast<std::int64_t>(kernels::exact_words(m))}, dtype::i64, s);
+        }
+      }
       release_cached_memory(ctx_->get_device());
     }
+  }
+
+  // ZeRO-2: the bytes of a reused buffer that bucket b takes: its gradients (in deterministic mode its exact
+  // accumulators, then the whole gradients in the values' layout, at a 256-byte boundary).
+  [[nodiscard]] std::size_t stage2_bytes(const bucket& b) const {
+    const std::size_t words = b.elements * size_of(b.wire);
+    return deterministic_ ? round_up(words, alignment) + b.value_elements * size_of(b.value_type) : words;
+  }
+  [[nodiscard]] tensor_view stage2_grad_slot(const bucket& b, std::size_t i) const {
+    const std::size_t at = round_up(b.elements * size_of(b.wire), alignment) + b.value_offsets[i] * size_of(b.value_type);
+    return tensor_view(static_cast<std::byte*>(b.flat->data()) + at, b.value_type, params_[b.params[i]].param->dims(),
+                       ctx_->get_device());
   }
 
   // ZeRO: the first element of this rank's range in bucket b.
@@ -468,7 +530,7 @@ class distributed_data_parallel {
   // ZeRO: the elements of the i-th parameter of bucket b that fall in this rank's range.
   [[nodiscard]] element_range shard_of(const bucket& b, std::size_t i) const {
     const auto n = static_cast<std::int64_t>(params_[b.params[i]].param->numel());
-    const auto at = static_cast<std::int64_t>(b.offsets[i]);
+    const auto at = static_cast<std::int64_t>(b.value_offsets[i]);
     const auto first = static_cast<std::int64_t>(rank_offset(b));
     const auto last = first + static_cast<std::int64_t>(b.shard_elements);
     const element_range r{std::clamp<std::int64_t>(first - at, 0, n), std::clamp<std::int64_t>(last - at, 0, n)};
@@ -491,13 +553,16 @@ class distributed_data_parallel {
 
   // Where the gradient (in deterministic mode: the exact accumulator) of the i-th parameter of bucket b goes in
   // its buffer.
-  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const { return slot(b, i, *b.flat); }
-  // The same place in another buffer of the bucket's layout (ZeRO's values).
-  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i, const tensor& buffer) const {
+  [[nodiscard]] tensor_view slot(const bucket& b, std::size_t i) const {
     const parameter& p = *params_[b.params[i]].param;
     const shape dims = deterministic_ ? shape{p.exact_words()} : p.dims();
-    return tensor_view(static_cast<std::byte*>(const_cast<void*>(buffer.data())) + b.offsets[i] * size_of(b.wire),
-                       b.wire, dims, ctx_->get_device());
+    return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.offsets[i] * size_of(b.wire), b.wire, dims,
+                       ctx_->get_device());
+  }
+  // Where the values of the i-th parameter of bucket b go in a buffer of the values' layout (ZeRO's `values`).
+  [[nodiscard]] tensor_view value_slot(const bucket& b, std::size_t i, const tensor& buffer) const {
+    return tensor_view(static_cast<std::byte*>(const_cast<void*>(buffer.data())) + b.value_offsets[i] * size_of(buffer.type()),
+                       buffer.type(), params_[b.params[i]].param->dims(), ctx_->get_device());
   }
   // Whether the i-th parameter's gradient (or exact accumulator) lives in bucket b's buffer (no copy needed).
   [[nodiscard]] bool in_place(const bucket& b, std::size_t i) const {
@@ -527,6 +592,18 @@ class distributed_data_parallel {
     const stream_ref s = ctx_->stream();
     for (std::size_t i = 0; i < b.params.size(); ++i) {
       parameter& p = *params_[b.params[i]].param;
+      if (gathering_) {  // a parameter backward did not reach contributes zeros
+        if (!p.grad_is_zero()) continue;
+        (void)p.begin_accumulate();
+        const parameter::exact_partials& t = p.exact_partials_target();
+        const std::size_t es = size_of(b.value_type);
+        for (std::int64_t j = 0; j < t.slots; ++j) {
+          fill_zero(device_span<std::uint8_t>(static_cast<std::uint8_t*>(t.first) + static_cast<std::size_t>(j * t.stride) * es,
+                                              static_cast<std::size_t>(p.numel()) * es, ctx_->get_device()),
+                    s);
+        }
+        continue;
+      }
       p.materialize_full_grad(s);
       if (!in_place(b, i)) convert(p.grad(), slot(b, i), s);
     }
@@ -534,7 +611,12 @@ class distributed_data_parallel {
     comm_stream_.wait(grads_ready_);
     comm_timeline_.begin(phase::communication, comm_stream_);
     const reduce_op op = options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum;
-    if (sharding_) {
+    if (gathering_) {
+      // every rank's slots of partial gradients to every rank (in place: this rank's are at its offset)
+      const std::size_t piece = static_cast<std::size_t>(gather_slots_) * b.value_elements;
+      comm_.all_gather(static_cast<std::byte*>(b.flat->data()) + static_cast<std::size_t>(comm_.rank()) * piece * size_of(b.value_type),
+                       b.flat->data(), piece, b.value_type, comm_stream_);
+    } else if (sharding_ && !deterministic_) {
       // in place: this rank's range of the buffer receives the sum of everyone's
       comm_.reduce_scatter(b.flat->data(), static_cast<std::byte*>(b.flat->data()) + rank_offset(b) * size_of(b.wire),
                            b.shard_elements, b.wire, op, comm_stream_);
@@ -544,6 +626,62 @@ class distributed_data_parallel {
     comm_timeline_.end(comm_stream_);
     if (stage2_) copy_out(b);
     b.done->record(comm_stream_);
+  }
+
+  // Deterministic mode: whether this backward gathers the chunks' partial gradients themselves rather than exact
+  // accumulators (the same bits either way: both give each gradient the correctly rounded exact sum of its
+  // chunks' partials). Every rank decides alike, from what every rank has: the global batch (context::
+  // set_global_rows), the world size, the buckets, and whether the gradients are zero (a backward after no_sync
+  // micro-batches adds to their exact sums). It does when every rank's slots (as many as the most chunks a rank
+  // holds, deterministic_shard) fit in the memory of the bucket's accumulators; then each parameter learns where
+  // its partials go.
+  bool start_gathering() {
+    if (!deterministic_ || sharding_ || ctx_->global_rows() == 0) return false;
+    const std::int64_t cr = ctx_->deterministic()->chunk_rows, world = comm_.size();
+    const std::int64_t slots = ((ctx_->global_rows() + cr - 1) / cr + world - 1) / world;
+    for (const auto& b : buckets_) {
+      if (static_cast<std::size_t>(world * slots) * size_of(b.value_type) > 16) return false;  // see build_buckets
+    }
+    for (const auto& p : params_) {
+      if (!p.param->grad_is_zero()) return false;
+    }
+    set_partials_targets(slots);
+    return true;
+  }
+
+  // Tells every parameter where this backward's partial gradients go: its values' place in this rank's `slots`
+  // slots of its bucket (each slot one bucket of values, in the values' layout); with 0, the exact accumulators.
+  void set_partials_targets(std::int64_t slots) {
+    for (const auto& b : buckets_) {
+      const std::size_t es = size_of(b.value_type);
+      auto* mine = static_cast<std::byte*>(b.flat->data()) + static_cast<std::size_t>(comm_.rank() * slots) * b.value_elements * es;
+      for (std::size_t i = 0; i < b.params.size(); ++i) {
+        params_[b.params[i]].param->set_exact_partials_target(
+            slots == 0 ? parameter::exact_partials{}
+                       : parameter::exact_partials{mine + b.value_offsets[i] * es, static_cast<std::int64_t>(b.value_elements), slots});
+      }
+    }
+    gather_slots_ = slots;
+  }
+
+  // Deterministic mode, gathered: each gradient of bucket b the exact sum of every rank's slots, rounded once (in
+  // stream order on the context's stream, after the all-gather).
+  void sum_gathered(const bucket& b) {
+    const stream_ref s = ctx_->stream();
+    fill_zero(b.outside->bytes(), s);
+    const auto terms = static_cast<std::size_t>(gather_slots_ * comm_.size());
+    for (std::size_t i = 0; i < b.params.size(); ++i) {
+      parameter& p = *params_[b.params[i]].param;
+      const auto n = static_cast<std::size_t>(p.numel());
+      if (n == 0) continue;
+      std::int64_t* outside = b.outside->template as<std::int64_t>() + i;
+      dispatch_floating(b.value_type, "exact gradient sum", [&]<class T>() {
+        const T* partials = static_cast<const T*>(b.flat->data()) + b.value_offsets[i];  // [world * slots][elements]
+        launch_elementwise(n, kernels::exact_sum_op<T>{partials, terms, b.value_elements, p.grad().as<T>(), outside}, s,
+                           "exact gradient sum");
+        launch_elementwise(n, kernels::exact_poison_op<T>{outside, p.grad().as<T>()}, s, "exact gradient sum");
+      });
+    }
   }
 
   // ZeRO: orders the context's stream after every all-gather of the last gather_parameters() (the read hooks
@@ -564,9 +702,13 @@ class distributed_data_parallel {
       const tensor_view to = p.grad_shard();
       p.release_full_grad();
       if (r.empty()) continue;
+      const float keep = p.begin_shard_accumulate();
+      if (deterministic_) {
+        add_exact_shard(b, i, keep == 0.0f);
+        continue;
+      }
       const tensor_view from(static_cast<std::byte*>(b.flat->data()) + (b.offsets[i] + static_cast<std::size_t>(r.begin)) * size_of(b.wire),
                              b.wire, shape{r.size()}, ctx_->get_device());
-      const float keep = p.begin_shard_accumulate();
       dispatch_floating(b.wire, "ZeRO-2 gradient shard", [&]<class T>() {
         if (keep == 0.0f) {
           copy(to.span<T>(), from.span<const T>(), comm_stream_);
@@ -576,6 +718,33 @@ class distributed_data_parallel {
       });
     }
     b.released->record(comm_stream_);
+  }
+
+  // ZeRO-2, deterministic mode: the all-reduced exact sums of the shard of bucket b's i-th parameter written over
+  // (`overwrite`) or added to its shard's exact sum, which is then rounded into the gradient shard; on the
+  // communication stream.
+  void add_exact_shard(const bucket& b, std::size_t i, bool overwrite) {
+    const std::size_t k = b.params[i];
+    parameter& p = *params_[k].param;
+    const element_range r = ranges_[k];
+    const auto n = static_cast<std::size_t>(p.numel()), m = static_cast<std::size_t>(r.size());
+    const std::int64_t* words = static_cast<const std::int64_t*>(b.flat->data()) + b.offsets[i];
+    std::int64_t* shard = exact_shards_[k].as<std::int64_t>();
+    const std::int64_t* from[3] = {words + r.begin, words + n + r.begin, words + 2 * n};  // hi, lo, count
+    std::int64_t* to[3] = {shard, shard + m, shard + 2 * m};
+    for (int part = 0; part < 3; ++part) {
+      const std::size_t count = part < 2 ? m : 1;
+      if (overwrite) {
+        copy(device_span<std::int64_t>(to[part], count, ctx_->get_device()),
+             device_span<const std::int64_t>(from[part], count, ctx_->get_device()), comm_stream_);
+      } else {
+        launch_elementwise(count, kernels::exact_add_words_op{from[part], to[part]}, comm_stream_, "ZeRO-2 exact shard");
+      }
+    }
+    dispatch_floating(p.compute_type(), "ZeRO-2 exact shard", [&]<class T>() {
+      launch_elementwise(m, kernels::exact_round_op<T>{to[0], to[1], to[2], p.grad_shard().as<T>()}, comm_stream_,
+                         "ZeRO-2 exact shard rounding");
+    });
   }
 
   // ZeRO: whole fp32 tensors from every rank's shards, bucket by bucket, in stream order on the communication
@@ -589,12 +758,12 @@ class distributed_data_parallel {
     s.wait(grads_ready_);
     for (auto& b : buckets_) {
       if (std::none_of(b.params.begin(), b.params.end(), wanted)) continue;
-      tensor flat(shape{static_cast<std::int64_t>(b.elements)}, dtype::f32, s);
+      tensor flat(shape{static_cast<std::int64_t>(b.value_elements)}, dtype::f32, s);
       fill_zero(flat.span<float>(), s);
       for (std::size_t i = 0; i < b.params.size(); ++i) {
         const std::size_t k = b.params[i];
         if (!wanted(k) || ranges_[k].empty()) continue;
-        copy(flat.span<float>().subspan(b.offsets[i] + static_cast<std::size_t>(ranges_[k].begin),
+        copy(flat.span<float>().subspan(b.value_offsets[i] + static_cast<std::size_t>(ranges_[k].begin),
                                         static_cast<std::size_t>(ranges_[k].size())),
              piece(k).template span<const float>(), s);
       }
@@ -602,8 +771,7 @@ class distributed_data_parallel {
       for (std::size_t i = 0; i < b.params.size(); ++i) {
         const std::size_t k = b.params[i];
         if (!wanted(k)) continue;
-        take(k, tensor_view(flat.span<float>().data() + b.offsets[i], dtype::f32, shape{params_[k].param->numel()},
-                            ctx_->get_device()));
+        take(k, value_slot(b, i, flat));
       }
     }
     gathered_.record(s);
@@ -808,6 +976,10 @@ class distributed_data_parallel {
   std::size_t next_launch_ = 0;  // the next bucket to all-reduce, in bucket order
   event grads_ready_;
   bool syncing_ = true;
+  bool gathering_ = false;         // deterministic mode: this backward gathers partial gradients (start_gathering)
+  bool gathered_partials_ = false;  // and the last one did
+  bool buckets_dirty_ = false;      // partial gradients were gathered in the buckets since they were last zeroed
+  std::int64_t gather_slots_ = 0;  // and each rank's slots
   // ZeRO
   bool sharding_ = false;                        // zero > 0 on more than one rank
   bool stage2_ = false;                          // and zero == 2
@@ -817,6 +989,7 @@ class distributed_data_parallel {
   bool stale_ = false;                           // shards updated since the last gather
   std::vector<element_range> ranges_;            // each parameter's shard on this rank
   std::shared_ptr<tensor> grad_buffers_[2];      // stage 2: the buffers buckets take turns in
+  std::vector<tensor> exact_shards_;             // stage 2, deterministic mode: each gradient shard's exact sum
   event gathered_;
   timeline compute_timeline_;
   timeline comm_timeline_;

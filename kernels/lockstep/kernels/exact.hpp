@@ -319,23 +319,26 @@ struct exact_accumulate_op {
   }
 };
 
-/// out[i] = element i of the accumulator `acc` (exact_words(n) words), rounded to float once, then to T.
+/// out[i] = element i of an accumulator rounded to float once, then to T: its limbs hi[i] and lo[i], and its
+/// tensor's count of terms outside the window *outside. For a whole accumulator `acc` of n elements (exact_words(n)
+/// words): hi = acc, lo = acc + n, outside = acc + 2n; for elements [a, b) of it, hi = acc + a and lo = acc + n + a.
 template <class T>
 struct exact_round_op {
-  const std::int64_t* acc;
-  std::size_t n;
+  const std::int64_t* hi;
+  const std::int64_t* lo;
+  const std::int64_t* outside;
   T* out;
-  LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = convert<T>(exact_round(acc[i], acc[n + i], acc[2 * n])); }
+  LOCKSTEP_HD void operator()(std::size_t i) const { out[i] = convert<T>(exact_round(hi[i], lo[i], *outside)); }
   /// The host loop: the double path over a block (vectorized), the integer path for the elements it left.
   void for_all(std::size_t count) const {
     constexpr std::size_t block = 512;
     alignas(64) float f[block];
     alignas(64) std::uint8_t done[block];
-    const std::int64_t outside = acc[2 * n];
+    const std::int64_t outside_terms = *outside;
     for (std::size_t b0 = 0; b0 < count; b0 += block) {
       const std::size_t len = count - b0 < block ? count - b0 : block;
-      const std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
-      const std::int64_t* __restrict lp = acc + n + b0;
+      const std::int64_t* __restrict hp = hi + b0;  // locals: the functor's fields might alias
+      const std::int64_t* __restrict lp = lo + b0;
       float* __restrict r = f;
       if constexpr (std::is_same_v<T, float>) r = out + b0;  // floats straight out: no staging copy
       std::uint8_t all_done = 1;                              // bytes, not bools: the loop vectorizes
@@ -343,9 +346,9 @@ struct exact_round_op {
         done[j] = static_cast<std::uint8_t>(exact_detail::round_limbs_double(hp[j], lp[j], r[j]));
         all_done &= done[j];
       }
-      if (all_done == 0 || outside != 0) {  // rare: scalar
+      if (all_done == 0 || outside_terms != 0) {  // rare: scalar
         for (std::size_t j = 0; j < len; ++j) {
-          if (outside != 0) {
+          if (outside_terms != 0) {
             r[j] = detail::bits_as_float(0x7fc00000u);
           } else if (!done[j]) {
             r[j] = exact_detail::round_limbs_integer(hp[j], lp[j]);
