@@ -188,6 +188,7 @@ struct recipe {
   std::size_t first_bucket_bytes = 512;
   float initial_scale = 0.0f;  // f16's loss scale to start from (0: 2^10)
   std::optional<deterministic_options> deterministic = std::nullopt;  // each rank on its deterministic_shard
+  bool tell_global_rows = false;  // deterministic mode: context::set_global_rows (DDP may gather partials)
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -198,6 +199,7 @@ struct recipe_result {
   device_report report;
   float norm = 0.0f;
   std::int64_t skipped_steps = 0;  // by the loss scaler
+  bool gathered_partials = false;  // deterministic DDP: the last backward gathered partial gradients
 };
 
 /// One rank of distributed_data_parallel training with recipe `r`: `steps` steps of the same global batch of
@@ -243,6 +245,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
     }
     for (int m = 0; m < r.micro_batches; ++m) {
       const bool last = m + 1 == r.micro_batches;
+      if (r.tell_global_rows) ctx.set_global_rows(batch);  // every rank, with rows or not: they decide alike
       auto pass = [&] {
         if (static_cast<std::size_t>(m) >= micro.size()) {
           ddp.backward(tensor_view());  // no rows for this rank (or this micro-batch)
@@ -289,6 +292,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   out.report.optimizer_bytes = plain ? plain->state_bytes() : adam->state_bytes();  // sharded, as trained
   if (r.clip > 0.0f) out.norm = clipper.total_norm(s);
   if (scaler) out.skipped_steps = scaler->read(s).skipped_steps;
+  out.gathered_partials = ddp.gathered_partials();
   auto whole = [&](auto& opt) {
     auto full = ddp.consolidated(opt);
     out.parameters = parameter_values(model, s);

@@ -362,22 +362,84 @@ struct plain_bias {
 
 TEST_P(ddp_test, a_layer_that_sums_rows_without_exact_gradients_is_named_not_rounded_from_garbage) {
   if (!require_devices(2)) return;
-  std::vector<std::string> errors(2);
+  // with exact sums all-reduced, and with partial gradients gathered (the global batch told: 2 chunks of 8)
+  for (const bool told : {false, true}) {
+    std::vector<std::string> errors(2);
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      context ctx(rc.compute_stream());
+      ctx.set_deterministic(deterministic_options{.chunk_rows = 8});
+      graph g(shape{features});
+      g.add("bias", plain_bias(ctx), "input");
+      distributed_data_parallel ddp(g, ctx, rc.comm(), rc.comm_stream());
+      const row_range mine = deterministic_shard(16, 8, rc.rank(), 2);
+      ctx.set_row_offset(mine.begin);
+      if (told) ctx.set_global_rows(16);
+      tensor x = device_tensor(slice(inputs(), mine.begin, mine.rows, features), shape{mine.rows, features},
+                               rc.compute_stream());
+      const tensor_view y = ddp.forward(x);
+      errors[static_cast<std::size_t>(rc.rank())] = message_of<precondition_error>([&] { ddp.backward(y); });
+      rc.comm().synchronize(rc.comm_stream());
+    });
+    EXPECT_CONTAINS(errors[0], "parameter bias has no exact gradient sum to round");
+  }
+}
+
+TEST_P(ddp_test, deterministic_ddp_switches_between_gathered_partials_and_exact_sums_as_batches_change) {
+  // 2 ranks, chunks of 16, the global batch told: 64 rows (4 chunks: 2 slots per rank, 16 bytes per parameter)
+  // gather the partial gradients, 130 (9 chunks: 5 slots) all-reduce exact sums (a step after a gathered one
+  // zeroes the buckets first). Either way, and switching, one device's bits.
+  if (!require_devices(2)) return;
+  const deterministic_options det{.chunk_rows = 16};
+  auto batch_of = [](int step) { return step % 3 == 2 ? std::int64_t{130} : std::int64_t{64}; };
+  constexpr int rounds = 6;
+  std::vector<float> single;
+  {
+    stream s(dev(0));
+    context ctx(s);
+    ctx.set_deterministic(det);
+    graph model = make_model(ctx);
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    for (int step = 0; step < rounds; ++step) {
+      const std::int64_t batch = batch_of(step), first = first_row(step, batch);
+      tensor xb = device_tensor(slice(inputs(), first, batch, features), shape{batch, features}, s);
+      tensor yb = device_labels(slice(labels(), first, batch, 1), s);
+      opt.zero_grad();
+      loss.forward(model.forward(xb, ctx), yb, ctx, batch);
+      model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+      opt.step(s);
+    }
+    single = parameter_values(model, s);
+  }
+  std::vector<std::vector<float>> ranks(2);
+  std::vector<std::vector<char>> gathered(2);
   run_on_devices(devices(2), [&](rank_context& rc) {
-    context ctx(rc.compute_stream());
-    ctx.set_deterministic(deterministic_options{.chunk_rows = 8});
-    graph g(shape{features});
-    g.add("bias", plain_bias(ctx), "input");
-    distributed_data_parallel ddp(g, ctx, rc.comm(), rc.comm_stream());
-    const row_range mine = deterministic_shard(16, 8, rc.rank(), 2);
-    ctx.set_row_offset(mine.begin);
-    tensor x = device_tensor(slice(inputs(), mine.begin, mine.rows, features), shape{mine.rows, features},
-                             rc.compute_stream());
-    const tensor_view y = ddp.forward(x);
-    errors[static_cast<std::size_t>(rc.rank())] = message_of<precondition_error>([&] { ddp.backward(y); });
-    rc.comm().synchronize(rc.comm_stream());
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.deterministic = det});
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    for (int step = 0; step < rounds; ++step) {
+      const std::int64_t batch = batch_of(step), first = first_row(step, batch);
+      const row_range mine = deterministic_shard(batch, det.chunk_rows, rc.rank(), 2);
+      ctx.set_row_offset(mine.begin);
+      ctx.set_global_rows(batch);
+      tensor xb = device_tensor(slice(inputs(), first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
+      tensor yb = device_labels(slice(labels(), first + mine.begin, mine.rows, 1), s);
+      opt.zero_grad();
+      loss.forward(ddp.forward(xb), yb, ctx, batch);
+      ddp.backward(loss.backward(ctx));
+      opt.step(s);
+      gathered[static_cast<std::size_t>(rc.rank())].push_back(ddp.gathered_partials());
+    }
+    ranks[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
   });
-  EXPECT_CONTAINS(errors[0], "parameter bias has no exact gradient sum to round");
+  EXPECT_EQ(ranks[0], single);
+  EXPECT_EQ(ranks[1], single);
+  const std::vector<char> expected{1, 1, 0, 1, 1, 0};
+  EXPECT_EQ(gathered[0], expected);
+  EXPECT_EQ(gathered[1], expected);
 }
 
 TEST_P(ddp_test, deterministic_mode_takes_exact_sums_only_and_replicas_start_at_a_chunk) {

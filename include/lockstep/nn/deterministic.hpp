@@ -42,21 +42,56 @@ void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, 
   for (std::int64_t b = 0; b < rows; b += cr) f(b, std::min(cr, rows - b));
 }
 
+/// Throws precondition_error unless p's exact gradient sum (or its partial gradients, when a wrapper gathers
+/// them) is where the wrapper expects it: a layer that ignores deterministic mode wrote its gradient directly.
+inline void expect_exact_gradient(const parameter& p) {
+  LOCKSTEP_EXPECTS(p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
+                   " has no exact gradient sum to round: its layer wrote the gradient without exact_gradient "
+                   "(a layer of your own follows nn/deterministic.hpp's two rules, as linear does)");
+}
+
+/// Queues out[i] = the exact sum held by limbs hi[i] and lo[i], rounded once to `type` (NaN when the tensor's count
+/// of terms outside the window, *outside, is not 0), for i < n, in stream order on `s`.
+inline void round_exact_limbs(dtype type, const std::int64_t* hi, const std::int64_t* lo, const std::int64_t* outside,
+                              void* out, std::size_t n, stream_ref s) {
+  dispatch_floating(type, "exact gradient", [&]<class T>() {
+    launch_elementwise(n, kernels::exact_round_op<T>{hi, lo, outside, static_cast<T*>(out)}, s, "exact gradient rounding");
+  });
+}
+
+/// Queues out[i] = the exact sum of partials[c * stride + i] over c < terms, rounded once, for i < n (a whole
+/// tensor: NaN everywhere when a term is outside the window, counted in *outside, which must be zero before), in
+/// stream order on `s`.
+template <class T>
+void sum_exact_terms(const T* partials, std::size_t terms, std::size_t stride, std::size_t n, T* out,
+                     std::int64_t* outside, stream_ref s) {
+  launch_elementwise(n, kernels::exact_sum_op<T>{partials, terms, stride, out, outside}, s, "exact gradient sum");
+  launch_elementwise(n, kernels::exact_poison_op<T>{outside, out}, s, "exact gradient sum");
+}
+
+/// Writes zeros into slots [from, slots) of p's partial gradients target (parameter::exact_partials_target), in
+/// stream order on `s`.
+inline void zero_partials_slots(const parameter& p, std::int64_t from, stream_ref s) {
+  const parameter::exact_partials& t = p.exact_partials_target();
+  const std::size_t es = size_of(p.compute_type()), bytes = static_cast<std::size_t>(p.numel()) * es;
+  for (std::int64_t j = from; j < t.slots; ++j) {
+    fill_zero(device_span<std::uint8_t>(static_cast<std::uint8_t*>(t.first) + static_cast<std::size_t>(j * t.stride) * es,
+                                        bytes, p.get_device()),
+              s);
+  }
+}
+
 /// Rounds elements [r.begin, r.end) of p's exact accumulator into `out` (r.size() values of p's compute type on
 /// p's device), in stream order on `s`.
 inline void round_exact_gradient(parameter& p, element_range r, const tensor_view& out, stream_ref s) {
   if (r.empty()) return;
+  expect_exact_gradient(p);
   const tensor_view acc = p.exact_grad();
-  LOCKSTEP_EXPECTS(!acc.empty() && p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
-                   " has no exact gradient sum to round: its layer wrote the gradient without exact_gradient "
-                   "(a layer of your own follows nn/deterministic.hpp's two rules, as linear does)");
+  LOCKSTEP_EXPECTS(!acc.empty(), "deterministic mode: parameter ", p.name(), " has no exact accumulator");
   const std::int64_t* words = acc.as<std::int64_t>();
   const auto n = static_cast<std::size_t>(p.numel()), first = static_cast<std::size_t>(r.begin);
-  dispatch_floating(p.compute_type(), "exact gradient", [&]<class T>() {
-    launch_elementwise(static_cast<std::size_t>(r.size()),
-                       kernels::exact_round_op<T>{words + first, words + n + first, words + 2 * n, out.as<T>()}, s,
-                       "exact gradient rounding");
-  });
+  round_exact_limbs(p.compute_type(), words + first, words + n + first, words + 2 * n, out.data(),
+                    static_cast<std::size_t>(r.size()), s);
 }
 
 /// Rounds p's exact accumulator into its gradient, in stream order on `s`.
@@ -122,12 +157,8 @@ class exact_gradient {
       partials(0, chunks);
       outside_.ensure(shape{1}, dtype::i64, s);
       fill_zero(outside_.view().bytes(), s);
-      launch_elementwise(n,
-                         kernels::exact_sum_op<T>{scratch_.as<T>(), static_cast<std::size_t>(chunks), n, p.grad().as<T>(),
-                                                  outside_.as<std::int64_t>()},
-                         s, "exact gradient sum");
-      launch_elementwise(n, kernels::exact_poison_op<T>{outside_.as<std::int64_t>(), p.grad().as<T>()}, s,
-                         "exact gradient sum");
+      sum_exact_terms<T>(scratch_.as<T>(), static_cast<std::size_t>(chunks), n, n, p.grad().as<T>(),
+                         outside_.as<std::int64_t>(), s);
       p.set_exact_grad_holds_sum(false);
       return;
     }
@@ -166,17 +197,12 @@ class exact_gradient {
     LOCKSTEP_EXPECTS(chunks <= target.slots, "deterministic mode: this rank has ", chunks, " chunks of ", cr,
                      " rows, but a global batch of ", ctx.global_rows(), " rows (context::set_global_rows) gives a rank "
                      "at most ", target.slots, "; split batches with deterministic_shard()");
-    const auto n = static_cast<std::size_t>(p.numel());
-    T* const slots = static_cast<T*>(target.first);
-    for (std::int64_t j = 0; j < target.slots; ++j) {
-      T* slot = slots + static_cast<std::size_t>(j * target.stride);
-      if (j < chunks) {
-        partial(j * cr, std::min(cr, rows - j * cr), slot);
-      } else {
-        fill_zero(device_span<T>(slot, n, p.get_device()), ctx.stream());
-      }
+    // (Both checks fail on the ranks with rows only: the others then fail at the all-gather, by its timeout.)
+    for (std::int64_t j = 0; j < chunks; ++j) {
+      partial(j * cr, std::min(cr, rows - j * cr), static_cast<T*>(target.first) + static_cast<std::size_t>(j * target.stride));
     }
-    p.set_exact_grad_holds_sum(false);  // the wrapper sums the slots
+    zero_partials_slots(p, chunks, ctx.stream());
+    p.set_exact_grad_holds_sum(true);  // its partials are in place: the wrapper sums the slots
   }
 
   tensor scratch_;   // [group, numel] partial gradients

@@ -57,6 +57,7 @@
 #include <unordered_map>
 #include <vector>
 
+#include "lockstep/comm/coalesced.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/elementwise.hpp"
@@ -180,7 +181,9 @@ class distributed_data_parallel {
                      "built (its buckets hold ", deterministic_ ? "exact sums" : "gradients", "); build the wrapper after "
                      "setting the mode");
     // deterministic mode: partial gradients gathered, or exact sums (whose buffers' padding a gathered step left
-    // dirty: zeros again, so that the i64 all-reduce adds zeros there)
+    // dirty: zeros again, so that the i64 all-reduce adds zeros there). A backward that threw may have left the
+    // targets set.
+    if (gather_slots_ != 0) set_partials_targets(0);
     gathering_ = syncing_ && start_gathering();
     gathered_partials_ = gathering_;
     if (deterministic_ && !gathering_ && std::exchange(buckets_dirty_, false)) {
@@ -188,6 +191,7 @@ class distributed_data_parallel {
     }
     buckets_dirty_ = buckets_dirty_ || gathering_;
     if (!syncing_ && !stage2_) {  // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
+      accumulated_ = true;  // every rank's call, with rows or not: the next backward adds to these sums
       if (!grad_output.empty()) {
         compute_timeline_.begin(phase::compute, s);
         model_->backward(grad_output, *ctx_, input_grad::not_required);
@@ -205,7 +209,6 @@ class distributed_data_parallel {
         model_->backward(grad_output, *ctx_, input_grad::not_required);
       } catch (...) {
         ctx_->set_gradients_ready_hook(nullptr);
-        set_partials_targets(0);
         throw;
       }
       compute_timeline_.end(s);
@@ -230,6 +233,7 @@ class distributed_data_parallel {
       }
     }
     if (std::exchange(gathering_, false)) set_partials_targets(0);
+    accumulated_ = false;
     if (sharding_) set_stale(true);  // each rank updates its shard: the others' values arrive with the next gather
   }
 
@@ -595,13 +599,8 @@ class distributed_data_parallel {
       if (gathering_) {  // a parameter backward did not reach contributes zeros
         if (!p.grad_is_zero()) continue;
         (void)p.begin_accumulate();
-        const parameter::exact_partials& t = p.exact_partials_target();
-        const std::size_t es = size_of(b.value_type);
-        for (std::int64_t j = 0; j < t.slots; ++j) {
-          fill_zero(device_span<std::uint8_t>(static_cast<std::uint8_t*>(t.first) + static_cast<std::size_t>(j * t.stride) * es,
-                                              static_cast<std::size_t>(p.numel()) * es, ctx_->get_device()),
-                    s);
-        }
+        zero_partials_slots(p, 0, s);
+        p.set_exact_grad_holds_sum(true);
         continue;
       }
       p.materialize_full_grad(s);
@@ -630,15 +629,17 @@ class distributed_data_parallel {
 
   // Deterministic mode: whether this backward gathers the chunks' partial gradients themselves rather than exact
   // accumulators (the same bits either way: both give each gradient the correctly rounded exact sum of its
-  // chunks' partials). Every rank decides alike, from what every rank has: the global batch (context::
-  // set_global_rows), the world size, the buckets, and whether the gradients are zero (a backward after no_sync
-  // micro-batches adds to their exact sums). It does when every rank's slots (as many as the most chunks a rank
-  // holds, deterministic_shard) fit in the memory of the bucket's accumulators; then each parameter learns where
-  // its partials go.
+  // chunks' partials). Every rank must decide alike, so the decision rests on what every rank has: the global
+  // batch (context::set_global_rows), the world size, the buckets, whether no_sync() backward calls came before
+  // (every rank makes them, with rows or not: this backward adds to their exact sums), and the gradients being
+  // zero (zero_grad, which every rank calls; after a synchronized backward every rank's are written). It gathers
+  // when every rank's slots (as many as the most chunks a rank holds, deterministic_shard) fit in the memory of the
+  // bucket's accumulators; then each parameter learns where its partials go.
   bool start_gathering() {
-    if (!deterministic_ || sharding_ || ctx_->global_rows() == 0) return false;
+    if (!deterministic_ || sharding_ || accumulated_ || ctx_->global_rows() == 0) return false;
     const std::int64_t cr = ctx_->deterministic()->chunk_rows, world = comm_.size();
-    const std::int64_t slots = ((ctx_->global_rows() + cr - 1) / cr + world - 1) / world;
+    // rank 0 holds the most chunks of any rank
+    const std::int64_t slots = (deterministic_shard(ctx_->global_rows(), cr, 0, comm_.size()).rows + cr - 1) / cr;
     for (const auto& b : buckets_) {
       if (static_cast<std::size_t>(world * slots) * size_of(b.value_type) > 16) return false;  // see build_buckets
     }
@@ -674,12 +675,11 @@ class distributed_data_parallel {
       parameter& p = *params_[b.params[i]].param;
       const auto n = static_cast<std::size_t>(p.numel());
       if (n == 0) continue;
-      std::int64_t* outside = b.outside->template as<std::int64_t>() + i;
+      expect_exact_gradient(p);  // its slots were written by exact_gradient (or zeroed by launch)
+      p.set_exact_grad_holds_sum(false);  // the slots are summed: a next backward without zero_grad is refused
       dispatch_floating(b.value_type, "exact gradient sum", [&]<class T>() {
         const T* partials = static_cast<const T*>(b.flat->data()) + b.value_offsets[i];  // [world * slots][elements]
-        launch_elementwise(n, kernels::exact_sum_op<T>{partials, terms, b.value_elements, p.grad().as<T>(), outside}, s,
-                           "exact gradient sum");
-        launch_elementwise(n, kernels::exact_poison_op<T>{outside, p.grad().as<T>()}, s, "exact gradient sum");
+        sum_exact_terms<T>(partials, terms, b.value_elements, n, p.grad().as<T>(), b.outside->template as<std::int64_t>() + i, s);
       });
     }
   }
@@ -741,10 +741,7 @@ class distributed_data_parallel {
         launch_elementwise(count, kernels::exact_add_words_op{from[part], to[part]}, comm_stream_, "ZeRO-2 exact shard");
       }
     }
-    dispatch_floating(p.compute_type(), "ZeRO-2 exact shard", [&]<class T>() {
-      launch_elementwise(m, kernels::exact_round_op<T>{to[0], to[1], to[2], p.grad_shard().as<T>()}, comm_stream_,
-                         "ZeRO-2 exact shard rounding");
-    });
+    round_exact_limbs(p.compute_type(), to[0], to[1], to[2], p.grad_shard().data(), m, comm_stream_);
   }
 
   // ZeRO: whole fp32 tensors from every rank's shards, bucket by bucket, in stream order on the communication
@@ -979,6 +976,7 @@ class distributed_data_parallel {
   bool gathering_ = false;         // deterministic mode: this backward gathers partial gradients (start_gathering)
   bool gathered_partials_ = false;  // and the last one did
   bool buckets_dirty_ = false;      // partial gradients were gathered in the buckets since they were last zeroed
+  bool accumulated_ = false;        // no_sync() backward calls since the last synchronized one
   std::int64_t gather_slots_ = 0;  // and each rank's slots
   // ZeRO
   bool sharding_ = false;                        // zero > 0 on more than one rank
