@@ -10,8 +10,9 @@ and that one epoch ends with the same weights in every mode and on every number 
     accuracy  the test accuracy after the sample's full recipe (5 epochs, cosine schedule) for each of --seeds,
               with and without --deterministic, on one host device; the largest difference.
     hashes    weights_sha256 after --epochs epochs (default 1) for single, dp on 2/3/4 host devices, DDP on 2/3/4
-              threads and, with --mpirun, under `mpirun -np 2` and `-np 3`, for each of --batches and
-              --precisions; one line per configuration and whether every mode agrees.
+              threads (and on 2 with --exact-sums accumulators), ZeRO-1 on 3 and ZeRO-2 on 4 and, with --mpirun,
+              under `mpirun -np 2` and `-np 3`, for each of --batches and --precisions; one line per
+              configuration and whether every mode agrees.
 
 Usage: bench/determinism.py [--mlp-train PATH] [--modes cost accuracy hashes] [--hidden 256,256 1024,1024]
                             [--steps N] [--repeats R] [--seeds 0 1 2 3] [--batches 128 130]
@@ -113,6 +114,10 @@ def main():
         for k in (2, 3, 4):
             devs = ",".join(f"host:{i}" for i in range(k))
             configs.append((f"ddp {k}", ["--mode", "ddp", "--devices", devs], []))
+        configs.append(("ddp 2 accumulators", ["--mode", "ddp", "--devices", "host:0,host:1", "--exact-sums",
+                                               "accumulators"], []))
+        configs.append(("zero-1 3", ["--mode", "ddp", "--devices", "host:0,host:1,host:2", "--zero", "1"], []))
+        configs.append(("zero-2 4", ["--mode", "ddp", "--devices", "host:0,host:1,host:2,host:3", "--zero", "2"], []))
         if a.mpirun:
             for k in (2, 3):
                 configs.append((f"mpirun -np {k}", ["--mode", "ddp"], shlex.split(a.mpirun) + ["-np", str(k)]))
