@@ -146,9 +146,10 @@ class parameter {
     }
     return exact_view_;
   }
-  /// Whether the exact accumulator holds the gradient's exact sum since zero_grad (false after zero_grad, and
-  /// after a one-pass sum or a layer that wrote the gradient directly: nn/deterministic.hpp). Set by the code
-  /// that accumulates.
+  /// Whether the exact accumulator holds the gradient's exact sum since zero_grad, or (when a wrapper gathers
+  /// partial gradients, exact_partials_target) the partials are in their slots (false after zero_grad, and after a
+  /// one-pass sum, a gathered sum, or a layer that wrote the gradient directly: nn/deterministic.hpp). Set by the
+  /// code that accumulates.
   [[nodiscard]] bool exact_grad_holds_sum() const noexcept { return exact_holds_sum_; }
   void set_exact_grad_holds_sum(bool holds) noexcept { exact_holds_sum_ = holds; }
   /// The exact accumulator, or an empty view when deterministic mode never ran.
