@@ -1,7 +1,7 @@
 // Tests of amp/: the loss scaler's dynamics (backoff, growth, ceiling, floor), skipped steps that leave
 // weights and optimizer state bit-identical on every rank, unscaling against a CPU reference, f16/bf16 GEMMs
 // against fp32 within the error of their input rounding, and precision policies end to end. Every test runs
-// once per backend: on host devices (this program runs with LOCKSTEP_HOST_DEVICES=3) and on GPUs (skipped
+// once per backend: on host devices (this program runs with LOCKSTEP_HOST_DEVICES=4) and on GPUs (skipped
 // without a GPU, or with fewer than a test needs).
 #include <gtest/gtest.h>
 
@@ -515,44 +515,47 @@ TEST_P(clip_test, below_the_maximum_the_step_is_unclipped_and_a_non_finite_norm_
                   "max_norm must be positive and finite, got 0");
 }
 
-TEST_P(clip_test, shards_on_three_ranks_give_the_norm_of_all_the_gradients) {
-  if (!require_devices(3)) return;
-  // Nine gradients of ragged sizes; rank r holds gradients r, r + 3, r + 6 (as ZeRO shards would).
+TEST_P(clip_test, shards_on_one_to_four_ranks_give_the_norm_of_all_the_gradients) {
+  if (!require_devices(4)) return;
+  // Nine gradients of ragged sizes; of k ranks, rank r holds gradients r, r + k, r + 2k, ... (as ZeRO shards would).
   std::vector<std::vector<float>> grads;
   double sum = 0.0;
-  for (std::size_t k = 0; k < 9; ++k) {
-    grads.emplace_back(100 + 7 * k);
-    for (std::size_t i = 0; i < grads[k].size(); ++i) {
-      grads[k][i] = static_cast<float>(static_cast<int>((i * 13 + k) % 41) - 20) / 8.0f;
-      sum += static_cast<double>(grads[k][i]) * grads[k][i];
+  for (std::size_t g = 0; g < 9; ++g) {
+    grads.emplace_back(100 + 7 * g);
+    for (std::size_t i = 0; i < grads[g].size(); ++i) {
+      grads[g][i] = static_cast<float>(static_cast<int>((i * 13 + g) % 41) - 20) / 8.0f;
+      sum += static_cast<double>(grads[g][i]) * grads[g][i];
     }
   }
-  std::vector<float> norms(3), inf_norms(3), nan_norms(3);
-  run_on_devices(devices(3), [&](rank_context& rc) {
-    const stream_ref s = rc.compute_stream();
-    std::vector<std::unique_ptr<parameter>> owned;
-    std::vector<parameter*> ps;
-    for (std::size_t k = static_cast<std::size_t>(rc.rank()); k < 9; k += 3) {
-      owned.push_back(make_param(detail::concat("g", k), std::vector<float>(grads[k].size(), 0.0f), grads[k],
-                                 dtype::f32, s));
-      ps.push_back(owned.back().get());
+  for (int k = 1; k <= 4; ++k) {
+    std::vector<float> norms(static_cast<std::size_t>(k)), inf_norms(norms), nan_norms(norms);
+    run_on_devices(devices(k), [&](rank_context& rc) {
+      const stream_ref s = rc.compute_stream();
+      std::vector<std::unique_ptr<parameter>> owned;
+      std::vector<parameter*> ps;
+      for (std::size_t g = static_cast<std::size_t>(rc.rank()); g < 9; g += static_cast<std::size_t>(k)) {
+        owned.push_back(make_param(detail::concat("g", g), std::vector<float>(grads[g].size(), 0.0f), grads[g],
+                                   dtype::f32, s));
+        ps.push_back(owned.back().get());
+      }
+      gradient_clipper clip(s);
+      (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f}, s, {}, rc.comm());
+      norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
+      (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
+      inf_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
+      // a NaN on the last rank makes every rank's max-norm infinite (NCCL's max would drop a NaN), so all skip
+      if (rc.rank() == k - 1) {
+        auto nan = to_device(std::vector<float>{std::nanf("")}, s);
+        copy(ps[0]->grad().span<float>().subspan(3, 1), device_span<const float>(nan.span()), s);
+      }
+      (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
+      nan_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
+    });
+    for (int r = 0; r < k; ++r) {
+      const auto i = static_cast<std::size_t>(r);
+      EXPECT_NEAR(norms[i], std::sqrt(sum), 1e-6 * std::sqrt(sum)) << "rank " << r << " of " << k;
+      EXPECT_EQ(inf_norms[i], 20.0f / 8.0f) << "rank " << r << " of " << k;
+      EXPECT_TRUE(std::isinf(nan_norms[i])) << "rank " << r << " of " << k;
     }
-    gradient_clipper clip(s);
-    (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f}, s, {}, rc.comm());
-    norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
-    (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
-    inf_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
-    // a NaN on one rank makes every rank's max-norm infinite (NCCL's max would drop a NaN), so all skip
-    if (rc.rank() == 1) {
-      auto nan = to_device(std::vector<float>{std::nanf("")}, s);
-      copy(ps[0]->grad().span<float>().subspan(3, 1), device_span<const float>(nan.span()), s);
-    }
-    (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f, .norm = grad_norm::inf}, s, {}, rc.comm());
-    nan_norms[static_cast<std::size_t>(rc.rank())] = clip.total_norm(s);
-  });
-  for (int r = 0; r < 3; ++r) {
-    EXPECT_NEAR(norms[static_cast<std::size_t>(r)], std::sqrt(sum), 1e-6 * std::sqrt(sum)) << "rank " << r;
-    EXPECT_EQ(inf_norms[static_cast<std::size_t>(r)], 20.0f / 8.0f) << "rank " << r;
-    EXPECT_TRUE(std::isinf(nan_norms[static_cast<std::size_t>(r)])) << "rank " << r;
   }
 }

@@ -20,6 +20,7 @@ rounding of the two GEMMs (OpenBLAS, PyTorch's): --tolerance N accepts N answers
 
 Usage: /usr/bin/python3 tools/safetensors_interop.py --mlp-train build/sample/examples/mlp_train/mlp_train
            [--hidden 128] [--steps 200] [--data DIR] [--tolerance 0] [--devices host:0] [--workdir DIR]
+           [--train-options "--mode ddp --zero 2 --devices host:0,host:1"]
 Exit status: 0 pass, 1 mismatch or error, 77 skipped (no PyTorch or no dataset; CTest's skip code).
 """
 import argparse
@@ -29,6 +30,7 @@ import json
 import math
 import os
 import re
+import shlex
 import shutil
 import struct
 import subprocess
@@ -220,7 +222,8 @@ def compare(what, lockstep_correct, torch_correct, logits, labels, tolerance, fa
 def lockstep_to_torch(a, st, hidden, test, work, failures):
     print(f"lockstep -> PyTorch: mlp_train trains {a.steps} steps and saves a checkpoint")
     save = os.path.join(work, "lockstep-checkpoints")
-    r = run_mlp_train(a, ["--epochs", "100", "--max-steps", str(a.steps), "--print-every", "1000000", "--save", save])
+    r = run_mlp_train(a, ["--epochs", "100", "--max-steps", str(a.steps), "--print-every", "1000000", "--save", save]
+                      + shlex.split(a.train_options))
     if "checkpoint" not in r:
         raise Failure("mlp_train --save printed no 'checkpoint' in its JSON")
     ck = os.path.normpath(r["checkpoint"])
@@ -276,6 +279,9 @@ def main():
     p.add_argument("--tolerance", type=int, default=0, help="correct answers the counts may differ by (default 0)")
     p.add_argument("--devices", default="host:0", help="mlp_train's --devices ('' for its default; default host:0)")
     p.add_argument("--workdir", help="keep the files here (default: a temporary directory, removed at the end)")
+    p.add_argument("--train-options", default="",
+                   help="more mlp_train options for the run that saves the checkpoint, e.g. '--mode ddp --zero 2' "
+                        "(a sharded run saves whole tensors)")
     a = p.parse_args()
     try:
         hidden = [int(h) for h in a.hidden.split(",")]
