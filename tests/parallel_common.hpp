@@ -188,7 +188,7 @@ struct recipe {
   std::size_t first_bucket_bytes = 512;
   float initial_scale = 0.0f;  // f16's loss scale to start from (0: 2^10)
   std::optional<deterministic_options> deterministic = std::nullopt;  // each rank on its deterministic_shard
-  bool tell_global_rows = false;  // deterministic mode: context::set_global_rows (DDP may gather partials)
+  global_batch global = global_batch::not_told;  // deterministic mode: told, DDP may gather partial gradients
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -245,7 +245,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
     }
     for (int m = 0; m < r.micro_batches; ++m) {
       const bool last = m + 1 == r.micro_batches;
-      if (r.tell_global_rows) ctx.set_global_rows(batch);  // every rank, with rows or not: they decide alike
+      if (r.global == global_batch::told) ctx.set_global_rows(batch);  // every rank, rows or not: they decide alike
       auto pass = [&] {
         if (static_cast<std::size_t>(m) >= micro.size()) {
           ddp.backward(tensor_view());  // no rows for this rank (or this micro-batch)

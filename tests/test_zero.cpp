@@ -156,7 +156,7 @@ TEST_P(zero_test, deterministic_zero_1_and_2_give_the_bits_of_one_device_on_2_3_
     ASSERT_NE(one[0].parameters, initial_parameters(dev(0))) << "the run must train";
     for (int zero : {0, 1, 2}) {
       r.zero = zero;
-      r.tell_global_rows = zero == 0;
+      r.global = zero == 0 ? global_batch::told : global_batch::not_told;
       for (int k = 2; k <= 4; ++k) {
         const std::int64_t slots = (deterministic_shard(m.batch, m.chunk, 0, k).rows + m.chunk - 1) / m.chunk;
         const bool gathers = zero == 0 && m.micro_batches == 1 &&

@@ -183,13 +183,13 @@ class distributed_data_parallel {
     // deterministic mode: partial gradients gathered, or exact sums (whose buffers' padding a gathered step left
     // dirty: zeros again, so that the i64 all-reduce adds zeros there). A backward that threw may have left the
     // targets set.
-    if (gather_slots_ != 0) set_partials_targets(0);
-    gathering_ = syncing_ && start_gathering();
-    gathered_partials_ = gathering_;
-    if (deterministic_ && !gathering_ && std::exchange(buckets_dirty_, false)) {
+    if (gathering()) set_partials_targets(0);
+    if (syncing_) start_gathering();
+    gathered_partials_ = gathering();
+    if (deterministic_ && !gathering() && std::exchange(buckets_dirty_, false)) {
       for (const auto& b : buckets_) fill_zero(b.flat->bytes(), s);
     }
-    buckets_dirty_ = buckets_dirty_ || gathering_;
+    buckets_dirty_ = buckets_dirty_ || gathering();
     if (!syncing_ && !stage2_) {  // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
       accumulated_ = true;  // every rank's call, with rows or not: the next backward adds to these sums
       if (!grad_output.empty()) {
@@ -220,7 +220,7 @@ class distributed_data_parallel {
     // The gradients: wait for each bucket's all-reduce and unpack it (or round its exact sums).
     for (auto& b : buckets_) {
       s.wait(*b.done);
-      if (gathering_) {
+      if (gathering()) {
         sum_gathered(b);
       } else if (deterministic_ && !stage2_) {  // (ZeRO-2 rounded its shards in copy_out)
         // under ZeRO-1 the shard alone: the optimizer, the scaler and the clipper read nothing else
@@ -232,7 +232,7 @@ class distributed_data_parallel {
         unpack(b);
       }
     }
-    if (std::exchange(gathering_, false)) set_partials_targets(0);
+    if (gathering()) set_partials_targets(0);
     accumulated_ = false;
     if (sharding_) set_stale(true);  // each rank updates its shard: the others' values arrive with the next gather
   }
@@ -596,7 +596,7 @@ class distributed_data_parallel {
     const stream_ref s = ctx_->stream();
     for (std::size_t i = 0; i < b.params.size(); ++i) {
       parameter& p = *params_[b.params[i]].param;
-      if (gathering_) {  // a parameter backward did not reach contributes zeros
+      if (gathering()) {  // a parameter backward did not reach contributes zeros
         if (!p.grad_is_zero()) continue;
         (void)p.begin_accumulate();
         zero_partials_slots(p, 0, s);
@@ -610,7 +610,7 @@ class distributed_data_parallel {
     comm_stream_.wait(grads_ready_);
     comm_timeline_.begin(phase::communication, comm_stream_);
     const reduce_op op = options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum;
-    if (gathering_) {
+    if (gathering()) {
       // every rank's slots of partial gradients to every rank (in place: this rank's are at its offset)
       const std::size_t piece = static_cast<std::size_t>(gather_slots_) * b.value_elements;
       comm_.all_gather(static_cast<std::byte*>(b.flat->data()) + static_cast<std::size_t>(comm_.rank()) * piece * size_of(b.value_type),
@@ -627,28 +627,29 @@ class distributed_data_parallel {
     b.done->record(comm_stream_);
   }
 
-  // Deterministic mode: whether this backward gathers the chunks' partial gradients themselves rather than exact
-  // accumulators (the same bits either way: both give each gradient the correctly rounded exact sum of its
+  // Deterministic mode: decides whether this backward gathers the chunks' partial gradients themselves rather than
+  // exact accumulators (the same bits either way: both give each gradient the correctly rounded exact sum of its
   // chunks' partials). Every rank must decide alike, so the decision rests on what every rank has: the global
   // batch (context::set_global_rows), the world size, the buckets, whether no_sync() backward calls came before
   // (every rank makes them, with rows or not: this backward adds to their exact sums), and the gradients being
   // zero (zero_grad, which every rank calls; after a synchronized backward every rank's are written). It gathers
   // when every rank's slots (as many as the most chunks a rank holds, deterministic_shard) fit in the memory of the
   // bucket's accumulators; then each parameter learns where its partials go.
-  bool start_gathering() {
-    if (!deterministic_ || sharding_ || accumulated_ || ctx_->global_rows() == 0) return false;
+  void start_gathering() {
+    if (!deterministic_ || sharding_ || accumulated_ || ctx_->global_rows() == 0) return;
     const std::int64_t cr = ctx_->deterministic()->chunk_rows, world = comm_.size();
     // rank 0 holds the most chunks of any rank
     const std::int64_t slots = (deterministic_shard(ctx_->global_rows(), cr, 0, comm_.size()).rows + cr - 1) / cr;
     for (const auto& b : buckets_) {
-      if (static_cast<std::size_t>(world * slots) * size_of(b.value_type) > 16) return false;  // see build_buckets
+      if (static_cast<std::size_t>(world * slots) * size_of(b.value_type) > 16) return;  // see build_buckets
     }
     for (const auto& p : params_) {
-      if (!p.param->grad_is_zero()) return false;
+      if (!p.param->grad_is_zero()) return;
     }
     set_partials_targets(slots);
-    return true;
   }
+  // Whether this backward gathers partial gradients: the parameters know their slots.
+  [[nodiscard]] bool gathering() const noexcept { return gather_slots_ != 0; }
 
   // Tells every parameter where this backward's partial gradients go: its values' place in this rank's `slots`
   // slots of its bucket (each slot one bucket of values, in the values' layout); with 0, the exact accumulators.
@@ -973,11 +974,10 @@ class distributed_data_parallel {
   std::size_t next_launch_ = 0;  // the next bucket to all-reduce, in bucket order
   event grads_ready_;
   bool syncing_ = true;
-  bool gathering_ = false;         // deterministic mode: this backward gathers partial gradients (start_gathering)
-  bool gathered_partials_ = false;  // and the last one did
+  bool gathered_partials_ = false;  // deterministic mode: the last backward gathered partial gradients
   bool buckets_dirty_ = false;      // partial gradients were gathered in the buckets since they were last zeroed
   bool accumulated_ = false;        // no_sync() backward calls since the last synchronized one
-  std::int64_t gather_slots_ = 0;  // and each rank's slots
+  std::int64_t gather_slots_ = 0;  // each rank's slots of partial gradients while a backward gathers them (else 0)
   // ZeRO
   bool sharding_ = false;                        // zero > 0 on more than one rank
   bool stage2_ = false;                          // and zero == 2
