@@ -25,6 +25,7 @@
 #include <vector>
 
 #include "lockstep/blas/blas_handle.hpp"
+#include "lockstep/blas/chunk_products.hpp"
 #include "lockstep/blas/gemm.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/device/query.hpp"
@@ -535,3 +536,85 @@ TEST(blas_cuda, cublas_errors_are_sentences) {
   }
 }
 #endif
+
+// ---- deterministic mode's chunk products (blas/chunk_products.hpp) ------------------------------------------
+
+// P_c[i][j] is the fma chain over chunk c's rows in order, from zero: with every tile kernel this CPU runs, for
+// sizes that leave partial tiles, blocks and chunks (m not a multiple of 8, n not of 32 or 256, a short last
+// chunk), in f32 and with f16/bf16 operands (widened exactly). Random floats: the comparison is of bits, as the
+// same operations in the same order must give them.
+template <class T>
+void expect_chunk_products_are_fma_chains() {
+  struct size_case {
+    std::int64_t rows, m, n, chunk_rows;
+  };
+  std::vector<detail::chunk_products::tile_kernel> kernels{&detail::chunk_products::tile_scalar};
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) kernels.push_back(&detail::chunk_products::tile_avx2);
+  if (__builtin_cpu_supports("avx512f")) kernels.push_back(&detail::chunk_products::tile_avx512);
+#endif
+  std::uint32_t state = 12345;
+  auto next = [&] {  // a float in (-2, 2) with a full significand
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<std::int32_t>(state)) * 0x1p-30f;
+  };
+  for (const size_case sc : {size_case{70, 13, 45, 32}, size_case{64, 8, 256, 32}, size_case{5, 17, 300, 4},
+                             size_case{33, 9, 257, 16}, size_case{1, 1, 1, 8}}) {
+    const std::int64_t ldg = sc.m + 3, ldx = sc.n + 1;  // padded rows: the leading dimensions are honoured
+    std::vector<T> g(static_cast<std::size_t>(sc.rows * ldg)), x(static_cast<std::size_t>(sc.rows * ldx));
+    for (auto& v : g) v = convert<T>(next());
+    for (auto& v : x) v = convert<T>(next());
+    const std::int64_t chunks = (sc.rows + sc.chunk_rows - 1) / sc.chunk_rows;
+    std::vector<float> expected(static_cast<std::size_t>(chunks * sc.m * sc.n));
+    for (std::int64_t c = 0; c < chunks; ++c) {
+      for (std::int64_t i = 0; i < sc.m; ++i) {
+        for (std::int64_t j = 0; j < sc.n; ++j) {
+          float acc = 0.0f;
+          for (std::int64_t r = c * sc.chunk_rows; r < std::min(sc.rows, (c + 1) * sc.chunk_rows); ++r) {
+            acc = std::fma(to_float(g[static_cast<std::size_t>(r * ldg + i)]), to_float(x[static_cast<std::size_t>(r * ldx + j)]), acc);
+          }
+          expected[static_cast<std::size_t>((c * sc.m + i) * sc.n + j)] = acc;
+        }
+      }
+    }
+    const detail::chunk_products_problem<T> problem{g.data(), ldg, x.data(), ldx, sc.rows, sc.m, sc.n, sc.chunk_rows};
+    std::vector<float> scratch(static_cast<std::size_t>(detail::chunk_products::scratch_floats(sc.rows, sc.m, sc.n, chunks)));
+    for (std::size_t k = 0; k < kernels.size(); ++k) {
+      std::vector<float> got(expected.size(), std::numeric_limits<float>::quiet_NaN());
+      std::int64_t emitted = 0;
+      detail::host_chunk_products(
+          problem, scratch.data(),
+          [&](std::int64_t i0, std::int64_t mb, std::int64_t j0, std::int64_t nb, const float* tiles, std::int64_t stride) {
+            for (std::int64_t c = 0; c < chunks; ++c) {
+              for (std::int64_t a = 0; a < mb; ++a) {
+                for (std::int64_t j = 0; j < nb; ++j) {
+                  got[static_cast<std::size_t>((c * sc.m + i0 + a) * sc.n + j0 + j)] =
+                      tiles[c * stride + a * detail::chunk_products::block_n + j];
+                }
+              }
+            }
+            emitted += mb * nb;
+          },
+          kernels[k]);
+      EXPECT_EQ(emitted, sc.m * sc.n) << "every element once";
+      for (std::size_t e = 0; e < expected.size(); ++e) {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(got[e]), std::bit_cast<std::uint32_t>(expected[e]))
+            << "kernel " << k << ", rows " << sc.rows << ", m " << sc.m << ", n " << sc.n << ", chunk rows "
+            << sc.chunk_rows << ", element " << e << ": " << got[e] << " != " << expected[e];
+      }
+    }
+  }
+  // no rows: nothing emitted
+  const detail::chunk_products_problem<T> none{nullptr, 4, nullptr, 4, 0, 4, 4, 32};
+  bool called = false;
+  detail::host_chunk_products(none, nullptr, [&](auto...) { called = true; });
+  EXPECT_FALSE(called);
+}
+
+TEST(chunk_products, every_tile_kernel_gives_each_chunk_the_fma_chain_of_its_rows_f32) {
+  expect_chunk_products_are_fma_chains<float>();
+}
+TEST(chunk_products, every_tile_kernel_gives_each_chunk_the_fma_chain_of_its_rows_f16_bf16) {
+  expect_chunk_products_are_fma_chains<half>();
+  expect_chunk_products_are_fma_chains<bfloat16>();
+}

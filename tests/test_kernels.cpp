@@ -501,9 +501,9 @@ TEST(exact_sum, a_term_outside_the_window_makes_nan_whichever_path_and_split_it_
   for (bool host_loop : {true, false}) {
     auto run = [&](const kernels::exact_accumulate_op<float>& op) { host_loop ? op.for_all(1) : op(0); };
     std::vector<std::int64_t> one(kernels::exact_words(1), 0), two(kernels::exact_words(1), 0);
-    run({partials.data(), 3, 1, one.data(), true});
-    run({partials.data(), 1, 1, two.data(), true});
-    run({partials.data() + 1, 2, 1, two.data(), false});
+    run({partials.data(), 3, 1, one.data(), one.data() + 1, one.data() + 2, true});
+    run({partials.data(), 1, 1, two.data(), two.data() + 1, two.data() + 2, true});
+    run({partials.data() + 1, 2, 1, two.data(), two.data() + 1, two.data() + 2, false});
     EXPECT_TRUE(std::isnan(round(one))) << (host_loop ? "host loop" : "per element") << ", one accumulation";
     EXPECT_TRUE(std::isnan(round(two))) << (host_loop ? "host loop" : "per element") << ", two accumulations";
     float out = 0;
@@ -564,8 +564,8 @@ TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_te
     auto partials = to_device(from_floats<T>(partial), s);
     device_buffer<std::int64_t> acc(kernels::exact_words(n), s);
     fill_zero(acc.span(), s);
-    launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data(), 2, n, acc.data(), true}, s, "accumulate");
-    launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data() + 2 * n, 3, n, acc.data(), false}, s,
+    launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data(), 2, n, acc.data(), acc.data() + n, acc.data() + 2 * n, true}, s, "accumulate");
+    launch_elementwise(n, kernels::exact_accumulate_op<T>{partials.data() + 2 * n, 3, n, acc.data(), acc.data() + n, acc.data() + 2 * n, false}, s,
                        "accumulate");
     device_buffer<T> rounded(n, s), one_pass(n, s);
     launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), acc.data() + n, acc.data() + 2 * n, rounded.data()}, s,
@@ -595,7 +595,7 @@ TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_te
     auto bad = to_device(from_floats<T>(with_inf), s);
     fill_zero(acc.span(), s);
     fill_zero(outside.span(), s);
-    launch_elementwise(n, kernels::exact_accumulate_op<T>{bad.data(), chunks, n, acc.data(), true}, s, "accumulate");
+    launch_elementwise(n, kernels::exact_accumulate_op<T>{bad.data(), chunks, n, acc.data(), acc.data() + n, acc.data() + 2 * n, true}, s, "accumulate");
     launch_elementwise(n, kernels::exact_round_op<T>{acc.data(), acc.data() + n, acc.data() + 2 * n, rounded.data()}, s,
                        "round");
     launch_elementwise(n, kernels::exact_sum_op<T>{bad.data(), chunks, n, one_pass.data(), outside.data()}, s, "sum");

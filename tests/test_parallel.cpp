@@ -6,6 +6,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <bit>
 #include <atomic>
 #include <chrono>
 #include <mutex>
@@ -257,6 +258,53 @@ INSTANTIATE_TEST_SUITE_P(devices_batches_chunks, deterministic_equivalence,
                                   std::to_string(std::get<0>(p)) + "_devices_batch_" + std::to_string(std::get<1>(p)) +
                                   "_chunk_" + std::to_string(std::get<2>(p));
                          });
+
+TEST(deterministic_linear, the_weight_gradient_is_the_exact_sum_of_its_chunks_fma_chains_rounded_once) {
+  // On a host device (a GPU's chunk products are cuBLAS's): 50 rows in chunks of 16 (the last has 2), a layer of
+  // 37 inputs and 11 outputs (partial tiles), random floats. Each chunk's term of W's gradient is the fma chain
+  // over its rows (blas/chunk_products.hpp); the gradient is their exact sum, rounded once. Both paths: the
+  // one-pass sum of one backward, and the exact accumulator kept across backward calls.
+  const std::int64_t rows = 50, in = 37, out = 11, chunk = 16;
+  std::uint32_t state = 7;
+  auto next = [&] {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<std::int32_t>(state)) * 0x1p-31f;
+  };
+  std::vector<float> x(static_cast<std::size_t>(rows * in)), gy(static_cast<std::size_t>(rows * out));
+  for (auto& v : x) v = next();
+  for (auto& v : gy) v = next();
+  std::vector<float> expected(static_cast<std::size_t>(out * in));
+  for (std::int64_t o = 0; o < out; ++o) {
+    for (std::int64_t i = 0; i < in; ++i) {
+      std::int64_t hi = 0, lo = 0, outside = 0;
+      for (std::int64_t c0 = 0; c0 < rows; c0 += chunk) {
+        float term = 0.0f;
+        for (std::int64_t r = c0; r < std::min(rows, c0 + chunk); ++r) {
+          term = std::fma(gy[static_cast<std::size_t>(r * out + o)], x[static_cast<std::size_t>(r * in + i)], term);
+        }
+        kernels::exact_add(term, hi, lo, outside);
+      }
+      expected[static_cast<std::size_t>(o * in + i)] = kernels::exact_round(hi, lo, outside);
+    }
+  }
+  using accumulation = deterministic_options::accumulation;
+  for (const accumulation how : {accumulation::per_backward, accumulation::across_backward_calls}) {
+    stream s(device{device_kind::host, 0});
+    context ctx(s);
+    ctx.set_deterministic(deterministic_options{.chunk_rows = chunk, .gradients = how});
+    initializer init(1);
+    linear layer(in, out, ctx, init);
+    tensor xt = device_tensor(x, shape{rows, in}, s), gt = device_tensor(gy, shape{rows, out}, s);
+    (void)layer.forward(xt, ctx);
+    (void)layer.backward(gt, ctx, input_grad::not_required);
+    const auto got = to_vector(layer.weight().grad().span<const float>(), s);
+    ASSERT_EQ(got.size(), expected.size());
+    for (std::size_t e = 0; e < got.size(); ++e) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(got[e]), std::bit_cast<std::uint32_t>(expected[e]))
+          << "element " << e << ", " << (how == accumulation::per_backward ? "one pass" : "accumulator");
+    }
+  }
+}
 
 TEST_P(ddp_test, deterministic_micro_batches_on_one_device_give_the_bits_of_one_batch) {
   // 5 steps of a 64-row batch on one device, as one backward, and as two backward calls of 32 rows between

@@ -16,6 +16,8 @@
 #include <algorithm>
 #include <cstdint>
 
+#include "lockstep/blas/chunk_products.hpp"
+#include "lockstep/blas/gemm.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/exact.hpp"
 #include "lockstep/kernels/launch.hpp"
@@ -111,30 +113,31 @@ class exact_gradient {
   /// p's gradient. Requires deterministic mode.
   template <class T, class Partial>
   void accumulate(parameter& p, std::int64_t rows, context& ctx, Partial&& partial) {
-    LOCKSTEP_EXPECTS(ctx.deterministic().has_value(), "exact_gradient: the context is not in deterministic mode");
-    const std::int64_t cr = ctx.deterministic()->chunk_rows;
-    const std::int64_t last_chunk = (ctx.row_offset() + rows + cr - 1) / cr;
-    LOCKSTEP_EXPECTS(last_chunk <= kernels::exact_max_terms, "deterministic mode: the global batch reaches row ",
-                     ctx.row_offset() + rows, ", more than ", kernels::exact_max_terms, " chunks of ", cr,
-                     " rows (the exact sums take at most that many terms); use a larger chunk_rows");
-    const stream_ref s = ctx.stream();
+    const std::int64_t cr = ctx.deterministic() ? ctx.deterministic()->chunk_rows : 1;
     const auto n = static_cast<std::size_t>(p.numel());
-    if (const parameter::exact_partials& target = p.exact_partials_target(); target.slots > 0) {
-      gather_partials<T>(p, rows, ctx, target, partial);
-      return;
-    }
-    if (n == 0) {  // nothing to sum; the accumulator is the count word alone
-      (void)p.begin_accumulate();
-      fill_zero(p.exact_grad(s).bytes(), s);
-      p.set_exact_grad_holds_sum(true);
-      return;
-    }
-    bool overwrite = p.begin_accumulate() == 0.0f;
     const std::int64_t chunks = (rows + cr - 1) / cr;
     const std::int64_t budget = std::int64_t{16} << 20;
     const std::int64_t group =
-        std::clamp<std::int64_t>(budget / static_cast<std::int64_t>(n * sizeof(T)), 1, std::max<std::int64_t>(chunks, 1));
-    if (chunks > 0) scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
+        n == 0 ? 1
+               : std::clamp<std::int64_t>(budget / static_cast<std::int64_t>(n * sizeof(T)), 1,
+                                          std::max<std::int64_t>(chunks, 1));
+    const stream_ref s = ctx.stream();
+    const plan pl = begin(p, rows, ctx, group == chunks);
+    switch (pl.path) {
+      case sum_path::gather:
+        for (std::int64_t j = 0; j < chunks; ++j) {
+          partial(j * cr, std::min(cr, rows - j * cr),
+                  static_cast<T*>(pl.target.first) + static_cast<std::size_t>(j * pl.target.stride));
+        }
+        zero_partials_slots(p, chunks, s);
+        return;
+      case sum_path::empty:
+        return;
+      case sum_path::one_pass:
+      case sum_path::accumulate:
+        break;
+    }
+    scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
     // the partial gradients of chunks [c0, c0 + g) into the scratch, side by side
     auto partials = [&](std::int64_t c0, std::int64_t g) {
       for (std::int64_t j = 0; j < g; ++j) {
@@ -142,6 +145,133 @@ class exact_gradient {
         partial(begin, std::min(cr, rows - begin), scratch_.as<T>() + static_cast<std::size_t>(j) * n);
       }
     };
+    if (pl.path == sum_path::one_pass) {  // the whole sum in one pass, straight into the gradient
+      partials(0, chunks);
+      sum_exact_terms<T>(scratch_.as<T>(), static_cast<std::size_t>(chunks), n, n, p.grad().as<T>(),
+                         outside_.as<std::int64_t>(), s);
+      return;
+    }
+    const tensor_view acc = p.exact_grad(s);
+    bool overwrite = pl.overwrite;
+    for (std::int64_t c0 = 0; c0 < chunks; c0 += group) {
+      const std::int64_t g = std::min(group, chunks - c0);
+      partials(c0, g);
+      launch_elementwise(n,
+                         kernels::exact_accumulate_op<T>{scratch_.as<T>(), static_cast<std::size_t>(g), n,
+                                                         acc.as<std::int64_t>(), acc.as<std::int64_t>() + n,
+                                                         acc.as<std::int64_t>() + 2 * n, overwrite},
+                         s, "exact gradient sum");
+      overwrite = false;
+    }
+    if (ctx.gradient_rounding() == exact_rounding::by_layer) round_exact_gradient(p, s);
+  }
+
+  /// accumulate() for a parameter p of shape [m, n] whose gradient is the sum over the rows r of the products
+  /// g[r][i] * x[r][j] (g [rows, m] with leading dimension ldg, x [rows, n] with ldx, both of type T, on p's
+  /// device): a linear layer's weight, G^T X. A chunk's partial is G_c^T X_c. On a host device the chunks'
+  /// products are blas/chunk_products.hpp's (an element a chain of fused multiply-adds over its chunk's rows),
+  /// each tile summed, accumulated or copied while it is in cache, all in one piece of work on the stream; on a
+  /// GPU, a GEMM per chunk (cuBLAS: one algorithm for one shape on one GPU model).
+  template <class T>
+  void accumulate_products(parameter& p, std::int64_t rows, context& ctx, const T* g, std::int64_t ldg, const T* x,
+                           std::int64_t ldx) {
+    LOCKSTEP_EXPECTS(p.dims().rank() == 2, "exact_gradient::accumulate_products: parameter ", p.name(), " has shape ",
+                     p.dims().str(), ", not [m, n]");
+    const std::int64_t m = p.dims()[0], n = p.dims()[1];
+    const stream_ref s = ctx.stream();
+    if (!s.get_device().is_host()) {
+      accumulate<T>(p, rows, ctx, [&](std::int64_t b, std::int64_t r, T* out) {
+        gemm<T>(ctx.blas(), transpose::yes, transpose::no, m, n, r, 1.0f, g + b * ldg, ldg, x + b * ldx, ldx, 0.0f,
+                out, n);
+      });
+      return;
+    }
+    const plan pl = begin(p, rows, ctx, true);
+    if (pl.path == sum_path::empty) return;
+    const std::int64_t cr = ctx.deterministic()->chunk_rows, chunks = (rows + cr - 1) / cr;
+    const detail::chunk_products_problem<T> problem{g, ldg, x, ldx, rows, m, n, cr};
+    const std::int64_t floats = detail::chunk_products::scratch_floats(rows, m, n, chunks) +
+                                (std::is_same_v<T, float> ? 0 : chunks * detail::chunk_products::block_n);
+    scratch_.ensure(shape{floats}, dtype::f32, s);
+    float* scratch = scratch_.as<float>();
+    const std::size_t total = static_cast<std::size_t>(m * n);
+    products_work<T> work{problem, scratch, pl.path, nullptr, 0, nullptr, nullptr, nullptr, pl.overwrite};
+    switch (pl.path) {
+      case sum_path::gather:
+        work.out = static_cast<T*>(pl.target.first);
+        work.slot_stride = pl.target.stride;
+        break;
+      case sum_path::one_pass:
+        work.out = p.grad().as<T>();
+        work.outside = outside_.as<std::int64_t>();
+        break;
+      case sum_path::accumulate: {
+        const tensor_view acc = p.exact_grad(s);
+        work.hi = acc.as<std::int64_t>();
+        work.lo = work.hi + total;
+        work.outside = work.hi + 2 * total;
+        break;
+      }
+      case sum_path::empty:
+        break;
+    }
+    detail::strict_check_functor(work, s.get_device(), "exact gradient of a product");
+    detail::enqueue_host(s, [work] { work.run(); }, "exact gradient of a product (chunk products)");
+    if (pl.path == sum_path::gather) {
+      zero_partials_slots(p, chunks, s);
+    } else if (pl.path == sum_path::one_pass) {
+      launch_elementwise(total, kernels::exact_poison_op<T>{outside_.as<std::int64_t>(), p.grad().as<T>()}, s,
+                         "exact gradient sum");
+    } else if (ctx.gradient_rounding() == exact_rounding::by_layer) {
+      round_exact_gradient(p, s);
+    }
+  }
+
+ private:
+  enum class sum_path : std::uint8_t {
+    gather,      // distributed_data_parallel gathers the partials: each chunk's into its slot, zeros in the rest
+    empty,       // no elements: the accumulator is the count word alone
+    one_pass,    // every chunk of the sum here and now: summed straight into the gradient, no accumulator
+    accumulate,  // added into the exact accumulator (over it unless `overwrite`)
+  };
+  struct plan {
+    sum_path path;
+    bool overwrite;
+    parameter::exact_partials target;
+  };
+
+  // The checks both entry points make, and which path p's gradient takes; sets what p's exact state will hold,
+  // and zeroes what the path adds into (the accumulator's count word, the one-pass sum's count). `whole` says
+  // whether every chunk fits one pass (the scratch budget).
+  plan begin(parameter& p, std::int64_t rows, context& ctx, bool whole) {
+    LOCKSTEP_EXPECTS(ctx.deterministic().has_value(), "exact_gradient: the context is not in deterministic mode");
+    const std::int64_t cr = ctx.deterministic()->chunk_rows;
+    const std::int64_t last_chunk = (ctx.row_offset() + rows + cr - 1) / cr;
+    LOCKSTEP_EXPECTS(last_chunk <= kernels::exact_max_terms, "deterministic mode: the global batch reaches row ",
+                     ctx.row_offset() + rows, ", more than ", kernels::exact_max_terms, " chunks of ", cr,
+                     " rows (the exact sums take at most that many terms); use a larger chunk_rows");
+    const stream_ref s = ctx.stream();
+    const std::int64_t chunks = (rows + cr - 1) / cr;
+    if (const parameter::exact_partials& target = p.exact_partials_target(); target.slots > 0) {
+      const bool first = p.begin_accumulate() == 0.0f;
+      LOCKSTEP_EXPECTS(first, "deterministic mode: parameter ", p.name(),
+                       " receives a second gradient in one backward, but distributed_data_parallel gathers one partial "
+                       "gradient per chunk and parameter when the context knows the global batch; leave "
+                       "context::set_global_rows at 0 for this model (the wrapper then adds exact sums)");
+      LOCKSTEP_EXPECTS(chunks <= target.slots, "deterministic mode: this rank has ", chunks, " chunks of ", cr,
+                       " rows, but a global batch of ", ctx.global_rows(), " rows (context::set_global_rows) gives a "
+                       "rank at most ", target.slots, "; split batches with deterministic_shard()");
+      // (Both checks fail on the ranks with rows only: the others then fail at the all-gather, by its timeout.)
+      p.set_exact_grad_holds_sum(true);  // its partials are in place: the wrapper sums the slots
+      return {sum_path::gather, true, target};
+    }
+    if (p.numel() == 0) {
+      (void)p.begin_accumulate();
+      fill_zero(p.exact_grad(s).bytes(), s);
+      p.set_exact_grad_holds_sum(true);
+      return {sum_path::empty, true, {}};
+    }
+    const bool overwrite = p.begin_accumulate() == 0.0f;
     const bool keep_sums = ctx.gradient_rounding() == exact_rounding::by_wrapper ||
                            ctx.deterministic()->gradients == deterministic_options::accumulation::across_backward_calls;
     LOCKSTEP_EXPECTS(overwrite || p.exact_grad_holds_sum(), "deterministic mode: parameter ", p.name(),
@@ -152,60 +282,84 @@ class exact_gradient {
                            "last step's partial gradients, context::set_global_rows), and no_sync() for micro-batches"
                          : "to accumulate micro-batches exactly, set deterministic_options::gradients to "
                            "accumulation::across_backward_calls");
-    if (chunks > 0 && group == chunks && overwrite && !keep_sums) {
-      // the whole sum in one pass, straight into the gradient: no accumulator (only a count word) at all
-      partials(0, chunks);
+    if (chunks > 0 && whole && overwrite && !keep_sums) {
       outside_.ensure(shape{1}, dtype::i64, s);
       fill_zero(outside_.view().bytes(), s);
-      sum_exact_terms<T>(scratch_.as<T>(), static_cast<std::size_t>(chunks), n, n, p.grad().as<T>(),
-                         outside_.as<std::int64_t>(), s);
       p.set_exact_grad_holds_sum(false);
-      return;
+      return {sum_path::one_pass, true, {}};
     }
     p.set_exact_grad_holds_sum(true);
-    const tensor_view acc = p.exact_grad(s);
     if (overwrite) {
       // the count of terms outside the window (the last word; the kernel adds to it), or all of it without rows
+      const tensor_view acc = p.exact_grad(s);
       const std::size_t zeroed = chunks == 0 ? acc.size_bytes() : sizeof(std::int64_t);
       fill_zero(acc.bytes().subspan(acc.size_bytes() - zeroed, zeroed), s);
     }
-    for (std::int64_t c0 = 0; c0 < chunks; c0 += group) {
-      const std::int64_t g = std::min(group, chunks - c0);
-      partials(c0, g);
-      launch_elementwise(n,
-                         kernels::exact_accumulate_op<T>{scratch_.as<T>(), static_cast<std::size_t>(g), n,
-                                                         acc.as<std::int64_t>(), overwrite},
-                         s, "exact gradient sum");
-      overwrite = false;
-    }
-    if (ctx.gradient_rounding() == exact_rounding::by_layer) round_exact_gradient(p, s);
+    return {sum_path::accumulate, overwrite, {}};
   }
 
- private:
-  // distributed_data_parallel gathers the partial gradients themselves (parameter::exact_partials_target): each
-  // chunk's into its slot, zeros into the slots this replica has no chunk for.
-  template <class T, class Partial>
-  static void gather_partials(parameter& p, std::int64_t rows, context& ctx, const parameter::exact_partials& target,
-                              Partial& partial) {
-    const std::int64_t cr = ctx.deterministic()->chunk_rows;
-    const std::int64_t chunks = (rows + cr - 1) / cr;
-    const bool first = p.begin_accumulate() == 0.0f;
-    LOCKSTEP_EXPECTS(first, "deterministic mode: parameter ", p.name(),
-                     " receives a second gradient in one backward, but distributed_data_parallel gathers one partial "
-                     "gradient per chunk and parameter when the context knows the global batch; leave "
-                     "context::set_global_rows at 0 for this model (the wrapper then adds exact sums)");
-    LOCKSTEP_EXPECTS(chunks <= target.slots, "deterministic mode: this rank has ", chunks, " chunks of ", cr,
-                     " rows, but a global batch of ", ctx.global_rows(), " rows (context::set_global_rows) gives a rank "
-                     "at most ", target.slots, "; split batches with deterministic_shard()");
-    // (Both checks fail on the ranks with rows only: the others then fail at the all-gather, by its timeout.)
-    for (std::int64_t j = 0; j < chunks; ++j) {
-      partial(j * cr, std::min(cr, rows - j * cr), static_cast<T*>(target.first) + static_cast<std::size_t>(j * target.stride));
-    }
-    zero_partials_slots(p, chunks, ctx.stream());
-    p.set_exact_grad_holds_sum(true);  // its partials are in place: the wrapper sums the slots
-  }
+  // The host work of accumulate_products: the chunks' products, block by block, into where `where` says.
+  template <class T>
+  struct products_work {
+    detail::chunk_products_problem<T> problem;
+    float* scratch;
+    sum_path where;
+    T* out;                  // gather: the first slot; one_pass: the gradient
+    std::int64_t slot_stride;
+    std::int64_t* hi;        // accumulate: the accumulator's limbs
+    std::int64_t* lo;
+    std::int64_t* outside;   // one_pass and accumulate: the count of terms outside the window
+    bool overwrite;
 
-  tensor scratch_;   // [group, numel] partial gradients
+    void run() const {
+      namespace cp = detail::chunk_products;
+      const std::int64_t rows = problem.rows, cr = problem.chunk_rows, chunks = (rows + cr - 1) / cr;
+      const std::int64_t n = problem.n;
+      // T terms for the exact sums: the tile itself for floats, else a rounded copy of a row's chunks
+      T* narrowed = reinterpret_cast<T*>(scratch + cp::scratch_floats(rows, problem.m, n, chunks));
+      std::int64_t outside_terms = 0;
+      detail::host_chunk_products(problem, scratch, [&](std::int64_t i0, std::int64_t mb, std::int64_t j0,
+                                                        std::int64_t nb, const float* tiles, std::int64_t chunk_stride) {
+        for (std::int64_t a = 0; a < mb; ++a) {
+          const std::int64_t first = (i0 + a) * n + j0;  // the row's first element in the parameter
+          const float* row = tiles + a * cp::block_n;     // its chunks' terms, chunk_stride apart
+          if (where == sum_path::gather) {
+            for (std::int64_t c = 0; c < chunks; ++c) {
+              T* dst = out + c * slot_stride + first;
+              if constexpr (std::is_same_v<T, float>) {
+                std::copy_n(row + c * chunk_stride, nb, dst);
+              } else {
+                detail::narrow_run(row + c * chunk_stride, dst, nb);
+              }
+            }
+            continue;
+          }
+          const T* terms = nullptr;
+          std::size_t stride = 0;
+          if constexpr (std::is_same_v<T, float>) {
+            terms = row;
+            stride = static_cast<std::size_t>(chunk_stride);
+          } else {
+            for (std::int64_t c = 0; c < chunks; ++c) detail::narrow_run(row + c * chunk_stride, narrowed + c * nb, nb);
+            terms = narrowed;
+            stride = static_cast<std::size_t>(nb);
+          }
+          if (where == sum_path::one_pass) {
+            detail::run_host_loop(static_cast<std::size_t>(nb),
+                                  kernels::exact_sum_op<T>{terms, static_cast<std::size_t>(chunks), stride, out + first,
+                                                           &outside_terms});
+          } else {
+            detail::run_host_loop(static_cast<std::size_t>(nb),
+                                  kernels::exact_accumulate_op<T>{terms, static_cast<std::size_t>(chunks), stride,
+                                                                  hi + first, lo + first, &outside_terms, overwrite});
+          }
+        }
+      });
+      if (outside_terms != 0) *outside += outside_terms;
+    }
+  };
+
+  tensor scratch_;   // [group, numel] partial gradients; accumulate_products: its packed operands and tiles
   tensor outside_;   // [1] the one-pass sum's count of terms outside the window
 };
 

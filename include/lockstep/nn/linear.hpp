@@ -122,10 +122,7 @@ class linear {
   template <class T>
   void backward_deterministic(const T* g, std::int64_t rows, context& ctx, input_grad need) {
     const T* x = x_.as<T>();
-    exact_.accumulate<T>(weight_, rows, ctx, [&](std::int64_t b, std::int64_t r, T* dw) {
-      gemm<T>(ctx.blas(), transpose::yes, transpose::no, out_, in_, r, 1.0f, g + b * out_, out_, x + b * in_, in_, 0.0f,
-              dw, in_);
-    });
+    exact_.accumulate_products<T>(weight_, rows, ctx, g, out_, x, in_);  // dW = G^T X, chunk by chunk
     if (has_bias_) {
       exact_.accumulate<T>(bias_, rows, ctx, [&](std::int64_t b, std::int64_t r, T* db) {
         launch_elementwise(static_cast<std::size_t>(out_),

@@ -265,37 +265,40 @@ inline void block_double_sums(const T* partials, std::size_t chunks, std::size_t
 }
 }  // namespace exact_detail
 
-/// acc (+)= the exact sum over c of partials[c * n + i], for each element i of n: `chunks` arrays of partial
-/// sums (T), added to (or, with `overwrite`, written over) the accumulator `acc` (exact_words(n) words; with
-/// `overwrite` its count word must have been zeroed).
+/// The exact sum over c of partials[c * stride + i] added to (or, with `overwrite`, written over) element i of an
+/// accumulator, for each i: its limbs hi[i] and lo[i], its tensor's count of terms outside the window *outside
+/// (with `overwrite`, zeroed before). For a whole accumulator `acc` of n elements (exact_words(n) words): hi = acc,
+/// lo = acc + n, outside = acc + 2n; for elements [a, b) of it, hi = acc + a and lo = acc + n + a.
 template <class T>
 struct exact_accumulate_op {
   const T* partials;
   std::size_t chunks;
-  std::size_t n;
-  std::int64_t* acc;
+  std::size_t stride;
+  std::int64_t* hi;
+  std::int64_t* lo;
+  std::int64_t* outside;
   bool overwrite;
   LOCKSTEP_HD void operator()(std::size_t i) const {
-    std::int64_t hi = 0, lo = 0, outside = 0;
+    std::int64_t h = 0, l = 0, o = 0;
     double sum = 0.0;
     bool fast = false;
-    exact_detail::sum_terms(partials, chunks, n, i, hi, lo, outside, sum, fast);
-    acc[i] = overwrite ? hi : acc[i] + hi;
-    acc[n + i] = overwrite ? lo : acc[n + i] + lo;
-    if (outside != 0) exact_detail::add_outside(acc + 2 * n, outside);
+    exact_detail::sum_terms(partials, chunks, stride, i, h, l, o, sum, fast);
+    hi[i] = overwrite ? h : hi[i] + h;
+    lo[i] = overwrite ? l : lo[i] + l;
+    if (o != 0) exact_detail::add_outside(outside, o);
   }
   /// The host loop: blocks of elements, the double path vectorized, the term-by-term path for what it left.
   void for_all(std::size_t count) const {
     constexpr std::size_t block = 512;
     alignas(64) double sums[block];
     alignas(64) std::uint8_t fast[block];
-    std::int64_t outside = 0;
+    std::int64_t terms_outside = 0;
     for (std::size_t b0 = 0; b0 < count; b0 += block) {
       const std::size_t len = count - b0 < block ? count - b0 : block;
       bool all_fast = true;
-      exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
-      std::int64_t* __restrict hp = acc + b0;  // locals: the functor's fields might alias
-      std::int64_t* __restrict lp = acc + n + b0;
+      exact_detail::block_double_sums<T, block>(partials, chunks, stride, b0, len, sums, fast, all_fast);
+      std::int64_t* __restrict hp = hi + b0;  // locals: the functor's fields might alias
+      std::int64_t* __restrict lp = lo + b0;
       // the double path's limbs straight into the accumulator (a staging copy costs as much as the work); 0 for
       // the elements it does not apply to (their double sum may be anything), which the scalar loop adds
       for (std::size_t j = 0; j < len; ++j) {
@@ -309,13 +312,13 @@ struct exact_accumulate_op {
         for (std::size_t j = 0; j < len; ++j) {
           if (fast[j]) continue;
           std::int64_t hs = 0, ls = 0;
-          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), hs, ls, outside);
+          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * stride + b0 + j]), hs, ls, terms_outside);
           hp[j] += hs;
           lp[j] += ls;
         }
       }
     }
-    if (outside != 0) exact_detail::add_outside(acc + 2 * n, outside);
+    if (terms_outside != 0) exact_detail::add_outside(outside, terms_outside);
   }
 };
 

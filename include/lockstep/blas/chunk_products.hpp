@@ -1,0 +1,188 @@
+// lockstep/blas/chunk_products.hpp — deterministic mode's weight gradients on a host device: the products
+// P_c = G_c^T X_c of the chunks c of a batch, computed tile by tile and handed over while they are in cache.
+//
+//   host_chunk_products(problem, scratch, emit)
+//     G [rows, m] and X [rows, n] (row-major, leading dimensions ldg and ldx); chunk c is rows
+//     [c * chunk_rows, min((c + 1) * chunk_rows, rows)). P_c[i][j] is a chain of fused multiply-adds over the
+//     chunk's rows in order, from zero: fma(G[r][i], X[r][j], acc). That arithmetic is the whole definition,
+//     so an element's bits depend on its chunk's rows only: not on m, n, the number of chunks, the tile an
+//     element falls in or the instruction set (AVX-512, AVX2 + FMA or scalar std::fma: the same chain).
+//
+// Why not a GEMM per chunk, as a GPU does (cuBLAS, one algorithm per shape): OpenBLAS spends about twice as
+// long on four products of depth 32 as on one of depth 128 (it re-packs and re-reads C for every call), and
+// the partials then travel through memory to be summed. Here a tile of every chunk's product (8 rows of P,
+// 256 columns) is summed, accumulated or copied by `emit` right after it is computed; the operands are packed
+// once per call (G in panels of 8 columns, X in panels of 32), so the inner loop reads both contiguously.
+// Runs on the calling thread (a host stream's worker); rows, m and n are those of one replica.
+#pragma once
+
+#include <algorithm>
+#include <cmath>
+#include <cstddef>
+#include <cstdint>
+#include <utility>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/half.hpp"
+#include "lockstep/core/half_runs.hpp"
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define LOCKSTEP_CHUNK_PRODUCTS_X86 1
+#include <immintrin.h>
+#else
+#define LOCKSTEP_CHUNK_PRODUCTS_X86 0
+#endif
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// The operands of host_chunk_products (trivially copyable: host work captures it, strict mode scans it).
+template <class T>
+struct chunk_products_problem {
+  const T* g;  // [rows, m]
+  std::int64_t ldg;
+  const T* x;  // [rows, n]
+  std::int64_t ldx;
+  std::int64_t rows, m, n, chunk_rows;
+};
+
+namespace chunk_products {
+inline constexpr std::int64_t tile_m = 8;      // rows of P per tile (columns of G per panel)
+inline constexpr std::int64_t tile_n = 32;     // columns of P per tile (columns of X per panel)
+inline constexpr std::int64_t block_n = 256;   // columns of P per emitted block (a multiple of tile_n)
+
+/// Floats of scratch host_chunk_products needs.
+constexpr std::int64_t scratch_floats(std::int64_t rows, std::int64_t m, std::int64_t n, std::int64_t chunks) {
+  const std::int64_t mp = (m + tile_m - 1) / tile_m * tile_m, np = (n + tile_n - 1) / tile_n * tile_n;
+  return rows * (mp + np) + chunks * tile_m * block_n;
+}
+
+/// dst[(t * rows + r) * width + b] = src[r][t * width + b] as floats, zero past `cols`: panels of `width`
+/// columns, each row's slice contiguous, the panel's rows one after another.
+template <class T>
+void pack_panels(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t cols, std::int64_t width, float* dst) {
+  const std::int64_t panels = (cols + width - 1) / width;
+  for (std::int64_t t = 0; t < panels; ++t) {
+    const std::int64_t c0 = t * width, w = std::min(width, cols - c0);
+    for (std::int64_t r = 0; r < rows; ++r) {
+      float* d = dst + (t * rows + r) * width;
+      if constexpr (std::is_same_v<T, float>) {
+        std::copy_n(src + r * ld + c0, w, d);
+      } else {
+        widen_run(src + r * ld + c0, d, w);
+      }
+      std::fill(d + w, d + width, 0.0f);
+    }
+  }
+}
+
+/// The tile kernel: out[a * ld + b] = the fma chain over rows r < k of gp[r * tile_m + a] * xp[r * tile_n + b],
+/// for a < tile_m and b < tile_n. Three builds of one arithmetic.
+using tile_kernel = void (*)(const float* gp, const float* xp, std::int64_t k, float* out, std::int64_t ld);
+
+inline void tile_scalar(const float* gp, const float* xp, std::int64_t k, float* out, std::int64_t ld) {
+  for (std::int64_t a = 0; a < tile_m; ++a) {
+    for (std::int64_t b = 0; b < tile_n; ++b) {
+      float acc = 0.0f;
+      for (std::int64_t r = 0; r < k; ++r) acc = std::fma(gp[r * tile_m + a], xp[r * tile_n + b], acc);
+      out[a * ld + b] = acc;
+    }
+  }
+}
+
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+// The rows of a tile as folds over an index sequence: the accumulators stay registers at -O2 (a loop over an
+// array of vectors would need unrolling pragmas to leave memory).
+
+// rows [a0, a0 + 4) and columns [b0, b0 + 16) of a tile: 8 accumulators of AVX2's 16 registers
+template <std::size_t... A>
+__attribute__((target("avx2,fma"))) inline void tile_avx2_part(const float* gp, const float* xp, std::int64_t k,
+                                                               float* out, std::int64_t ld, std::int64_t a0,
+                                                               std::int64_t b0, std::index_sequence<A...>) {
+  __m256 lo[sizeof...(A)] = {((void)A, _mm256_setzero_ps())...}, hi[sizeof...(A)] = {((void)A, _mm256_setzero_ps())...};
+  for (std::int64_t r = 0; r < k; ++r) {
+    const __m256 x0 = _mm256_loadu_ps(xp + r * tile_n + b0), x1 = _mm256_loadu_ps(xp + r * tile_n + b0 + 8);
+    ((lo[A] = _mm256_fmadd_ps(_mm256_broadcast_ss(gp + r * tile_m + a0 + A), x0, lo[A]),
+      hi[A] = _mm256_fmadd_ps(_mm256_broadcast_ss(gp + r * tile_m + a0 + A), x1, hi[A])),
+     ...);
+  }
+  ((_mm256_storeu_ps(out + (a0 + A) * ld + b0, lo[A]), _mm256_storeu_ps(out + (a0 + A) * ld + b0 + 8, hi[A])), ...);
+}
+
+__attribute__((target("avx2,fma"))) inline void tile_avx2(const float* gp, const float* xp, std::int64_t k,
+                                                          float* out, std::int64_t ld) {
+  for (std::int64_t a0 = 0; a0 < tile_m; a0 += 4) {
+    for (std::int64_t b0 = 0; b0 < tile_n; b0 += 16) tile_avx2_part(gp, xp, k, out, ld, a0, b0, std::make_index_sequence<4>{});
+  }
+}
+
+// the whole tile at once: 16 accumulators of AVX-512's 32 registers
+template <std::size_t... A>
+__attribute__((target("avx512f"))) inline void tile_avx512_rows(const float* gp, const float* xp, std::int64_t k,
+                                                                float* out, std::int64_t ld, std::index_sequence<A...>) {
+  __m512 lo[sizeof...(A)] = {((void)A, _mm512_setzero_ps())...}, hi[sizeof...(A)] = {((void)A, _mm512_setzero_ps())...};
+  for (std::int64_t r = 0; r < k; ++r) {
+    const __m512 x0 = _mm512_loadu_ps(xp + r * tile_n), x1 = _mm512_loadu_ps(xp + r * tile_n + 16);
+    ((lo[A] = _mm512_fmadd_ps(_mm512_set1_ps(gp[r * tile_m + A]), x0, lo[A]),
+      hi[A] = _mm512_fmadd_ps(_mm512_set1_ps(gp[r * tile_m + A]), x1, hi[A])),
+     ...);
+  }
+  ((_mm512_storeu_ps(out + A * ld, lo[A]), _mm512_storeu_ps(out + A * ld + 16, hi[A])), ...);
+}
+
+__attribute__((target("avx512f"))) inline void tile_avx512(const float* gp, const float* xp, std::int64_t k,
+                                                           float* out, std::int64_t ld) {
+  tile_avx512_rows(gp, xp, k, out, ld, std::make_index_sequence<tile_m>{});
+}
+#endif
+
+/// The tile kernel this CPU runs (asked once).
+inline tile_kernel pick_tile_kernel() noexcept {
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  static const tile_kernel k = [] {
+    __builtin_cpu_init();
+    if (__builtin_cpu_supports("avx512f")) return &tile_avx512;
+    if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) return &tile_avx2;
+    return &tile_scalar;
+  }();
+  return k;
+#else
+  return &tile_scalar;
+#endif
+}
+}  // namespace chunk_products
+
+/// Computes the chunks' products of `p` block by block and calls emit(i0, mb, j0, nb, tiles, chunk_stride) for
+/// each: rows [i0, i0 + mb) and columns [j0, j0 + nb) of every P_c, element (i0 + a, j0 + j) of P_c at
+/// tiles[c * chunk_stride + a * chunk_products::block_n + j]. `scratch` holds
+/// chunk_products::scratch_floats(rows, m, n, chunks) floats. Nothing is emitted without rows. `kernel` is the
+/// CPU's (tests pass each one the CPU can run: all give the same bits).
+template <class T, class Emit>
+void host_chunk_products(const chunk_products_problem<T>& p, float* scratch, Emit&& emit,
+                         chunk_products::tile_kernel kernel = chunk_products::pick_tile_kernel()) {
+  namespace cp = chunk_products;
+  if (p.rows == 0 || p.m == 0 || p.n == 0) return;
+  const std::int64_t chunks = (p.rows + p.chunk_rows - 1) / p.chunk_rows;
+  const std::int64_t mp = (p.m + cp::tile_m - 1) / cp::tile_m * cp::tile_m;
+  float* gp = scratch;                 // [m / tile_m][rows][tile_m]
+  float* xp = gp + p.rows * mp;        // [n / tile_n][rows][tile_n]
+  float* tiles = xp + p.rows * ((p.n + cp::tile_n - 1) / cp::tile_n * cp::tile_n);  // [chunks][tile_m][block_n]
+  cp::pack_panels(p.g, p.ldg, p.rows, p.m, cp::tile_m, gp);
+  cp::pack_panels(p.x, p.ldx, p.rows, p.n, cp::tile_n, xp);
+  const std::int64_t chunk_stride = cp::tile_m * cp::block_n;
+  for (std::int64_t i0 = 0; i0 < p.m; i0 += cp::tile_m) {
+    const float* g_panel = gp + i0 * p.rows;  // panel i0 / tile_m: rows * tile_m floats
+    for (std::int64_t j0 = 0; j0 < p.n; j0 += cp::block_n) {
+      const std::int64_t nb = std::min(cp::block_n, p.n - j0);
+      for (std::int64_t jt = 0; jt < nb; jt += cp::tile_n) {
+        const float* x_panel = xp + (j0 + jt) * p.rows;
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::int64_t r0 = c * p.chunk_rows, k = std::min(p.chunk_rows, p.rows - r0);
+          kernel(g_panel + r0 * cp::tile_m, x_panel + r0 * cp::tile_n, k, tiles + c * chunk_stride + jt, cp::block_n);
+        }
+      }
+      emit(i0, std::min(cp::tile_m, p.m - i0), j0, nb, static_cast<const float*>(tiles), chunk_stride);
+    }
+  }
+}
+
+LOCKSTEP_DETAIL_END
