@@ -615,6 +615,6 @@ TEST(chunk_products, every_tile_kernel_gives_each_chunk_the_fma_chain_of_its_row
   expect_chunk_products_are_fma_chains<float>();
 }
 TEST(chunk_products, every_tile_kernel_gives_each_chunk_the_fma_chain_of_its_rows_f16_bf16) {
-  expect_chunk_products_are_fma_chains<half>();
-  expect_chunk_products_are_fma_chains<bfloat16>();
+  expect_chunk_products_are_fma_chains<lockstep::half>();
+  expect_chunk_products_are_fma_chains<lockstep::bfloat16>();
 }
