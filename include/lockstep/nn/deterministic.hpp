@@ -137,7 +137,7 @@ class exact_gradient {
       case sum_path::accumulate:
         break;
     }
-    scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
+    if (chunks > 0) scratch_.ensure(shape{group * static_cast<std::int64_t>(n)}, dtype_of_v<T>, s);
     // the partial gradients of chunks [c0, c0 + g) into the scratch, side by side
     auto partials = [&](std::int64_t c0, std::int64_t g) {
       for (std::int64_t j = 0; j < g; ++j) {
