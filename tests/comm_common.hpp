@@ -3,6 +3,7 @@
 #pragma once
 
 #include <algorithm>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <string>
@@ -13,6 +14,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/half.hpp"
+#include "lockstep/kernels/exact.hpp"
 
 /// Expects two vectors to hold the same bits, showing the first elements of both otherwise.
 #define EXPECT_SAME(actual, expected, what) \
@@ -70,6 +72,33 @@ std::vector<T> reference(const std::vector<std::vector<T>>& in, reduce_op op, st
     }
     if (op == reduce_op::mean) acc /= static_cast<float>(k);
     out[i] = convert<T>(acc);
+  }
+  return out;
+}
+
+/// all_reduce_exact's inputs: term t (of all the ranks' terms, counted from rank 0's first) element i, of both
+/// signs and of magnitudes from about 2^-40 to 2^24 (2^-24 to 2^12 in f16), so that many elements' sums take the
+/// term-by-term path and some terms are rounded by the fixed point.
+template <class T>
+T exact_term(std::size_t t, std::size_t i) {
+  const std::uint64_t h = (i * 2654435761u + t * 40503u + 17u) * 0x9e3779b97f4a7c15ull;
+  const auto mantissa = static_cast<float>((h >> 8) % (1u << 20) + 1u);
+  const bool is_half = std::is_same_v<T, lockstep::half>;
+  const int low = is_half ? -24 : -40, span = is_half ? 37 : 65;
+  const int e = static_cast<int>((h >> 40) % static_cast<std::uint64_t>(span)) + low - 20;
+  const float v = std::ldexp(((h >> 63) != 0u ? -1.0f : 1.0f) * mantissa, e);
+  return convert<T>(v);
+}
+
+/// The exact sum of terms [0, total) at each of n elements, rounded once (the scalar integer path of
+/// kernels/exact.hpp: a reference independent of the vectorized double path).
+template <class T>
+std::vector<T> exact_reference(std::size_t total, std::size_t n) {
+  std::vector<T> out(n);
+  for (std::size_t i = 0; i < n; ++i) {
+    std::int64_t hi = 0, lo = 0, outside = 0;
+    for (std::size_t t = 0; t < total; ++t) kernels::exact_add(to_float(exact_term<T>(t, i)), hi, lo, outside);
+    out[i] = convert<T>(kernels::exact_detail::round_limbs_integer(hi, lo));
   }
   return out;
 }

@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <atomic>
 #include <chrono>
+#include <cmath>
 #include <cstdint>
 #include <cstring>
 #include <functional>
@@ -393,6 +394,49 @@ TEST_P(clique, broadcast_copies_the_root_for_every_dtype_and_root) {
   });
 }
 
+// Twelve terms per element, split over the ranks (12 / k each, strided with NaN padding that must not be read):
+// every rank receives the same bits, the reference's, whatever k, so 1, 2, 3 and 4 ranks agree.
+TEST_P(clique, all_reduce_exact_gives_every_rank_the_correctly_rounded_sum_for_any_split_of_the_terms) {
+  if (!comm(0).supports(collective_kind::all_reduce_exact)) {  // NCCL: refused with a sentence
+    auto buf = to_device(std::vector<float>(8, 1.0f), s(0));
+    EXPECT_CONTAINS(message_of<precondition_error>(
+                        [&] { comm(0).all_reduce_exact(buf.data(), 1, 8, buf.data(), 8, dtype::f32, s(0)); }),
+                    "does not run all_reduce_exact");
+    return;
+  }
+  constexpr std::size_t total = 12;
+  const std::size_t per = total / static_cast<std::size_t>(k_);
+  for_each_type<float, lockstep::half, bfloat16>([&]<class T>() {
+    for (std::size_t n : counts()) {
+      const std::size_t stride = n + 5;
+      const auto expected = exact_reference<T>(total, n);
+      for (bool poisoned : {false, true}) {
+        if (poisoned && n == 0) continue;
+        on_each_rank(k_, [&](int r) {
+          std::vector<T> terms(per * stride, convert<T>(std::numeric_limits<float>::quiet_NaN()));
+          for (std::size_t t = 0; t < per; ++t) {
+            for (std::size_t i = 0; i < n; ++i) terms[t * stride + i] = exact_term<T>(static_cast<std::size_t>(r) * per + t, i);
+          }
+          // a term outside the window (an infinity) on the last rank: every element of every rank is NaN
+          if (poisoned && r == k_ - 1) terms[(per - 1) * stride + n - 1] = convert<T>(std::numeric_limits<float>::infinity());
+          auto send = to_device(terms, s(r));
+          auto recv = to_device(std::vector<T>(n, sentinel<T>()), s(r));
+          comm(r).all_reduce_exact(send.data(), per, stride, recv.data(), n, dtype_of_v<T>, s(r));
+          comm(r).synchronize(s(r));
+          const auto got = to_vector(device_span<const T>(recv.span()), s(r));
+          if (poisoned) {
+            EXPECT_TRUE(std::all_of(got.begin(), got.end(), [](T v) { return std::isnan(to_float(v)); }))
+                << "all_reduce_exact with an infinite term, rank " << r << " count " << n;
+          } else {
+            EXPECT_SAME(got, expected, "all_reduce_exact " << dtype_names[static_cast<int>(dtype_of_v<T>)] << " rank "
+                                                            << r << " count " << n << " terms " << per);
+          }
+        });
+      }
+    }
+  });
+}
+
 TEST_P(clique, all_gather_is_rank_major_for_every_dtype) {
   for_each_type<float, lockstep::half, bfloat16, std::int32_t, std::int64_t, std::uint8_t>([&]<class T>() {
     for (std::size_t n : counts()) {
@@ -615,6 +659,40 @@ struct host_pair {
   std::vector<stream> streams;
 };
 }  // namespace
+
+TEST(host_clique, all_reduce_exact_checks_its_arguments_and_that_every_rank_gives_as_many_terms) {
+  host_pair p(2);
+  auto a = to_device(std::vector<float>(40, 1.0f), p.s(0));
+  auto b = to_device(std::vector<float>(40, 1.0f), p.s(1));
+  auto out0 = to_device(std::vector<float>(10, 0.0f), p.s(0));
+  auto out1 = to_device(std::vector<float>(10, 0.0f), p.s(1));
+  auto words = to_device(std::vector<std::int64_t>(10, 0), p.s(0));
+  EXPECT_CONTAINS(message_of<precondition_error>(
+                      [&] { p.c(0).all_reduce_exact(a.data(), 0, 10, out0.data(), 10, dtype::f32, p.s(0)); }),
+                  "terms 0 is out of range; valid: 1..65535 per rank");
+  EXPECT_CONTAINS(message_of<precondition_error>(
+                      [&] { p.c(0).all_reduce_exact(a.data(), 2, 9, out0.data(), 10, dtype::f32, p.s(0)); }),
+                  "stride 9 is smaller than count 10: the terms would overlap");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] {
+                    p.c(0).all_reduce_exact(words.data(), 1, 10, words.data(), 10, dtype::i64, p.s(0));
+                  }),
+                  "dtype i64 is not a float type; valid dtypes: f32, f16, bf16");
+  // terms 2 on rank 0, 3 on rank 1: both ranks fail, naming the difference
+  p.c(0).all_reduce_exact(a.data(), 2, 10, out0.data(), 10, dtype::f32, p.s(0));
+  p.c(1).all_reduce_exact(b.data(), 3, 10, out1.data(), 10, dtype::f32, p.s(1));
+  for (int r : {0, 1}) {
+    const std::string msg = collective_failure<precondition_error>(p.c(r), p.s(r));
+    EXPECT_CONTAINS(msg, "terms 2 vs 3");
+    EXPECT_CONTAINS(msg, "called all_reduce_exact(count 10, f32, terms 2)");
+  }
+  // then both give 2 terms (strides of their own): 4 ones per element
+  p.c(0).all_reduce_exact(a.data(), 2, 10, out0.data(), 10, dtype::f32, p.s(0));
+  p.c(1).all_reduce_exact(b.data(), 2, 15, out1.data(), 10, dtype::f32, p.s(1));
+  p.c(0).synchronize(p.s(0));
+  p.c(1).synchronize(p.s(1));
+  EXPECT_EQ(to_vector(device_span<const float>(out0.span()), p.s(0)), std::vector<float>(10, 4.0f));
+  EXPECT_EQ(to_vector(device_span<const float>(out1.span()), p.s(1)), std::vector<float>(10, 4.0f));
+}
 
 TEST(host_clique, different_collectives_on_the_ranks_fail_on_every_rank_naming_the_difference) {
   host_pair p(2);

@@ -8,9 +8,11 @@
 #include <gtest/gtest.h>
 
 #include <chrono>
+#include <cmath>
 #include <functional>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 #include <string>
 #include <thread>
 #include <vector>
@@ -183,6 +185,37 @@ TEST_F(mpi_comm, broadcast_copies_the_root_for_every_dtype_and_root) {
       }
     }
   });
+}
+
+// The same twelve terms per element as test_comm's cliques, split over the processes (np 2 and 3): the same bits.
+TEST_F(mpi_comm, all_reduce_exact_gives_every_rank_the_correctly_rounded_sum_for_any_split_of_the_terms) {
+  ASSERT_TRUE(c_.supports(collective_kind::all_reduce_exact));
+  constexpr std::size_t total = 12;
+  ASSERT_EQ(total % static_cast<std::size_t>(k_), 0u) << "run with 1, 2, 3, 4 or 6 processes";
+  const std::size_t per = total / static_cast<std::size_t>(k_);
+  for_each_type<float, lockstep::half, bfloat16>([&]<class T>() {
+    for (std::size_t n : counts()) {
+      const std::size_t stride = n + 3;
+      std::vector<T> terms(per * stride, convert<T>(std::numeric_limits<float>::quiet_NaN()));
+      for (std::size_t t = 0; t < per; ++t) {
+        for (std::size_t i = 0; i < n; ++i) terms[t * stride + i] = exact_term<T>(static_cast<std::size_t>(rank_) * per + t, i);
+      }
+      auto send = to_device(terms, s_);
+      auto recv = to_device(std::vector<T>(n, sentinel<T>()), s_);
+      c_.all_reduce_exact(send.data(), per, stride, recv.data(), n, dtype_of_v<T>, s_);
+      c_.synchronize(s_);
+      EXPECT_SAME(to_vector(device_span<const T>(recv.span()), s_), exact_reference<T>(total, n),
+                  "all_reduce_exact " << name_of(dtype_of_v<T>) << " count " << n << " terms " << per);
+    }
+  });
+  // an infinite term on the last rank: every element of every rank is NaN
+  std::vector<float> terms(per * 10, 1.0f);
+  if (rank_ == k_ - 1) terms[3] = std::numeric_limits<float>::infinity();
+  auto send = to_device(terms, s_);
+  auto recv = to_device(std::vector<float>(10, 0.0f), s_);
+  c_.all_reduce_exact(send.data(), per, 10, recv.data(), 10, dtype::f32, s_);
+  c_.synchronize(s_);
+  for (float v : to_vector(device_span<const float>(recv.span()), s_)) EXPECT_TRUE(std::isnan(v));
 }
 
 TEST_F(mpi_comm, all_gather_is_rank_major_for_every_dtype) {

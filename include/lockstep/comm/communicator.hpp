@@ -38,6 +38,7 @@
 #include "lockstep/core/half.hpp"
 #include "lockstep/core/unique_handle.hpp"
 #include "lockstep/device/device.hpp"
+#include "lockstep/kernels/exact.hpp"
 #include "lockstep/runtime/device_buffer.hpp"
 #include "lockstep/runtime/stream.hpp"
 
@@ -63,7 +64,16 @@ constexpr std::string_view name_of(reduce_op op) noexcept {
 }
 
 /// The collectives a communicator runs.
-enum class collective_kind : std::uint8_t { all_reduce, broadcast, reduce, all_gather, reduce_scatter, barrier };
+/// (all_reduce_exact comes last: MPI's call records carry the number, which the older kinds keep.)
+enum class collective_kind : std::uint8_t {
+  all_reduce,
+  broadcast,
+  reduce,
+  all_gather,
+  reduce_scatter,
+  barrier,
+  all_reduce_exact,
+};
 
 /// "all_reduce", "broadcast", ...
 constexpr std::string_view name_of(collective_kind k) noexcept {
@@ -80,6 +90,8 @@ constexpr std::string_view name_of(collective_kind k) noexcept {
       return "reduce_scatter";
     case collective_kind::barrier:
       return "barrier";
+    case collective_kind::all_reduce_exact:
+      return "all_reduce_exact";
   }
   return "?";
 }
@@ -127,6 +139,9 @@ struct collective_call {
   dtype type = dtype::f32;
   reduce_op op = reduce_op::sum;
   int root = 0;
+  // all_reduce_exact: the terms per rank (the same on every rank), and this rank's distance between its terms
+  std::size_t terms = 0;
+  std::size_t stride = 0;
 
   [[nodiscard]] bool is_reduction() const noexcept {
     return kind == collective_kind::all_reduce || kind == collective_kind::reduce ||
@@ -142,6 +157,7 @@ struct collective_call {
     std::string s = concat(name_of(kind), "(count ", count, ", ", name_of(type));
     if (is_reduction()) s += concat(", ", name_of(op));
     if (has_root()) s += concat(", root ", root);
+    if (kind == collective_kind::all_reduce_exact) s += concat(", terms ", terms);
     return s + ')';
   }
 
@@ -153,6 +169,9 @@ struct collective_call {
     if (type != other.type) return concat("dtype ", name_of(type), " vs ", name_of(other.type));
     if (is_reduction() && op != other.op) return concat("op ", name_of(op), " vs ", name_of(other.op));
     if (has_root() && root != other.root) return concat("root ", root, " vs ", other.root);
+    if (kind == collective_kind::all_reduce_exact && terms != other.terms) {
+      return concat("terms ", terms, " vs ", other.terms);
+    }
     return {};
   }
 };
@@ -192,6 +211,8 @@ class communicator_impl {
   /// Throws precondition_error when `c` exceeds a limit of this backend (MPI's int counts); the checks common to
   /// every backend are done already.
   virtual void check_limits(const collective_call& c) const { (void)c; }
+  /// Whether this backend runs collectives of kind `k` (all_reduce_exact: host cliques and MPI).
+  [[nodiscard]] virtual bool supports(collective_kind k) const noexcept { return k != collective_kind::all_reduce_exact; }
   /// Queues `c` on `s` (a stream of get_device()); arguments are already checked.
   virtual void enqueue(const collective_call& c, stream_ref s) = 0;
   /// Fails every pending and future collective of the group with `reason`. Never throws.
@@ -219,6 +240,8 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
                    s.get_device().str(), ", expected a stream of ", dev.str(),
                    " (collectives are queued on a stream of the communicator's device)");
   if (c.kind == collective_kind::barrier) return;
+  LOCKSTEP_EXPECTS(comm.supports(c.kind), what, " on ", rank_name(rank, dev), ": this communicator's backend does not run ",
+                   what, " (NCCL communicators do not); ask communicator::supports() first");
   const auto type_index = static_cast<unsigned>(c.type);
   LOCKSTEP_EXPECTS(type_index <= static_cast<unsigned>(dtype::u8), what, " on ", rank_name(rank, dev), ": dtype value ",
                    type_index, " is not a dtype");
@@ -232,6 +255,18 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
                      " is not an op; valid: sum, mean, max");
     LOCKSTEP_EXPECTS(c.type != dtype::i64 || c.op != reduce_op::mean, what, " on ", rank_name(rank, dev),
                      ": i64 reductions are sum or max (exact integer sums); a mean would round");
+  }
+  if (c.kind == collective_kind::all_reduce_exact) {
+    LOCKSTEP_EXPECTS(is_floating(c.type), what, " on ", rank_name(rank, dev), ": dtype ", name_of(c.type),
+                     " is not a float type; valid dtypes: f32, f16, bf16");
+    LOCKSTEP_EXPECTS(c.terms >= 1 && c.terms <= static_cast<std::size_t>(kernels::exact_max_terms / size), what, " on ",
+                     rank_name(rank, dev), ": terms ", c.terms, " is out of range; valid: 1..",
+                     kernels::exact_max_terms / size, " per rank (the exact sums take at most ", kernels::exact_max_terms,
+                     " terms)");
+    LOCKSTEP_EXPECTS(c.terms == 1 || c.stride >= c.count, what, " on ", rank_name(rank, dev), ": stride ", c.stride,
+                     " is smaller than count ", c.count, ": the terms would overlap");
+    LOCKSTEP_EXPECTS(c.terms == 1 || c.stride <= std::numeric_limits<std::size_t>::max() / size_of(c.type) / c.terms,
+                     what, " on ", rank_name(rank, dev), ": stride ", c.stride, " is too large");
   }
   if (c.has_root()) {
     LOCKSTEP_EXPECTS(c.root >= 0 && c.root < size, what, " on ", rank_name(rank, dev), ": root ", c.root,
@@ -254,7 +289,10 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
   if (dev.is_host() && host_strict()) {  // the buffers are memory of this rank's device, whole
     const std::size_t bytes = c.count * size_of(c.type), all = bytes * static_cast<std::size_t>(size);
     const std::string name(what);
-    if (send_used) strict_expect_memory_of(dev, c.send, c.kind == collective_kind::reduce_scatter ? all : bytes, name.c_str());
+    const std::size_t send_bytes = c.kind == collective_kind::reduce_scatter     ? all
+                                   : c.kind == collective_kind::all_reduce_exact ? (c.terms - 1) * c.stride * size_of(c.type) + bytes
+                                                                                 : bytes;
+    if (send_used) strict_expect_memory_of(dev, c.send, send_bytes, name.c_str());
     if (recv_used) strict_expect_memory_of(dev, c.recv, c.kind == collective_kind::all_gather ? all : bytes, name.c_str());
   }
 }
@@ -319,6 +357,24 @@ class communicator_operations {
                       stream_ref s) const {
     run({collective_kind::reduce_scatter, send, recv, recv_count, type, op, 0}, s);
   }
+
+  /// recv[i] = the exact sum of every rank's `terms` terms send[t * stride + i] (t < terms), rounded once to
+  /// `type`, for i < count: the same bits for any number of ranks and any split of the terms over them (the
+  /// terms are added exactly, kernels/exact.hpp). A term that is not finite or of magnitude 2^32 or more makes
+  /// every element of recv NaN. Takes f32, f16, bf16; `terms` (at least 1) is the same on every rank, `stride`
+  /// (at least count when terms > 1) is this rank's own. `recv` must not overlap `send`. Host cliques sum in
+  /// place (each rank sums a share of the elements, reading its peers' terms); MPI gathers the terms, then sums.
+  /// NCCL communicators do not run it (supports()).
+  void all_reduce_exact(const void* send, std::size_t terms, std::size_t stride, void* recv, std::size_t count, dtype type,
+                        stream_ref s) const {
+    collective_call c{collective_kind::all_reduce_exact, send, recv, count, type, reduce_op::sum, 0};
+    c.terms = terms;
+    c.stride = stride;
+    run(c, s);
+  }
+
+  /// Whether this communicator runs collectives of kind `k` (every kind but all_reduce_exact on every backend).
+  [[nodiscard]] bool supports(collective_kind k) const { return impl().supports(k); }
 
   /// Work queued on `s` after the barrier runs once every rank's stream has reached it.
   void barrier(stream_ref s) const { run({collective_kind::barrier, nullptr, nullptr, 0, dtype::f32, {}, 0}, s); }

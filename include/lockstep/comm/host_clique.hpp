@@ -34,6 +34,7 @@
 #include <cstdint>
 #include <cstdlib>
 #include <cstring>
+#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -47,6 +48,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/device/device_set.hpp"
+#include "lockstep/kernels/exact.hpp"
 #include "lockstep/kernels/host_loop.hpp"  // host_has_avx2
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
@@ -474,6 +476,7 @@ class clique_state {
         const auto r = static_cast<std::size_t>(rank);
         s->send[r] = c.send;
         s->recv[r] = c.recv;
+        s->stride[r] = c.stride;
         s->arrived[r] = true;
         if (++s->arrivals == k) {
           s->state.store(committed, std::memory_order_release);
@@ -491,6 +494,11 @@ class clique_state {
     if (c.kind != collective_kind::barrier) {
       work(rank, c, *s);
       wait_for_all_finished(rank, seq, *s, c);
+      // all_reduce_exact: a term outside the window, in any rank's share, makes every element NaN; each rank
+      // writes its own recv, now that no peer writes into it any more
+      if (c.kind == collective_kind::all_reduce_exact && s->outside.load(std::memory_order_acquire) != 0) {
+        poison(c.type, c.recv, c.count);
+      }
     }
     std::lock_guard lock(mutex_);
     leave_locked(seq, *s);
@@ -527,11 +535,13 @@ class clique_state {
     int first_rank = -1;
     std::array<const void*, max_ranks> send{};
     std::array<void*, max_ranks> recv{};
+    std::array<std::size_t, max_ranks> stride{};  // all_reduce_exact: each rank's distance between its terms
     std::array<bool, max_ranks> arrived{};
     int arrivals = 0;
     int left = 0;
     std::atomic<int> state{gathering};  // written under the mutex; read by spinning ranks without it
     std::atomic<int> finished{0};       // ranks that have done their share of the work
+    mutable std::atomic<std::int64_t> outside{0};  // all_reduce_exact: terms outside the exact window, every share
     failure why = failure::none;
     std::string detail;        // the mismatch, the abort reason
     std::vector<int> missing;  // ranks that had not arrived at a timeout
@@ -679,9 +689,55 @@ class clique_state {
         }
         return;
       }
+      case collective_kind::all_reduce_exact: {
+        // this rank's share of the elements: every rank's terms read where they are, summed exactly, rounded
+        // once and written into every rank's recv (no copies: each rank reads 1/k of the terms, writes 1/k of
+        // every output)
+        const auto [begin, end] = chunk_of(c.count, k, rank, es);
+        if (begin == end) return;
+        const std::int64_t o = dispatch_exact(c.type, [&]<class T>() {
+          const std::size_t terms = c.terms;
+          auto term = [&](std::size_t t) {
+            const std::size_t owner = t / terms;
+            return static_cast<const T*>(s.send[owner]) + (t % terms) * s.stride[owner] + begin;
+          };
+          std::array<T*, max_ranks> out{};
+          for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) out[j] = static_cast<T*>(s.recv[j]) + begin;
+          std::int64_t outside = 0;
+          run_host_loop(end - begin, kernels::exact_sums_host_op<T, decltype(term)>{
+                                         term, terms * static_cast<std::size_t>(k), out.data(), k, &outside});
+          return outside;
+        });
+        if (o != 0) s.outside.fetch_add(o, std::memory_order_acq_rel);
+        return;
+      }
       case collective_kind::barrier:
         return;
     }
+  }
+
+  // f(<T>) for all_reduce_exact's float types.
+  template <class F>
+  static std::int64_t dispatch_exact(dtype type, F&& f) {
+    switch (type) {
+      case dtype::f32:
+        return f.template operator()<float>();
+      case dtype::f16:
+        return f.template operator()<half>();
+      case dtype::bf16:
+        return f.template operator()<bfloat16>();
+      default:
+        break;
+    }
+    throw precondition_error(concat("host clique: all_reduce_exact of dtype ", name_of(type)));
+  }
+
+  // recv[i] = NaN for i < count (all_reduce_exact's answer to a term outside the window).
+  static void poison(dtype type, void* recv, std::size_t count) {
+    (void)dispatch_exact(type, [&]<class T>() {
+      std::fill_n(static_cast<T*>(recv), count, convert<T>(std::numeric_limits<float>::quiet_NaN()));
+      return std::int64_t{0};
+    });
   }
 
   const std::vector<device> devices_;
@@ -701,6 +757,7 @@ class clique_member final : public communicator_impl {
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return state_->size(); }
   [[nodiscard]] device get_device() const noexcept override { return state_->device_of(rank_); }
+  [[nodiscard]] bool supports(collective_kind) const noexcept override { return true; }
 
   void enqueue(const collective_call& c, stream_ref s) override {
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;

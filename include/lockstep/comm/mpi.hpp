@@ -38,6 +38,7 @@
 #include <mpi.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -46,6 +47,7 @@
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <limits>
 #include <memory>
 #include <mutex>
 #include <new>
@@ -228,6 +230,7 @@ struct call_record {
     r.type = static_cast<std::uint8_t>(c.type);
     if (c.is_reduction()) r.op = static_cast<std::uint8_t>(c.op);
     if (c.has_root()) r.root = c.root;
+    if (c.kind == collective_kind::all_reduce_exact) r.reserved = c.terms;
     return r;
   }
   [[nodiscard]] collective_call call() const noexcept {
@@ -237,10 +240,11 @@ struct call_record {
     c.type = static_cast<dtype>(type);
     c.op = static_cast<reduce_op>(op);
     c.root = root;
+    if (c.kind == collective_kind::all_reduce_exact) c.terms = static_cast<std::size_t>(reserved);
     return c;
   }
   [[nodiscard]] bool valid() const noexcept {
-    return magic == 0x5c && kind <= static_cast<std::uint8_t>(collective_kind::barrier) &&
+    return magic == 0x5c && kind <= static_cast<std::uint8_t>(collective_kind::all_reduce_exact) &&
            type <= static_cast<std::uint8_t>(dtype::u8) && op <= static_cast<std::uint8_t>(reduce_op::max);
   }
   friend bool operator==(const call_record&, const call_record&) = default;
@@ -715,11 +719,29 @@ class state {
         LOCKSTEP_MPI_CHECK(MPI_Ibarrier(data_, &request), what);
         return;
       }
+      case collective_kind::all_reduce_exact: {
+        // every rank's terms, packed, to every rank (finish() sums them): this rank's at its place
+        const std::size_t term_bytes = c.count * es, piece = c.terms * term_bytes;
+        b.bytes.resize(piece * static_cast<std::size_t>(size_));
+        std::byte* mine = b.bytes.data() + static_cast<std::size_t>(rank_) * piece;
+        for (std::size_t t = 0; t < c.terms && term_bytes != 0; ++t) {
+          std::memcpy(mine + t * term_bytes, static_cast<const std::byte*>(c.send) + t * c.stride * es, term_bytes);
+        }
+        const int gathered = static_cast<int>(c.terms * c.count);
+        LOCKSTEP_MPI_CHECK(MPI_Iallgather(MPI_IN_PLACE, gathered, datatype_of(c.type), b.bytes.data(), gathered,
+                                          datatype_of(c.type), data_, &request),
+                           what);
+        return;
+      }
     }
   }
 
   /// After completion: the division of `mean` and the rounding of f16/bf16 staging.
   void finish(const collective_call& c, buffers& b) const {
+    if (c.kind == collective_kind::all_reduce_exact) {
+      finish_exact(c, b);
+      return;
+    }
     if (!c.is_reduction() || (c.kind == collective_kind::reduce && rank_ != c.root)) return;
     // f32 is reduced straight into recv; f16/bf16 in f32 staging (reduce_scatter's result is b.out, the
     // others' b.in), rounded into recv once, after the division
@@ -729,6 +751,31 @@ class state {
                            : (c.kind == collective_kind::reduce_scatter ? b.out.data() : b.in.data());
     if (c.op == reduce_op::mean) divide(result, c.count, size_);
     if (!is_f32) narrow_from(c.recv, result, c.type, c.count);
+  }
+
+  /// all_reduce_exact: recv = the exact sum of the gathered terms, rounded once (NaN everywhere when a term is
+  /// outside the window).
+  static void finish_exact(const collective_call& c, buffers& b) {
+    auto sum = [&]<class T>() {
+      const auto* terms = reinterpret_cast<const T*>(b.bytes.data());
+      T* const out[1] = {static_cast<T*>(c.recv)};
+      const std::size_t all = b.bytes.size() / sizeof(T) / (c.count == 0 ? 1 : c.count);
+      auto term = [&](std::size_t t) { return terms + t * c.count; };
+      std::int64_t outside = 0;
+      run_host_loop(c.count, kernels::exact_sums_host_op<T, decltype(term)>{term, all, out, 1, &outside});
+      if (outside != 0) std::fill_n(out[0], c.count, convert<T>(std::numeric_limits<float>::quiet_NaN()));
+    };
+    if (c.count == 0) return;
+    switch (c.type) {
+      case dtype::f32:
+        return sum.template operator()<float>();
+      case dtype::f16:
+        return sum.template operator()<half>();
+      case dtype::bf16:
+        return sum.template operator()<bfloat16>();
+      default:
+        break;
+    }
   }
 
   MPI_Comm data_;
@@ -765,7 +812,12 @@ class member final : public communicator_impl {
   void check_limits(const collective_call& c) const override {
     LOCKSTEP_EXPECTS(c.count <= static_cast<std::size_t>(INT_MAX), name_of(c.kind), " on rank ", rank(), ": count ",
                      c.count, " exceeds MPI's count limit; valid counts: 0..", INT_MAX, " (split the collective)");
+    LOCKSTEP_EXPECTS(c.kind != collective_kind::all_reduce_exact || c.terms * c.count <= static_cast<std::size_t>(INT_MAX),
+                     name_of(c.kind), " on rank ", rank(), ": terms * count = ", c.terms * c.count,
+                     " exceeds MPI's count limit (", INT_MAX, "); split the collective");
   }
+
+  [[nodiscard]] bool supports(collective_kind) const noexcept override { return true; }
 
   void enqueue(const collective_call& c, stream_ref s) override {
     host_backend::stream_state* on = &s.host_state();  // before the sequence number is taken

@@ -493,6 +493,8 @@ class member final : public communicator_impl {
       case collective_kind::barrier:
         r = ncclAllReduce(e.scratch, e.scratch, 1, ncclFloat32, ncclSum, e.comm, st);
         break;
+      case collective_kind::all_reduce_exact:  // refused by check_collective: supports() is false
+        throw precondition_error(concat(where, ": NCCL communicators do not run all_reduce_exact"));
     }
     last_ = concat(name_of(c.kind), " #", seq);
     try {

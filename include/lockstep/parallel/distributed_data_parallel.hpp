@@ -127,6 +127,7 @@ class distributed_data_parallel {
     params_ = parameters_of(model);
     for (std::size_t i = 0; i < params_.size(); ++i) index_.emplace(params_[i].param, i);
     ranges_.resize(params_.size());
+    exact_collective_ = comm.supports(collective_kind::all_reduce_exact);
     check_same_parameters();
     broadcast_parameters();
     build_buckets();
@@ -610,7 +611,14 @@ class distributed_data_parallel {
     comm_stream_.wait(grads_ready_);
     comm_timeline_.begin(phase::communication, comm_stream_);
     const reduce_op op = options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum;
-    if (gathering()) {
+    if (gathering() && exact_collective_) {
+      // each gradient the exact sum of every rank's slots, rounded once, by the communicator
+      for (std::size_t i = 0; i < b.params.size(); ++i) {
+        parameter& p = *params_[b.params[i]].param;
+        comm_.all_reduce_exact(p.exact_partials_target().first, static_cast<std::size_t>(gather_slots_), b.value_elements,
+                               p.grad().data(), static_cast<std::size_t>(p.numel()), b.value_type, comm_stream_);
+      }
+    } else if (gathering()) {
       // every rank's slots of partial gradients to every rank (in place: this rank's are at its offset)
       const std::size_t piece = static_cast<std::size_t>(gather_slots_) * b.value_elements;
       comm_.all_gather(static_cast<std::byte*>(b.flat->data()) + static_cast<std::size_t>(comm_.rank()) * piece * size_of(b.value_type),
@@ -640,8 +648,10 @@ class distributed_data_parallel {
     const std::int64_t cr = ctx_->deterministic()->chunk_rows, world = comm_.size();
     // rank 0 holds the most chunks of any rank
     const std::int64_t slots = (deterministic_shard(ctx_->global_rows(), cr, 0, comm_.size()).rows + cr - 1) / cr;
+    // (see build_buckets; all_reduce_exact reads every rank's slots where they are: a bucket holds its own only)
+    const std::int64_t held = exact_collective_ ? slots : world * slots;
     for (const auto& b : buckets_) {
-      if (static_cast<std::size_t>(world * slots) * size_of(b.value_type) > 16) return;  // see build_buckets
+      if (static_cast<std::size_t>(held) * size_of(b.value_type) > 16) return;
     }
     for (const auto& p : params_) {
       if (!p.param->grad_is_zero()) return;
@@ -656,7 +666,8 @@ class distributed_data_parallel {
   void set_partials_targets(std::int64_t slots) {
     for (const auto& b : buckets_) {
       const std::size_t es = size_of(b.value_type);
-      auto* mine = static_cast<std::byte*>(b.flat->data()) + static_cast<std::size_t>(comm_.rank() * slots) * b.value_elements * es;
+      const std::int64_t first = exact_collective_ ? 0 : comm_.rank() * slots;  // an all-gather's place for this rank
+      auto* mine = static_cast<std::byte*>(b.flat->data()) + static_cast<std::size_t>(first) * b.value_elements * es;
       for (std::size_t i = 0; i < b.params.size(); ++i) {
         params_[b.params[i]].param->set_exact_partials_target(
             slots == 0 ? parameter::exact_partials{}
@@ -670,7 +681,7 @@ class distributed_data_parallel {
   // stream order on the context's stream, after the all-gather).
   void sum_gathered(const bucket& b) {
     const stream_ref s = ctx_->stream();
-    fill_zero(b.outside->bytes(), s);
+    if (!exact_collective_) fill_zero(b.outside->bytes(), s);
     const auto terms = static_cast<std::size_t>(gather_slots_ * comm_.size());
     for (std::size_t i = 0; i < b.params.size(); ++i) {
       parameter& p = *params_[b.params[i]].param;
@@ -678,6 +689,7 @@ class distributed_data_parallel {
       if (n == 0) continue;
       expect_exact_gradient(p);  // its slots were written by exact_gradient (or zeroed by launch)
       p.set_exact_grad_holds_sum(false);  // the slots are summed: a next backward without zero_grad is refused
+      if (exact_collective_) continue;    // all_reduce_exact summed them
       dispatch_floating(b.value_type, "exact gradient sum", [&]<class T>() {
         const T* partials = static_cast<const T*>(b.flat->data()) + b.value_offsets[i];  // [world * slots][elements]
         sum_exact_terms<T>(partials, terms, b.value_elements, n, p.grad().as<T>(), b.outside->template as<std::int64_t>() + i, s);
@@ -978,6 +990,7 @@ class distributed_data_parallel {
   bool buckets_dirty_ = false;      // partial gradients were gathered in the buckets since they were last zeroed
   bool accumulated_ = false;        // no_sync() backward calls since the last synchronized one
   std::int64_t gather_slots_ = 0;  // each rank's slots of partial gradients while a backward gathers them (else 0)
+  bool exact_collective_ = false;  // the communicator sums the slots itself (all_reduce_exact): no gather
   // ZeRO
   bool sharding_ = false;                        // zero > 0 on more than one rank
   bool stage2_ = false;                          // and zero == 2

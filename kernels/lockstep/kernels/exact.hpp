@@ -15,6 +15,7 @@
 // [n, 2n) (planar, so that neighbouring GPU threads touch neighbouring words), then the count at 2n.
 #pragma once
 
+#include <algorithm>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -230,10 +231,10 @@ LOCKSTEP_HD inline void sum_terms(const T* partials, std::size_t chunks, std::si
 }
 
 /// The host loops' block: the double sums of elements [b0, b0 + len) and whether each is exact, vectorized
-/// (chunk after chunk over the block).
-template <class T, std::size_t Block>
-inline void block_double_sums(const T* partials, std::size_t chunks, std::size_t n, std::size_t b0, std::size_t len,
-                              double* sums, std::uint8_t* fast, bool& all_fast) noexcept {
+/// (term after term over the block). Term c's element i is term(c)[i].
+template <class T, std::size_t Block, class Term>
+inline void block_double_sums(Term term, std::size_t terms, std::size_t b0, std::size_t len, double* sums,
+                              std::uint8_t* fast, bool& all_fast) noexcept {
   alignas(64) float v[Block];
   alignas(64) std::int32_t emax[Block], emin[Block];
   for (std::size_t j = 0; j < len; ++j) {
@@ -241,12 +242,12 @@ inline void block_double_sums(const T* partials, std::size_t chunks, std::size_t
     emax[j] = 0;
     emin[j] = 255;
   }
-  for (std::size_t c = 0; c < chunks; ++c) {
+  for (std::size_t c = 0; c < terms; ++c) {
     const float* __restrict x = v;
     if constexpr (std::is_same_v<T, float>) {
-      x = partials + c * n + b0;  // read in place: a copy would cost as much as the loop
+      x = term(c) + b0;  // read in place: a copy would cost as much as the loop
     } else {
-      detail::widen_run(partials + c * n + b0, v, static_cast<std::int64_t>(len));
+      detail::widen_run(term(c) + b0, v, static_cast<std::int64_t>(len));
     }
     for (std::size_t j = 0; j < len; ++j) {
       const std::int32_t e = exponent_field(x[j]), ez = nonzero_exponent_field(x[j]);
@@ -255,13 +256,50 @@ inline void block_double_sums(const T* partials, std::size_t chunks, std::size_t
       sums[j] += static_cast<double>(x[j]);
     }
   }
-  const int log2_terms = ceil_log2(chunks);
+  const int log2_terms = ceil_log2(terms);
   std::uint8_t every = 1;  // bytes, not bools: the loops vectorize
   for (std::size_t j = 0; j < len; ++j) {
     fast[j] = static_cast<std::uint8_t>(double_sum_is_exact(emax[j], emin[j], log2_terms));
     every &= fast[j];
   }
   all_fast = every != 0;
+}
+
+/// The host loop of exact sums: outs[k][i] = the exact sum over c < terms of term(c)[i], rounded once to float,
+/// then to T, for i < count and k < outputs (the same values into each output). Returns the number of terms
+/// outside the window (the caller makes the tensor NaN when it is not 0). The double path vectorized, the
+/// term-by-term path for the elements it left.
+template <class T, class Term>
+inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t count, T* const* outs, int outputs) {
+  constexpr std::size_t block = 512;
+  alignas(64) double sums[block];
+  alignas(64) std::uint8_t fast[block];
+  alignas(64) float f[block];
+  std::int64_t total_outside = 0;
+  for (std::size_t b0 = 0; b0 < count; b0 += block) {
+    const std::size_t len = count - b0 < block ? count - b0 : block;
+    bool all_fast = true;
+    block_double_sums<T, block>(term, terms, b0, len, sums, fast, all_fast);
+    float* __restrict r = f;
+    if constexpr (std::is_same_v<T, float>) r = outs[0] + b0;  // floats straight out (into the first output)
+    for (std::size_t j = 0; j < len; ++j) r[j] = static_cast<float>(sums[j]);
+    if (!all_fast) {  // rare: scalar
+      for (std::size_t j = 0; j < len; ++j) {
+        if (fast[j]) continue;
+        std::int64_t hi = 0, lo = 0;
+        for (std::size_t c = 0; c < terms; ++c) exact_add(to_float(term(c)[b0 + j]), hi, lo, total_outside);
+        r[j] = exact_round(hi, lo, 0);
+      }
+    }
+    for (int k = 0; k < outputs; ++k) {
+      if constexpr (std::is_same_v<T, float>) {
+        if (k > 0) std::copy_n(r, len, outs[k] + b0);
+      } else {
+        detail::narrow_run(r, outs[k] + b0, static_cast<std::int64_t>(len));
+      }
+    }
+  }
+  return total_outside;
 }
 }  // namespace exact_detail
 
@@ -296,7 +334,8 @@ struct exact_accumulate_op {
     for (std::size_t b0 = 0; b0 < count; b0 += block) {
       const std::size_t len = count - b0 < block ? count - b0 : block;
       bool all_fast = true;
-      exact_detail::block_double_sums<T, block>(partials, chunks, stride, b0, len, sums, fast, all_fast);
+      exact_detail::block_double_sums<T, block>([this](std::size_t c) { return partials + c * stride; }, chunks, b0, len,
+                                                 sums, fast, all_fast);
       std::int64_t* __restrict hp = hi + b0;  // locals: the functor's fields might alias
       std::int64_t* __restrict lp = lo + b0;
       // the double path's limbs straight into the accumulator (a staging copy costs as much as the work); 0 for
@@ -384,30 +423,24 @@ struct exact_sum_op {
   }
   /// The host loop: the double path vectorized, the term-by-term path for what it left.
   void for_all(std::size_t count) const {
-    constexpr std::size_t block = 512;
-    alignas(64) double sums[block];
-    alignas(64) std::uint8_t fast[block];
-    alignas(64) float f[block];
-    std::int64_t total_outside = 0;
-    for (std::size_t b0 = 0; b0 < count; b0 += block) {
-      const std::size_t len = count - b0 < block ? count - b0 : block;
-      bool all_fast = true;
-      exact_detail::block_double_sums<T, block>(partials, chunks, n, b0, len, sums, fast, all_fast);
-      float* __restrict r = f;
-      if constexpr (std::is_same_v<T, float>) r = out + b0;  // floats straight out: no staging copy
-      for (std::size_t j = 0; j < len; ++j) r[j] = static_cast<float>(sums[j]);
-      if (!all_fast) {  // rare: scalar
-        for (std::size_t j = 0; j < len; ++j) {
-          if (fast[j]) continue;
-          std::int64_t hi = 0, lo = 0;
-          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * n + b0 + j]), hi, lo, total_outside);
-          r[j] = exact_round(hi, lo, 0);
-        }
-      }
-      if constexpr (!std::is_same_v<T, float>) detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
-    }
-    if (total_outside != 0) exact_detail::add_outside(outside, total_outside);
+    T* const outs[1] = {out};
+    const std::int64_t o = exact_detail::host_exact_sums<T>([this](std::size_t c) { return partials + c * n; }, chunks,
+                                                            count, outs, 1);
+    if (o != 0) exact_detail::add_outside(outside, o);
   }
+};
+
+/// Host only, for communicators: outs[k][i] for k < outputs = the exact sum over t < terms of term(t)[i], rounded
+/// once, for i < count (run it with detail::run_host_loop, whose AVX2 copy vectorizes it); the terms outside the
+/// window added to *outside.
+template <class T, class Term>
+struct exact_sums_host_op {
+  Term term;
+  std::size_t terms;
+  T* const* outs;
+  int outputs;
+  std::int64_t* outside;
+  void for_all(std::size_t count) const { *outside += exact_detail::host_exact_sums<T>(term, terms, count, outs, outputs); }
 };
 
 /// out[i] = NaN when *outside is not 0 (after exact_sum_op: a tensor that received a term outside the window).
