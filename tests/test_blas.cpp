@@ -602,6 +602,21 @@ void expect_chunk_products_are_fma_chains() {
             << "kernel " << k << ", rows " << sc.rows << ", m " << sc.m << ", n " << sc.n << ", chunk rows "
             << sc.chunk_rows << ", element " << e << ": " << got[e] << " != " << expected[e];
       }
+      if constexpr (std::is_same_v<T, float>) {  // stored as they are: padded rows and chunks, padding untouched
+        const std::int64_t ld = sc.n + 2, stride = sc.m * ld + 5;
+        std::vector<float> into(static_cast<std::size_t>(chunks * stride), -7.0f);
+        detail::host_chunk_products_into(problem, scratch.data(), into.data(), ld, stride, kernels[k]);
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          for (std::int64_t e = 0; e < stride; ++e) {
+            const std::int64_t i = e / ld, j = e % ld;
+            const float want = i < sc.m && j < sc.n ? expected[static_cast<std::size_t>((c * sc.m + i) * sc.n + j)] : -7.0f;
+            ASSERT_EQ(std::bit_cast<std::uint32_t>(into[static_cast<std::size_t>(c * stride + e)]),
+                      std::bit_cast<std::uint32_t>(want))
+                << "host_chunk_products_into, kernel " << k << ", rows " << sc.rows << ", m " << sc.m << ", n " << sc.n
+                << ", chunk " << c << ", element (" << i << ", " << j << ")";
+          }
+        }
+      }
     }
   }
   // no rows: nothing emitted
@@ -609,6 +624,99 @@ void expect_chunk_products_are_fma_chains() {
   bool called = false;
   detail::host_chunk_products(none, nullptr, [&](auto...) { called = true; });
   EXPECT_FALSE(called);
+}
+
+// C = A B with each element the fma chain over the depth in order, from zero, rounded once to T: with every tile
+// kernel this CPU runs, B as it is and transposed, sizes that leave partial tiles (and no depth at all), padded
+// leading dimensions. And the batch invariance deterministic mode relies on: any range of rows computed alone
+// gives the bits those rows get in a larger call.
+template <class T>
+void expect_row_products_are_fma_chains() {
+  std::vector<detail::chunk_products::tile_kernel> kernels{&detail::chunk_products::tile_scalar};
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) kernels.push_back(&detail::chunk_products::tile_avx2);
+  if (__builtin_cpu_supports("avx512f")) kernels.push_back(&detail::chunk_products::tile_avx512);
+#endif
+  std::uint32_t state = 777;
+  auto next = [&] {  // a float in (-2, 2) with a full significand
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<std::int32_t>(state)) * 0x1p-30f;
+  };
+  struct size_case {
+    std::int64_t rows, n, k;
+  };
+  for (const size_case sc : {size_case{37, 45, 19}, size_case{16, 64, 33}, size_case{3, 300, 8}, size_case{9, 7, 0},
+                             size_case{1, 1, 1}}) {
+    for (const bool transposed : {false, true}) {
+      const std::int64_t lda = sc.k + 3, ldb = (transposed ? sc.k : sc.n) + 5, ldc = sc.n + 2;
+      std::vector<T> a(static_cast<std::size_t>(sc.rows * lda)), b(static_cast<std::size_t>((transposed ? sc.n : sc.k) * ldb));
+      for (auto& v : a) v = convert<T>(next());
+      for (auto& v : b) v = convert<T>(next());
+      auto b_at = [&](std::int64_t kk, std::int64_t j) {
+        return to_float(b[static_cast<std::size_t>(transposed ? j * ldb + kk : kk * ldb + j)]);
+      };
+      std::vector<T> expected(static_cast<std::size_t>(sc.rows * ldc), convert<T>(-3.0f));
+      for (std::int64_t r = 0; r < sc.rows; ++r) {
+        for (std::int64_t j = 0; j < sc.n; ++j) {
+          float acc = 0.0f;
+          for (std::int64_t kk = 0; kk < sc.k; ++kk) acc = std::fma(to_float(a[static_cast<std::size_t>(r * lda + kk)]), b_at(kk, j), acc);
+          expected[static_cast<std::size_t>(r * ldc + j)] = convert<T>(acc);
+        }
+      }
+      for (std::size_t kernel = 0; kernel < kernels.size(); ++kernel) {
+        // the whole batch, then rows [first, rows) alone, into their own rows of the same C
+        for (const std::int64_t first : {std::int64_t{0}, sc.rows / 3}) {
+          std::vector<T> c(expected.size(), convert<T>(-3.0f));
+          const std::int64_t rows = sc.rows - first;
+          const detail::row_products_problem<T> p{a.data() + first * lda, lda, b.data(), ldb, transposed,
+                                                  c.data() + first * ldc, ldc, rows, sc.n, sc.k};
+          std::vector<float> scratch(static_cast<std::size_t>(detail::chunk_products::row_scratch_floats(rows, sc.n, sc.k)));
+          detail::host_row_products(p, scratch.data(), kernels[kernel]);
+          for (std::int64_t e = first * ldc; e < sc.rows * ldc; ++e) {
+            ASSERT_EQ(std::memcmp(&c[static_cast<std::size_t>(e)], &expected[static_cast<std::size_t>(e)], sizeof(T)), 0)
+                << "kernel " << kernel << (transposed ? ", B transposed" : "") << ", rows [" << first << ", " << sc.rows
+                << "), n " << sc.n << ", k " << sc.k << ", element (" << e / ldc << ", " << e % ldc
+                << "): " << to_float(c[static_cast<std::size_t>(e)]) << " != " << to_float(expected[static_cast<std::size_t>(e)]);
+          }
+        }
+      }
+    }
+  }
+}
+
+TEST(row_products, every_tile_kernel_gives_each_element_the_fma_chain_over_its_depth_whatever_the_rows_f32) {
+  expect_row_products_are_fma_chains<float>();
+}
+TEST(row_products, every_tile_kernel_gives_each_element_the_fma_chain_over_its_depth_whatever_the_rows_f16_bf16) {
+  expect_row_products_are_fma_chains<lockstep::half>();
+  expect_row_products_are_fma_chains<lockstep::bfloat16>();
+}
+
+// The transposed packing's two builds move the same floats (panels of 8 and 32, ragged counts and depths).
+TEST(row_products, the_transposed_packing_is_the_same_in_every_build) {
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
+  for (const std::int64_t width : {std::int64_t{8}, std::int64_t{32}}) {
+    for (const auto& [count, depth] : {std::pair<std::int64_t, std::int64_t>{37, 19}, {64, 64}, {5, 3}, {33, 70}}) {
+      const std::int64_t ld = depth + 4;
+      std::vector<float> src(static_cast<std::size_t>(count * ld));
+      for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) * 0.5f - 100.0f;
+      const std::int64_t floats = (count + width - 1) / width * width * depth;
+      std::vector<float> portable(static_cast<std::size_t>(floats), 1.0f), avx2(static_cast<std::size_t>(floats), 2.0f);
+      detail::chunk_products::pack_panels_transposed_portable(src.data(), ld, count, depth, width, portable.data());
+      detail::chunk_products::pack_panels_transposed_avx2(src.data(), ld, count, depth, width, avx2.data());
+      EXPECT_EQ(portable, avx2) << "width " << width << ", count " << count << ", depth " << depth;
+      // and what the packing means: panel t, depth d, lane w holds row t * width + w's element d (zero past count)
+      for (std::int64_t e = 0; e < floats; ++e) {
+        const std::int64_t t = e / (depth * width), d = e / width % depth, w = e % width, q = t * width + w;
+        ASSERT_EQ(portable[static_cast<std::size_t>(e)], q < count ? src[static_cast<std::size_t>(q * ld + d)] : 0.0f)
+            << "width " << width << ", element " << e;
+      }
+    }
+  }
+#else
+  GTEST_SKIP() << "the AVX2 build exists on x86 only";
+#endif
 }
 
 TEST(chunk_products, every_tile_kernel_gives_each_chunk_the_fma_chain_of_its_rows_f32) {

@@ -20,6 +20,7 @@
 #include <cmath>
 #include <cstddef>
 #include <cstdint>
+#include <type_traits>
 #include <utility>
 
 #include "lockstep/config.hpp"
@@ -43,6 +44,21 @@ struct chunk_products_problem {
   const T* x;  // [rows, n]
   std::int64_t ldx;
   std::int64_t rows, m, n, chunk_rows;
+};
+
+/// The operands of host_row_products: C [rows, n] (leading dimension ldc) = A [rows, k] (lda) times B, where
+/// B(kk, j) is b[kk * ldb + j] (B [k, n] row-major) or, with b_transposed, b[j * ldb + kk] (b [n, k] used as
+/// its transpose: a linear layer's weight in its forward).
+template <class T>
+struct row_products_problem {
+  const T* a;
+  std::int64_t lda;
+  const T* b;
+  std::int64_t ldb;
+  bool b_transposed;
+  T* c;
+  std::int64_t ldc;
+  std::int64_t rows, n, k;
 };
 
 namespace chunk_products {
@@ -73,6 +89,98 @@ void pack_panels(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t 
       std::fill(d + w, d + width, 0.0f);
     }
   }
+}
+
+/// Floats of scratch host_row_products needs.
+constexpr std::int64_t row_scratch_floats(std::int64_t rows, std::int64_t n, std::int64_t k) {
+  const std::int64_t mp = (rows + tile_m - 1) / tile_m * tile_m, np = (n + tile_n - 1) / tile_n * tile_n;
+  return k * (mp + np) + tile_m * tile_n;
+}
+
+/// dst[(t * depth + d) * width + w] = src[(t * width + w) * ld + d] as floats, zero for w past `count`: the
+/// panels of pack_panels for the transpose of src [count, depth] (each of its rows becomes a panel's column).
+/// Blocks of 64 depth steps, so that the block's part of the panel stays in L1 while its rows are read.
+template <class T>
+void pack_panels_transposed_portable(const T* src, std::int64_t ld, std::int64_t count, std::int64_t depth,
+                                     std::int64_t width, float* dst) {
+  constexpr std::int64_t block = 64;
+  float wide[block];
+  const std::int64_t panels = (count + width - 1) / width;
+  for (std::int64_t t = 0; t < panels; ++t) {
+    float* panel = dst + t * depth * width;
+    for (std::int64_t d0 = 0; d0 < depth; d0 += block) {
+      const std::int64_t len = std::min(block, depth - d0);
+      for (std::int64_t w = 0; w < width; ++w) {
+        const std::int64_t q = t * width + w;
+        float* out = panel + d0 * width + w;
+        if (q >= count) {
+          for (std::int64_t d = 0; d < len; ++d) out[d * width] = 0.0f;
+          continue;
+        }
+        const T* row = src + q * ld + d0;
+        if constexpr (std::is_same_v<T, float>) {
+          for (std::int64_t d = 0; d < len; ++d) out[d * width] = row[d];
+        } else {
+          widen_run(row, wide, len);
+          for (std::int64_t d = 0; d < len; ++d) out[d * width] = wide[d];
+        }
+      }
+    }
+  }
+}
+
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+/// pack_panels_transposed for floats and a width that is a multiple of 8: 8 x 8 blocks transposed in registers.
+__attribute__((target("avx2"))) inline void pack_panels_transposed_avx2(const float* src, std::int64_t ld,
+                                                                        std::int64_t count, std::int64_t depth,
+                                                                        std::int64_t width, float* dst) {
+  const std::int64_t panels = (count + width - 1) / width, d8 = depth / 8 * 8;
+  for (std::int64_t t = 0; t < panels; ++t) {
+    float* panel = dst + t * depth * width;
+    for (std::int64_t w0 = 0; w0 < width; w0 += 8) {
+      const std::int64_t q0 = t * width + w0;
+      const float* rows[8];
+      for (std::int64_t i = 0; i < 8; ++i) rows[i] = q0 + i < count ? src + (q0 + i) * ld : nullptr;
+      for (std::int64_t d = 0; d < d8; d += 8) {
+        __m256 r[8];
+        for (int i = 0; i < 8; ++i) r[i] = rows[i] != nullptr ? _mm256_loadu_ps(rows[i] + d) : _mm256_setzero_ps();
+        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+        const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+        const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+        const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+        const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        float* out = panel + d * width + w0;
+        _mm256_storeu_ps(out + 0 * width, _mm256_permute2f128_ps(s0, s4, 0x20));
+        _mm256_storeu_ps(out + 1 * width, _mm256_permute2f128_ps(s1, s5, 0x20));
+        _mm256_storeu_ps(out + 2 * width, _mm256_permute2f128_ps(s2, s6, 0x20));
+        _mm256_storeu_ps(out + 3 * width, _mm256_permute2f128_ps(s3, s7, 0x20));
+        _mm256_storeu_ps(out + 4 * width, _mm256_permute2f128_ps(s0, s4, 0x31));
+        _mm256_storeu_ps(out + 5 * width, _mm256_permute2f128_ps(s1, s5, 0x31));
+        _mm256_storeu_ps(out + 6 * width, _mm256_permute2f128_ps(s2, s6, 0x31));
+        _mm256_storeu_ps(out + 7 * width, _mm256_permute2f128_ps(s3, s7, 0x31));
+      }
+      for (std::int64_t d = d8; d < depth; ++d) {
+        for (std::int64_t i = 0; i < 8; ++i) panel[d * width + w0 + i] = rows[i] != nullptr ? rows[i][d] : 0.0f;
+      }
+    }
+  }
+}
+#endif
+
+/// pack_panels_transposed in the best build the CPU runs (data movement only: the same floats either way).
+template <class T>
+void pack_panels_transposed(const T* src, std::int64_t ld, std::int64_t count, std::int64_t depth, std::int64_t width,
+                            float* dst) {
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  if constexpr (std::is_same_v<T, float>) {
+    static const bool avx2 = __builtin_cpu_supports("avx2") != 0;
+    if (avx2 && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
+  }
+#endif
+  pack_panels_transposed_portable(src, ld, count, depth, width, dst);
 }
 
 /// The tile kernel: out[a * ld + b] = the fma chain over rows r < k of gp[r * tile_m + a] * xp[r * tile_n + b],
@@ -151,6 +259,37 @@ inline tile_kernel pick_tile_kernel() noexcept {
 }
 }  // namespace chunk_products
 
+namespace chunk_products {
+/// The loops of host_chunk_products: packs p's operands into `scratch`, then for each block (8 rows of P,
+/// block_n columns) calls tile(i0, j, c, gp, xp, k) for each of its tiles (columns [j, j + tile_n)) and chunk c
+/// (gp and xp the chunk's packed rows, k of them), then block_done(i0, mb, j0, nb, tiles).
+template <class T, class Tile, class BlockDone>
+void visit_tiles(const chunk_products_problem<T>& p, float* scratch, Tile&& tile, BlockDone&& block_done) {
+  if (p.rows == 0 || p.m == 0 || p.n == 0) return;
+  const std::int64_t chunks = (p.rows + p.chunk_rows - 1) / p.chunk_rows;
+  const std::int64_t mp = (p.m + tile_m - 1) / tile_m * tile_m;
+  float* gp = scratch;                 // [m / tile_m][rows][tile_m]
+  float* xp = gp + p.rows * mp;        // [n / tile_n][rows][tile_n]
+  float* tiles = xp + p.rows * ((p.n + tile_n - 1) / tile_n * tile_n);  // [chunks][tile_m][block_n]
+  pack_panels(p.g, p.ldg, p.rows, p.m, tile_m, gp);
+  pack_panels(p.x, p.ldx, p.rows, p.n, tile_n, xp);
+  for (std::int64_t i0 = 0; i0 < p.m; i0 += tile_m) {
+    const float* g_panel = gp + i0 * p.rows;  // panel i0 / tile_m: rows * tile_m floats
+    for (std::int64_t j0 = 0; j0 < p.n; j0 += block_n) {
+      const std::int64_t nb = std::min(block_n, p.n - j0);
+      for (std::int64_t jt = 0; jt < nb; jt += tile_n) {
+        const float* x_panel = xp + (j0 + jt) * p.rows;
+        for (std::int64_t c = 0; c < chunks; ++c) {
+          const std::int64_t r0 = c * p.chunk_rows, k = std::min(p.chunk_rows, p.rows - r0);
+          tile(i0, j0 + jt, c, g_panel + r0 * tile_m, x_panel + r0 * tile_n, k, tiles);
+        }
+      }
+      block_done(i0, std::min(tile_m, p.m - i0), j0, nb, static_cast<const float*>(tiles));
+    }
+  }
+}
+}  // namespace chunk_products
+
 /// Computes the chunks' products of `p` block by block and calls emit(i0, mb, j0, nb, tiles, chunk_stride) for
 /// each: rows [i0, i0 + mb) and columns [j0, j0 + nb) of every P_c, element (i0 + a, j0 + j) of P_c at
 /// tiles[c * chunk_stride + a * chunk_products::block_n + j]. `scratch` holds
@@ -160,27 +299,82 @@ template <class T, class Emit>
 void host_chunk_products(const chunk_products_problem<T>& p, float* scratch, Emit&& emit,
                          chunk_products::tile_kernel kernel = chunk_products::pick_tile_kernel()) {
   namespace cp = chunk_products;
-  if (p.rows == 0 || p.m == 0 || p.n == 0) return;
-  const std::int64_t chunks = (p.rows + p.chunk_rows - 1) / p.chunk_rows;
-  const std::int64_t mp = (p.m + cp::tile_m - 1) / cp::tile_m * cp::tile_m;
-  float* gp = scratch;                 // [m / tile_m][rows][tile_m]
-  float* xp = gp + p.rows * mp;        // [n / tile_n][rows][tile_n]
-  float* tiles = xp + p.rows * ((p.n + cp::tile_n - 1) / cp::tile_n * cp::tile_n);  // [chunks][tile_m][block_n]
-  cp::pack_panels(p.g, p.ldg, p.rows, p.m, cp::tile_m, gp);
-  cp::pack_panels(p.x, p.ldx, p.rows, p.n, cp::tile_n, xp);
-  const std::int64_t chunk_stride = cp::tile_m * cp::block_n;
-  for (std::int64_t i0 = 0; i0 < p.m; i0 += cp::tile_m) {
-    const float* g_panel = gp + i0 * p.rows;  // panel i0 / tile_m: rows * tile_m floats
-    for (std::int64_t j0 = 0; j0 < p.n; j0 += cp::block_n) {
-      const std::int64_t nb = std::min(cp::block_n, p.n - j0);
-      for (std::int64_t jt = 0; jt < nb; jt += cp::tile_n) {
-        const float* x_panel = xp + (j0 + jt) * p.rows;
-        for (std::int64_t c = 0; c < chunks; ++c) {
-          const std::int64_t r0 = c * p.chunk_rows, k = std::min(p.chunk_rows, p.rows - r0);
-          kernel(g_panel + r0 * cp::tile_m, x_panel + r0 * cp::tile_n, k, tiles + c * chunk_stride + jt, cp::block_n);
+  constexpr std::int64_t chunk_stride = cp::tile_m * cp::block_n;
+  cp::visit_tiles(
+      p, scratch,
+      [&](std::int64_t, std::int64_t j, std::int64_t c, const float* gp, const float* xp, std::int64_t k, float* tiles) {
+        kernel(gp, xp, k, tiles + c * chunk_stride + j % cp::block_n, cp::block_n);
+      },
+      [&](std::int64_t i0, std::int64_t mb, std::int64_t j0, std::int64_t nb, const float* tiles) {
+        emit(i0, mb, j0, nb, tiles, chunk_stride);
+      });
+}
+
+/// host_chunk_products for float partials stored as they are: P_c[i][j] into out[c * chunk_stride + i * ld + j]
+/// (whole tiles straight from the kernel's registers, the edges through the tile buffer).
+inline void host_chunk_products_into(const chunk_products_problem<float>& p, float* scratch, float* out, std::int64_t ld,
+                                     std::int64_t chunk_stride,
+                                     chunk_products::tile_kernel kernel = chunk_products::pick_tile_kernel()) {
+  namespace cp = chunk_products;
+  cp::visit_tiles(
+      p, scratch,
+      [&](std::int64_t i0, std::int64_t j, std::int64_t c, const float* gp, const float* xp, std::int64_t k,
+          float* tiles) {
+        float* dst = out + c * chunk_stride + i0 * ld + j;
+        if (i0 + cp::tile_m <= p.m && j + cp::tile_n <= p.n) {
+          kernel(gp, xp, k, dst, ld);
+          return;
+        }
+        kernel(gp, xp, k, tiles, cp::tile_n);
+        const std::int64_t mb = std::min(cp::tile_m, p.m - i0), nb = std::min(cp::tile_n, p.n - j);
+        for (std::int64_t a = 0; a < mb; ++a) std::copy_n(tiles + a * cp::tile_n, nb, dst + a * ld);
+      },
+      [](std::int64_t, std::int64_t, std::int64_t, std::int64_t, const float*) {});
+}
+
+/// C = A B for row_products_problem p: C[r][j] the chain of fused multiply-adds over kk < k in order, from zero,
+/// of A[r][kk] * B(kk, j), rounded once to T. An element's bits depend on its own row of A and its column of B
+/// only: not on how many rows share the call (the batch invariance deterministic mode needs for outputs and
+/// input gradients), nor on the tile it falls in or the instruction set. B is packed once per call; `scratch`
+/// holds chunk_products::row_scratch_floats(rows, n, k) floats. Column panels of B (32 columns, all of the
+/// depth) in the outer loop, so that each stays in cache while every row panel of A (8 rows) passes by.
+template <class T>
+void host_row_products(const row_products_problem<T>& p, float* scratch,
+                       chunk_products::tile_kernel kernel = chunk_products::pick_tile_kernel()) {
+  namespace cp = chunk_products;
+  if (p.rows == 0 || p.n == 0) return;
+  const std::int64_t mp = (p.rows + cp::tile_m - 1) / cp::tile_m * cp::tile_m;
+  const std::int64_t np = (p.n + cp::tile_n - 1) / cp::tile_n * cp::tile_n;
+  float* ap = scratch;          // [rows / tile_m][k][tile_m]: A's rows as panel columns
+  float* bp = ap + p.k * mp;    // [n / tile_n][k][tile_n]
+  float* stage = bp + p.k * np;  // one tile, for the edges and for f16/bf16
+  cp::pack_panels_transposed(p.a, p.lda, p.rows, p.k, cp::tile_m, ap);
+  if (p.b_transposed) {
+    cp::pack_panels_transposed(p.b, p.ldb, p.n, p.k, cp::tile_n, bp);
+  } else {
+    cp::pack_panels(p.b, p.ldb, p.k, p.n, cp::tile_n, bp);
+  }
+  for (std::int64_t j0 = 0; j0 < p.n; j0 += cp::tile_n) {
+    const float* b_panel = bp + j0 * p.k;
+    const std::int64_t nb = std::min(cp::tile_n, p.n - j0);
+    for (std::int64_t i0 = 0; i0 < p.rows; i0 += cp::tile_m) {
+      const float* a_panel = ap + i0 * p.k;
+      const std::int64_t mb = std::min(cp::tile_m, p.rows - i0);
+      T* c = p.c + i0 * p.ldc + j0;
+      if constexpr (std::is_same_v<T, float>) {
+        if (mb == cp::tile_m && nb == cp::tile_n) {
+          kernel(a_panel, b_panel, p.k, c, p.ldc);  // a whole tile: straight into C
+          continue;
         }
       }
-      emit(i0, std::min(cp::tile_m, p.m - i0), j0, nb, static_cast<const float*>(tiles), chunk_stride);
+      kernel(a_panel, b_panel, p.k, stage, cp::tile_n);
+      for (std::int64_t a = 0; a < mb; ++a) {
+        if constexpr (std::is_same_v<T, float>) {
+          std::copy_n(stage + a * cp::tile_n, nb, c + a * p.ldc);
+        } else {
+          narrow_run(stage + a * cp::tile_n, c + a * p.ldc, nb);
+        }
+      }
     }
   }
 }

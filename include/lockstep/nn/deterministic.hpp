@@ -27,6 +27,15 @@
 
 LOCKSTEP_ABI_BEGIN
 
+/// Throws precondition_error when the replica's first row (ctx.row_offset()) is not at a chunk boundary of
+/// deterministic mode's chunks.
+inline void expect_chunk_aligned(const context& ctx, const char* who) {
+  const std::int64_t cr = ctx.deterministic()->chunk_rows;
+  LOCKSTEP_EXPECTS(ctx.row_offset() % cr == 0, who, ": in deterministic mode a replica's rows start at a multiple of ",
+                   "chunk_rows (", cr, "), but they start at row ", ctx.row_offset(),
+                   " of the global batch; split batches with deterministic_shard()");
+}
+
 /// Calls f(begin, rows) for the chunks of a replica's `rows` rows: one call for all of them outside
 /// deterministic mode, else one per chunk of chunk_rows rows (the last may be shorter; none for no rows). Throws
 /// precondition_error when the replica's first row (ctx.row_offset()) is not at a chunk boundary.
@@ -38,10 +47,38 @@ void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, 
   }
   const std::int64_t cr = ctx.deterministic()->chunk_rows;
   if (rows == 0) return;  // a replica without rows this step (its offset may be the batch's end)
-  LOCKSTEP_EXPECTS(ctx.row_offset() % cr == 0, who, ": in deterministic mode a replica's rows start at a multiple of ",
-                   "chunk_rows (", cr, "), but they start at row ", ctx.row_offset(),
-                   " of the global batch; split batches with deterministic_shard()");
+  expect_chunk_aligned(ctx, who);
   for (std::int64_t b = 0; b < rows; b += cr) f(b, std::min(cr, rows - b));
+}
+
+/// Deterministic mode's products over rows (rule 1): c[r][j] = the sum over kk < k of a[r][kk] * B(kk, j) for the
+/// replica's `rows` rows (a [rows, k], c [rows, n]; B is b [k, n], or with tb == transpose::yes b [n, k] used as
+/// its transpose), each row's bits independent of how many rows share the call. On a host device one pass over
+/// every row: blas/chunk_products.hpp's host_row_products (an element the chain of fused multiply-adds over kk in
+/// order), in one piece of work on the stream, with `scratch` (kept by the caller: its packed operands). On a GPU
+/// a GEMM per chunk of rows (cuBLAS: one algorithm for one shape on one GPU model). Requires deterministic mode.
+template <class T>
+void row_products(context& ctx, const char* who, transpose tb, std::int64_t rows, std::int64_t n, std::int64_t k,
+                  const T* a, std::int64_t lda, const T* b, std::int64_t ldb, T* c, std::int64_t ldc, tensor& scratch) {
+  LOCKSTEP_EXPECTS(ctx.deterministic().has_value(), who, ": row_products needs deterministic mode");
+  const stream_ref s = ctx.stream();
+  if (!s.get_device().is_host()) {
+    for_each_row_chunk(rows, ctx, who, [&](std::int64_t r0, std::int64_t r) {
+      gemm<T>(ctx.blas(), transpose::no, tb, r, n, k, 1.0f, a + r0 * lda, lda, b, ldb, 0.0f, c + r0 * ldc, ldc);
+    });
+    return;
+  }
+  if (rows == 0 || n == 0) return;
+  expect_chunk_aligned(ctx, who);  // (not needed by the products: the sums over rows that follow need it)
+  scratch.ensure(shape{detail::chunk_products::row_scratch_floats(rows, n, k)}, dtype::f32, s);
+  struct work {
+    detail::row_products_problem<T> problem;
+    float* scratch;
+    void run() const { detail::host_row_products(problem, scratch); }
+  };
+  const work w{{a, lda, b, ldb, tb == transpose::yes, c, ldc, rows, n, k}, scratch.as<float>()};
+  detail::strict_check_functor(w, s.get_device(), who);
+  detail::enqueue_host(s, [w] { w.run(); }, "deterministic row products");
 }
 
 /// Throws precondition_error unless p's exact gradient sum (or its partial gradients, when a wrapper gathers
@@ -315,6 +352,12 @@ class exact_gradient {
       namespace cp = detail::chunk_products;
       const std::int64_t rows = problem.rows, cr = problem.chunk_rows, chunks = (rows + cr - 1) / cr;
       const std::int64_t n = problem.n;
+      if constexpr (std::is_same_v<T, float>) {
+        if (where == sum_path::gather) {  // the tiles straight into the slots
+          detail::host_chunk_products_into(problem, scratch, out, n, slot_stride);
+          return;
+        }
+      }
       // T terms for the exact sums: the tile itself for floats, else a rounded copy of a row's chunks
       T* narrowed = reinterpret_cast<T*>(scratch + cp::scratch_floats(rows, problem.m, n, chunks));
       std::int64_t outside_terms = 0;

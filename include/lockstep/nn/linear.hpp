@@ -50,11 +50,12 @@ class linear {
     dispatch_floating(ctx.compute_type(), "linear", [&]<class T>() {
       const T* w = weight_.compute_value().as<T>();
       T* y = y_.as<T>();
-      // y = x W^T: row-major [rows, in] x [in, out] (in deterministic mode one GEMM per chunk of rows)
-      for_each_row_chunk(rows, ctx, "linear", [&](std::int64_t b, std::int64_t r) {
-        gemm<T>(ctx.blas(), transpose::no, transpose::yes, r, out_, in_, 1.0f, x.as<T>() + b * in_, in_, w, in_, 0.0f,
-                y + b * out_, out_);
-      });
+      // y = x W^T: row-major [rows, in] x [in, out] (in deterministic mode each row's bits its own)
+      if (ctx.deterministic()) {
+        row_products<T>(ctx, "linear", transpose::yes, rows, out_, in_, x.as<T>(), in_, w, in_, y, out_, rows_scratch_);
+      } else {
+        gemm<T>(ctx.blas(), transpose::no, transpose::yes, rows, out_, in_, 1.0f, x.as<T>(), in_, w, in_, 0.0f, y, out_);
+      }
       if (has_bias_) {
         launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(out_),
                   kernels::add_bias_op<T>{y, bias_.compute_value().as<T>(), y, static_cast<std::size_t>(out_)},
@@ -131,11 +132,9 @@ class linear {
                            ctx.stream(), "linear bias gradient");
       });
     }
-    if (need == input_grad::required) {
-      for_each_row_chunk(rows, ctx, "linear", [&](std::int64_t b, std::int64_t r) {
-        gemm<T>(ctx.blas(), transpose::no, transpose::no, r, in_, out_, 1.0f, g + b * out_, out_,
-                weight_.compute_value().as<T>(), in_, 0.0f, gx_.as<T>() + b * in_, in_);
-      });
+    if (need == input_grad::required) {  // dx = g W, each row's bits its own
+      row_products<T>(ctx, "linear", transpose::no, rows, in_, out_, g, out_, weight_.compute_value().as<T>(), in_,
+                      gx_.as<T>(), in_, rows_scratch_);
     }
   }
 
@@ -162,6 +161,7 @@ class linear {
   tensor gx_;
   tensor_view x_;
   exact_gradient exact_;
+  tensor rows_scratch_;  // deterministic mode on a host device: row_products' packed operands
 };
 static_assert(layer<linear>);
 
