@@ -690,22 +690,36 @@ class clique_state {
         return;
       }
       case collective_kind::all_reduce_exact: {
-        // this rank's share of the elements: every rank's terms read where they are, summed exactly, rounded
-        // once and written into every rank's recv (no copies: each rank reads 1/k of the terms, writes 1/k of
-        // every output)
+        // this rank's share of the elements: every rank's terms summed exactly, rounded once and written into
+        // every rank's recv. A piece at a time, the peers' terms first copied into a buffer of this thread: a
+        // memcpy streams another core's cache lines twice as fast as the sum's loop reading them in place.
         const auto [begin, end] = chunk_of(c.count, k, rank, es);
         if (begin == end) return;
         const std::int64_t o = dispatch_exact(c.type, [&]<class T>() {
-          const std::size_t terms = c.terms;
-          auto term = [&](std::size_t t) {
-            const std::size_t owner = t / terms;
-            return static_cast<const T*>(s.send[owner]) + (t % terms) * s.stride[owner] + begin;
-          };
-          std::array<T*, max_ranks> out{};
-          for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) out[j] = static_cast<T*>(s.recv[j]) + begin;
+          const std::size_t terms = c.terms, peers = static_cast<std::size_t>(k - 1);
+          const std::size_t piece = std::max<std::size_t>(16, (std::size_t{256} << 10) / (sizeof(T) * terms * std::max<std::size_t>(peers, 1)));
+          thread_local std::vector<std::byte> staging;
+          staging.resize(std::min(piece, end - begin) * terms * peers * sizeof(T));
+          T* copies = reinterpret_cast<T*>(staging.data());
           std::int64_t outside = 0;
-          run_host_loop(end - begin, kernels::exact_sums_host_op<T, decltype(term)>{
-                                         term, terms * static_cast<std::size_t>(k), out.data(), k, &outside});
+          for (std::size_t p0 = begin; p0 < end; p0 += piece) {
+            const std::size_t len = std::min(piece, end - p0);
+            for (std::size_t owner = 0, at = 0; owner < static_cast<std::size_t>(k); ++owner) {
+              if (owner == r) continue;
+              for (std::size_t t = 0; t < terms; ++t, ++at) {
+                std::memcpy(copies + at * len, static_cast<const T*>(s.send[owner]) + t * s.stride[owner] + p0, len * sizeof(T));
+              }
+            }
+            auto term = [&](std::size_t t) -> const T* {
+              const std::size_t owner = t / terms, i = t % terms;
+              if (owner == r) return static_cast<const T*>(s.send[owner]) + i * s.stride[owner] + p0;
+              return copies + ((owner < r ? owner : owner - 1) * terms + i) * len;
+            };
+            std::array<T*, max_ranks> out{};
+            for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) out[j] = static_cast<T*>(s.recv[j]) + p0;
+            run_host_loop(len, kernels::exact_sums_host_op<T, decltype(term)>{term, terms * static_cast<std::size_t>(k),
+                                                                               out.data(), k, &outside});
+          }
           return outside;
         });
         if (o != 0) s.outside.fetch_add(o, std::memory_order_acq_rel);
