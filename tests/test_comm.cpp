@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <bit>
 #include <chrono>
 #include <cmath>
 #include <cstdint>
@@ -435,6 +436,31 @@ TEST_P(clique, all_reduce_exact_gives_every_rank_the_correctly_rounded_sum_for_a
       }
     }
   });
+  // Several tensors in one call (an empty one among them): an infinite term makes its own tensor NaN, the others
+  // keep their sums.
+  const std::size_t n = 1003, stride = n;
+  const std::vector<std::size_t> ends = {300, 300, 700, n};
+  const auto expected = exact_reference<float>(total, n);
+  on_each_rank(k_, [&](int r) {
+    std::vector<float> terms(per * stride);
+    for (std::size_t t = 0; t < per; ++t) {
+      for (std::size_t i = 0; i < n; ++i) terms[t * stride + i] = exact_term<float>(static_cast<std::size_t>(r) * per + t, i);
+    }
+    if (r == 0) terms[500] = std::numeric_limits<float>::infinity();  // in tensor 2, [300, 700)
+    auto send = to_device(terms, s(r));
+    auto recv = to_device(std::vector<float>(n, 0.0f), s(r));
+    comm(r).all_reduce_exact(send.data(), per, stride, recv.data(), n, dtype::f32, ends, s(r));
+    comm(r).synchronize(s(r));
+    const auto got = to_vector(device_span<const float>(recv.span()), s(r));
+    for (std::size_t i = 0; i < n; ++i) {
+      if (i >= 300 && i < 700) {
+        ASSERT_TRUE(std::isnan(got[i])) << "rank " << r << ", element " << i << " of the poisoned tensor";
+      } else {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(expected[i]))
+            << "rank " << r << ", element " << i << " of a tensor without such a term";
+      }
+    }
+  });
 }
 
 TEST_P(clique, all_gather_is_rank_major_for_every_dtype) {
@@ -677,6 +703,15 @@ TEST(host_clique, all_reduce_exact_checks_its_arguments_and_that_every_rank_give
                     p.c(0).all_reduce_exact(words.data(), 1, 10, words.data(), 10, dtype::i64, p.s(0));
                   }),
                   "dtype i64 is not a float type; valid dtypes: f32, f16, bf16");
+  const std::vector<std::size_t> descending = {6, 4, 10}, short_of_count = {4, 9};
+  EXPECT_CONTAINS(message_of<precondition_error>([&] {
+                    p.c(0).all_reduce_exact(a.data(), 1, 10, out0.data(), 10, dtype::f32, descending, p.s(0));
+                  }),
+                  "the tensors' ends must ascend to count 10, but end 1 is 4 after 6");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] {
+                    p.c(0).all_reduce_exact(a.data(), 1, 10, out0.data(), 10, dtype::f32, short_of_count, p.s(0));
+                  }),
+                  "the tensors' ends must ascend to count 10, but end 1 is 9 after 4");
   // terms 2 on rank 0, 3 on rank 1: both ranks fail, naming the difference
   p.c(0).all_reduce_exact(a.data(), 2, 10, out0.data(), 10, dtype::f32, p.s(0));
   p.c(1).all_reduce_exact(b.data(), 3, 10, out1.data(), 10, dtype::f32, p.s(1));

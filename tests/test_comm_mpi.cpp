@@ -216,6 +216,18 @@ TEST_F(mpi_comm, all_reduce_exact_gives_every_rank_the_correctly_rounded_sum_for
   c_.all_reduce_exact(send.data(), per, 10, recv.data(), 10, dtype::f32, s_);
   c_.synchronize(s_);
   for (float v : to_vector(device_span<const float>(recv.span()), s_)) EXPECT_TRUE(std::isnan(v));
+  // the same as three tensors [0, 4), [4, 4), [4, 10): only the first, which holds the infinity, is NaN
+  const std::vector<std::size_t> ends = {4, 4, 10};
+  c_.all_reduce_exact(send.data(), per, 10, recv.data(), 10, dtype::f32, ends, s_);
+  c_.synchronize(s_);
+  const auto got = to_vector(device_span<const float>(recv.span()), s_);
+  for (std::size_t i = 0; i < 10; ++i) {
+    if (i < 4) {
+      EXPECT_TRUE(std::isnan(got[i])) << "element " << i;
+    } else {
+      EXPECT_EQ(got[i], static_cast<float>(total)) << "element " << i;
+    }
+  }
 }
 
 TEST_F(mpi_comm, all_gather_is_rank_major_for_every_dtype) {

@@ -20,6 +20,7 @@
 // (which also never hangs on a GPU stream) is the portable way to wait.
 #pragma once
 
+#include <algorithm>
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
@@ -27,6 +28,7 @@
 #include <limits>
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <type_traits>
@@ -139,9 +141,12 @@ struct collective_call {
   dtype type = dtype::f32;
   reduce_op op = reduce_op::sum;
   int root = 0;
-  // all_reduce_exact: the terms per rank (the same on every rank), and this rank's distance between its terms
+  // all_reduce_exact: the terms per rank (the same on every rank), this rank's distance between its terms, and
+  // the ends of the tensors packed in [0, count) (none: one tensor)
   std::size_t terms = 0;
   std::size_t stride = 0;
+  const std::size_t* ends = nullptr;
+  std::size_t tensors = 0;
 
   [[nodiscard]] bool is_reduction() const noexcept {
     return kind == collective_kind::all_reduce || kind == collective_kind::reduce ||
@@ -157,7 +162,7 @@ struct collective_call {
     std::string s = concat(name_of(kind), "(count ", count, ", ", name_of(type));
     if (is_reduction()) s += concat(", ", name_of(op));
     if (has_root()) s += concat(", root ", root);
-    if (kind == collective_kind::all_reduce_exact) s += concat(", terms ", terms);
+    if (kind == collective_kind::all_reduce_exact) s += concat(", terms ", terms, tensors > 1 ? concat(", tensors ", tensors) : "");
     return s + ')';
   }
 
@@ -171,6 +176,9 @@ struct collective_call {
     if (has_root() && root != other.root) return concat("root ", root, " vs ", other.root);
     if (kind == collective_kind::all_reduce_exact && terms != other.terms) {
       return concat("terms ", terms, " vs ", other.terms);
+    }
+    if (kind == collective_kind::all_reduce_exact && std::max<std::size_t>(tensors, 1) != std::max<std::size_t>(other.tensors, 1)) {
+      return concat("tensors ", std::max<std::size_t>(tensors, 1), " vs ", std::max<std::size_t>(other.tensors, 1));
     }
     return {};
   }
@@ -265,6 +273,13 @@ inline void check_collective(const communicator_impl& comm, const collective_cal
                      " terms)");
     LOCKSTEP_EXPECTS(c.terms == 1 || c.stride >= c.count, what, " on ", rank_name(rank, dev), ": stride ", c.stride,
                      " is smaller than count ", c.count, ": the terms would overlap");
+    for (std::size_t i = 0; i < c.tensors; ++i) {
+      LOCKSTEP_EXPECTS(c.ends[i] >= (i == 0 ? 0 : c.ends[i - 1]) && (i + 1 < c.tensors || c.ends[i] == c.count), what,
+                       " on ", rank_name(rank, dev), ": the tensors' ends must ascend to count ", c.count, ", but end ", i,
+                       " is ", c.ends[i], i == 0 ? std::string() : concat(" after ", c.ends[i - 1]));
+    }
+    LOCKSTEP_EXPECTS(c.tensors <= static_cast<std::size_t>(std::numeric_limits<std::int32_t>::max()), what, " on ",
+                     rank_name(rank, dev), ": ", c.tensors, " tensors is too many");
     LOCKSTEP_EXPECTS(c.terms == 1 || c.stride <= std::numeric_limits<std::size_t>::max() / size_of(c.type) / c.terms,
                      what, " on ", rank_name(rank, dev), ": stride ", c.stride, " is too large");
   }
@@ -367,9 +382,18 @@ class communicator_operations {
   /// NCCL communicators do not run it (supports()).
   void all_reduce_exact(const void* send, std::size_t terms, std::size_t stride, void* recv, std::size_t count, dtype type,
                         stream_ref s) const {
+    all_reduce_exact(send, terms, stride, recv, count, type, {}, s);
+  }
+  /// all_reduce_exact of several tensors packed in [0, count), tensor j ending at ends[j] (ascending, the last
+  /// equal to count; the same on every rank): a term outside the window makes its own tensor NaN, not the others.
+  /// `ends` must stay valid until the collective has run, like the buffers.
+  void all_reduce_exact(const void* send, std::size_t terms, std::size_t stride, void* recv, std::size_t count, dtype type,
+                        std::span<const std::size_t> ends, stream_ref s) const {
     collective_call c{collective_kind::all_reduce_exact, send, recv, count, type, reduce_op::sum, 0};
     c.terms = terms;
     c.stride = stride;
+    c.ends = ends.data();
+    c.tensors = ends.size();
     run(c, s);
   }
 

@@ -433,6 +433,51 @@ bool spin_until(Done done) {
   }
 }
 
+/// Calls f(tensor, b, e) for the runs of elements [begin, end) of an all_reduce_exact that lie in one of its
+/// tensors (tensor 0 for the whole range when the call packs one). Shared with MPI.
+template <class F>
+void for_each_tensor_run(const collective_call& c, std::size_t begin, std::size_t end, F&& f) {
+  if (c.tensors == 0) {
+    if (begin < end) f(std::size_t{0}, begin, end);
+    return;
+  }
+  auto j = static_cast<std::size_t>(std::upper_bound(c.ends, c.ends + c.tensors, begin) - c.ends);
+  for (std::size_t b = begin; b < end && j < c.tensors; ++j) {
+    const std::size_t e = std::min(end, c.ends[j]);
+    if (e > b) f(j, b, e);
+    b = std::max(b, e);
+  }
+}
+
+/// recv[i] = NaN for i in [from, to) (all_reduce_exact's answer to a term outside the window). Shared with MPI.
+inline void poison_exact(dtype type, void* recv, std::size_t from, std::size_t to) {
+  auto fill = [&]<class T>() {
+    std::fill(static_cast<T*>(recv) + from, static_cast<T*>(recv) + to, convert<T>(std::numeric_limits<float>::quiet_NaN()));
+  };
+  switch (type) {
+    case dtype::f32:
+      return fill.template operator()<float>();
+    case dtype::f16:
+      return fill.template operator()<half>();
+    case dtype::bf16:
+      return fill.template operator()<bfloat16>();
+    default:
+      break;
+  }
+}
+
+/// Poisons, in recv, the tensors of all_reduce_exact `c` whose count of terms outside the window is not 0
+/// (outside[j] for tensor j; outside[0] for the whole of a call that packs one tensor).
+inline void poison_exact_tensors(const collective_call& c, const std::vector<std::int64_t>& outside) {
+  if (c.tensors == 0) {
+    if (!outside.empty() && outside[0] != 0) poison_exact(c.type, c.recv, 0, c.count);
+    return;
+  }
+  for (std::size_t j = 0; j < c.tensors && j < outside.size(); ++j) {
+    if (outside[j] != 0) poison_exact(c.type, c.recv, j == 0 ? 0 : c.ends[j - 1], c.ends[j]);
+  }
+}
+
 /// The shared state of one clique: the rendezvous slots, keyed by sequence number.
 class clique_state {
  public:
@@ -494,10 +539,11 @@ class clique_state {
     if (c.kind != collective_kind::barrier) {
       work(rank, c, *s);
       wait_for_all_finished(rank, seq, *s, c);
-      // all_reduce_exact: a term outside the window, in any rank's share, makes every element NaN; each rank
-      // writes its own recv, now that no peer writes into it any more
+      // all_reduce_exact: a term outside the window, in any rank's share, makes its tensor NaN; each rank writes
+      // its own recv, now that no peer writes into it any more
       if (c.kind == collective_kind::all_reduce_exact && s->outside.load(std::memory_order_acquire) != 0) {
-        poison(c.type, c.recv, c.count);
+        std::lock_guard lock(s->outside_mutex);
+        poison_exact_tensors(c, s->outside_of);
       }
     }
     std::lock_guard lock(mutex_);
@@ -541,7 +587,10 @@ class clique_state {
     int left = 0;
     std::atomic<int> state{gathering};  // written under the mutex; read by spinning ranks without it
     std::atomic<int> finished{0};       // ranks that have done their share of the work
-    mutable std::atomic<std::int64_t> outside{0};  // all_reduce_exact: terms outside the exact window, every share
+    // all_reduce_exact: whether any share met terms outside the exact window, and how many in each tensor
+    mutable std::atomic<std::int64_t> outside{0};
+    mutable std::mutex outside_mutex;
+    mutable std::vector<std::int64_t> outside_of;
     failure why = failure::none;
     std::string detail;        // the mismatch, the abort reason
     std::vector<int> missing;  // ranks that had not arrived at a timeout
@@ -695,13 +744,13 @@ class clique_state {
         // memcpy streams another core's cache lines twice as fast as the sum's loop reading them in place.
         const auto [begin, end] = chunk_of(c.count, k, rank, es);
         if (begin == end) return;
-        const std::int64_t o = dispatch_exact(c.type, [&]<class T>() {
+        std::vector<std::int64_t> outside(std::max<std::size_t>(c.tensors, 1), 0);
+        (void)dispatch_exact(c.type, [&]<class T>() {
           const std::size_t terms = c.terms, peers = static_cast<std::size_t>(k - 1);
           const std::size_t piece = std::max<std::size_t>(16, (std::size_t{256} << 10) / (sizeof(T) * terms * std::max<std::size_t>(peers, 1)));
           thread_local std::vector<std::byte> staging;
           staging.resize(std::min(piece, end - begin) * terms * peers * sizeof(T));
           T* copies = reinterpret_cast<T*>(staging.data());
-          std::int64_t outside = 0;
           for (std::size_t p0 = begin; p0 < end; p0 += piece) {
             const std::size_t len = std::min(piece, end - p0);
             for (std::size_t owner = 0, at = 0; owner < static_cast<std::size_t>(k); ++owner) {
@@ -710,19 +759,26 @@ class clique_state {
                 std::memcpy(copies + at * len, static_cast<const T*>(s.send[owner]) + t * s.stride[owner] + p0, len * sizeof(T));
               }
             }
-            auto term = [&](std::size_t t) -> const T* {
-              const std::size_t owner = t / terms, i = t % terms;
-              if (owner == r) return static_cast<const T*>(s.send[owner]) + i * s.stride[owner] + p0;
-              return copies + ((owner < r ? owner : owner - 1) * terms + i) * len;
-            };
-            std::array<T*, max_ranks> out{};
-            for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) out[j] = static_cast<T*>(s.recv[j]) + p0;
-            run_host_loop(len, kernels::exact_sums_host_op<T, decltype(term)>{term, terms * static_cast<std::size_t>(k),
-                                                                               out.data(), k, &outside});
+            for_each_tensor_run(c, p0, p0 + len, [&](std::size_t tensor, std::size_t b, std::size_t e) {
+              auto term = [&](std::size_t t) -> const T* {
+                const std::size_t owner = t / terms, i = t % terms;
+                if (owner == r) return static_cast<const T*>(s.send[owner]) + i * s.stride[owner] + b;
+                return copies + ((owner < r ? owner : owner - 1) * terms + i) * len + (b - p0);
+              };
+              std::array<T*, max_ranks> out{};
+              for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) out[j] = static_cast<T*>(s.recv[j]) + b;
+              run_host_loop(e - b, kernels::exact_sums_host_op<T, decltype(term)>{
+                                       term, terms * static_cast<std::size_t>(k), out.data(), k, &outside[tensor]});
+            });
           }
-          return outside;
+          return std::int64_t{0};
         });
-        if (o != 0) s.outside.fetch_add(o, std::memory_order_acq_rel);
+        if (std::any_of(outside.begin(), outside.end(), [](std::int64_t o) { return o != 0; })) {
+          std::lock_guard lock(s.outside_mutex);
+          s.outside_of.resize(outside.size(), 0);
+          for (std::size_t j = 0; j < outside.size(); ++j) s.outside_of[j] += outside[j];
+          s.outside.fetch_add(1, std::memory_order_acq_rel);
+        }
         return;
       }
       case collective_kind::barrier:
@@ -744,14 +800,6 @@ class clique_state {
         break;
     }
     throw precondition_error(concat("host clique: all_reduce_exact of dtype ", name_of(type)));
-  }
-
-  // recv[i] = NaN for i < count (all_reduce_exact's answer to a term outside the window).
-  static void poison(dtype type, void* recv, std::size_t count) {
-    (void)dispatch_exact(type, [&]<class T>() {
-      std::fill_n(static_cast<T*>(recv), count, convert<T>(std::numeric_limits<float>::quiet_NaN()));
-      return std::int64_t{0};
-    });
   }
 
   const std::vector<device> devices_;

@@ -230,7 +230,10 @@ struct call_record {
     r.type = static_cast<std::uint8_t>(c.type);
     if (c.is_reduction()) r.op = static_cast<std::uint8_t>(c.op);
     if (c.has_root()) r.root = c.root;
-    if (c.kind == collective_kind::all_reduce_exact) r.reserved = c.terms;
+    if (c.kind == collective_kind::all_reduce_exact) {
+      r.reserved = c.terms;
+      r.root = static_cast<std::int32_t>(std::max<std::size_t>(c.tensors, 1));
+    }
     return r;
   }
   [[nodiscard]] collective_call call() const noexcept {
@@ -240,7 +243,10 @@ struct call_record {
     c.type = static_cast<dtype>(type);
     c.op = static_cast<reduce_op>(op);
     c.root = root;
-    if (c.kind == collective_kind::all_reduce_exact) c.terms = static_cast<std::size_t>(reserved);
+    if (c.kind == collective_kind::all_reduce_exact) {
+      c.terms = static_cast<std::size_t>(reserved);
+      c.tensors = static_cast<std::size_t>(root);  // (the count only: the signature and difference name it)
+    }
     return c;
   }
   [[nodiscard]] bool valid() const noexcept {
@@ -753,29 +759,34 @@ class state {
     if (!is_f32) narrow_from(c.recv, result, c.type, c.count);
   }
 
-  /// all_reduce_exact: recv = the exact sum of the gathered terms, rounded once (NaN everywhere when a term is
-  /// outside the window).
+  /// all_reduce_exact: recv = the exact sum of the gathered terms, rounded once (NaN in each tensor that received
+  /// a term outside the window).
   static void finish_exact(const collective_call& c, buffers& b) {
+    if (c.count == 0) return;
+    std::vector<std::int64_t> outside(std::max<std::size_t>(c.tensors, 1), 0);
     auto sum = [&]<class T>() {
       const auto* terms = reinterpret_cast<const T*>(b.bytes.data());
-      T* const out[1] = {static_cast<T*>(c.recv)};
-      const std::size_t all = b.bytes.size() / sizeof(T) / (c.count == 0 ? 1 : c.count);
-      auto term = [&](std::size_t t) { return terms + t * c.count; };
-      std::int64_t outside = 0;
-      run_host_loop(c.count, kernels::exact_sums_host_op<T, decltype(term)>{term, all, out, 1, &outside});
-      if (outside != 0) std::fill_n(out[0], c.count, convert<T>(std::numeric_limits<float>::quiet_NaN()));
+      const std::size_t all = b.bytes.size() / sizeof(T) / c.count;
+      host_comm::for_each_tensor_run(c, 0, c.count, [&](std::size_t tensor, std::size_t from, std::size_t to) {
+        T* const out[1] = {static_cast<T*>(c.recv) + from};
+        auto term = [&](std::size_t t) { return terms + t * c.count + from; };
+        run_host_loop(to - from, kernels::exact_sums_host_op<T, decltype(term)>{term, all, out, 1, &outside[tensor]});
+      });
     };
-    if (c.count == 0) return;
     switch (c.type) {
       case dtype::f32:
-        return sum.template operator()<float>();
-      case dtype::f16:
-        return sum.template operator()<half>();
-      case dtype::bf16:
-        return sum.template operator()<bfloat16>();
-      default:
+        sum.template operator()<float>();
         break;
+      case dtype::f16:
+        sum.template operator()<half>();
+        break;
+      case dtype::bf16:
+        sum.template operator()<bfloat16>();
+        break;
+      default:
+        return;
     }
+    host_comm::poison_exact_tensors(c, outside);
   }
 
   MPI_Comm data_;

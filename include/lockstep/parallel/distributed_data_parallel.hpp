@@ -349,6 +349,10 @@ class distributed_data_parallel {
     }
     for (const auto& b : buckets_) {
       n += b.flat->size_bytes();
+      if (b.grads) {  // deterministic mode with all_reduce_exact: the gradients in a buffer of the bucket
+        n += b.grads->size_bytes();
+        continue;
+      }
       for (std::size_t i = 0; i < b.params.size(); ++i) {
         // deterministic mode: the buckets hold the accumulators, the gradients their own memory
         if (deterministic_ || !in_place(b, i)) n += static_cast<std::uint64_t>(params_[b.params[i]].param->grad().bytes().size());
@@ -384,6 +388,10 @@ class distributed_data_parallel {
     std::optional<event> gathered;      // `values` was all-gathered
     // deterministic mode: each parameter's count of partial gradients outside the exact window (gathered partials)
     std::shared_ptr<tensor> outside;
+    // deterministic mode with all_reduce_exact: the gradients, in the values' layout, and the ends of the tensors
+    // the collective sums (each parameter's values, then its padding: garbage there poisons nobody)
+    std::shared_ptr<tensor> grads;
+    std::vector<std::size_t> ends;
   };
 
   // A failed all-reduce of an earlier step ends training here, on the calling thread, before another step is
@@ -479,12 +487,21 @@ class distributed_data_parallel {
       if (deterministic_) {
         bk.outside = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.params.size())}, dtype::i64, s);
       }
+      if (deterministic_ && !sharding_ && exact_collective_) {  // one all_reduce_exact per bucket: see launch
+        bk.grads = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.value_elements)}, bk.value_type, s);
+        fill_zero(bk.grads->bytes(), s);
+        for (std::size_t i = 0; i < bk.params.size(); ++i) {
+          bk.ends.push_back(bk.value_offsets[i] + static_cast<std::size_t>(params_[bk.params[i]].param->numel()));
+          bk.ends.push_back(i + 1 < bk.params.size() ? bk.value_offsets[i + 1] : bk.value_elements);
+        }
+      }
       for (std::size_t i = 0; i < bk.params.size(); ++i) {
         bucket_of_.emplace(bk.params[i], b);
         parameter& p = *params_[bk.params[i]].param;
         // ZeRO-2: buckets share buffers, so a gradient must start zero (its first write then waits for the
         // buffer's previous bucket): what one held before the wrapper is dropped
         if (stage2_) p.zero_grad();
+        if (bk.grads) p.share_grad_storage(value_slot(bk, i, *bk.grads), bk.grads, s);
         if (deterministic_) {
           p.share_exact_storage(slot(bk, i), bk.flat);
           // ZeRO-2: the whole gradient (only ever zeroed: the sums are rounded into the shard) after the words
@@ -612,12 +629,10 @@ class distributed_data_parallel {
     comm_timeline_.begin(phase::communication, comm_stream_);
     const reduce_op op = options_.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum;
     if (gathering() && exact_collective_) {
-      // each gradient the exact sum of every rank's slots, rounded once, by the communicator
-      for (std::size_t i = 0; i < b.params.size(); ++i) {
-        parameter& p = *params_[b.params[i]].param;
-        comm_.all_reduce_exact(p.exact_partials_target().first, static_cast<std::size_t>(gather_slots_), b.value_elements,
-                               p.grad().data(), static_cast<std::size_t>(p.numel()), b.value_type, comm_stream_);
-      }
+      // each gradient the exact sum of every rank's slots, rounded once, by the communicator: the bucket's
+      // gradients at once (this rank's slots at the start of `flat`, the gradients in `grads`)
+      comm_.all_reduce_exact(b.flat->data(), static_cast<std::size_t>(gather_slots_), b.value_elements, b.grads->data(),
+                             b.value_elements, b.value_type, b.ends, comm_stream_);
     } else if (gathering()) {
       // every rank's slots of partial gradients to every rank (in place: this rank's are at its offset)
       const std::size_t piece = static_cast<std::size_t>(gather_slots_) * b.value_elements;
