@@ -91,10 +91,11 @@ void pack_panels(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t 
   }
 }
 
-/// Floats of scratch host_row_products needs.
+/// Floats of scratch host_row_products needs (A packed whole, B one panel at a time).
 constexpr std::int64_t row_scratch_floats(std::int64_t rows, std::int64_t n, std::int64_t k) {
-  const std::int64_t mp = (rows + tile_m - 1) / tile_m * tile_m, np = (n + tile_n - 1) / tile_n * tile_n;
-  return k * (mp + np) + tile_m * tile_n;
+  (void)n;
+  const std::int64_t mp = (rows + tile_m - 1) / tile_m * tile_m;
+  return k * (mp + tile_n) + tile_m * tile_n;
 }
 
 /// dst[(t * depth + d) * width + w] = src[(t * width + w) * ld + d] as floats, zero for w past `count`: the
@@ -335,28 +336,27 @@ inline void host_chunk_products_into(const chunk_products_problem<float>& p, flo
 /// C = A B for row_products_problem p: C[r][j] the chain of fused multiply-adds over kk < k in order, from zero,
 /// of A[r][kk] * B(kk, j), rounded once to T. An element's bits depend on its own row of A and its column of B
 /// only: not on how many rows share the call (the batch invariance deterministic mode needs for outputs and
-/// input gradients), nor on the tile it falls in or the instruction set. B is packed once per call; `scratch`
-/// holds chunk_products::row_scratch_floats(rows, n, k) floats. Column panels of B (32 columns, all of the
-/// depth) in the outer loop, so that each stays in cache while every row panel of A (8 rows) passes by.
+/// input gradients), nor on the tile it falls in or the instruction set. A is packed once per call, B one
+/// column panel (32 columns, all of the depth) at a time, in the outer loop, so that the panel stays in cache
+/// while every row panel of A (8 rows) passes by; `scratch` holds chunk_products::row_scratch_floats(rows, n, k)
+/// floats.
 template <class T>
 void host_row_products(const row_products_problem<T>& p, float* scratch,
                        chunk_products::tile_kernel kernel = chunk_products::pick_tile_kernel()) {
   namespace cp = chunk_products;
   if (p.rows == 0 || p.n == 0) return;
   const std::int64_t mp = (p.rows + cp::tile_m - 1) / cp::tile_m * cp::tile_m;
-  const std::int64_t np = (p.n + cp::tile_n - 1) / cp::tile_n * cp::tile_n;
-  float* ap = scratch;          // [rows / tile_m][k][tile_m]: A's rows as panel columns
-  float* bp = ap + p.k * mp;    // [n / tile_n][k][tile_n]
-  float* stage = bp + p.k * np;  // one tile, for the edges and for f16/bf16
+  float* ap = scratch;                 // [rows / tile_m][k][tile_m]: A's rows as panel columns
+  float* b_panel = ap + p.k * mp;      // [k][tile_n]: B's columns [j0, j0 + tile_n)
+  float* stage = b_panel + p.k * cp::tile_n;  // one tile, for the edges and for f16/bf16
   cp::pack_panels_transposed(p.a, p.lda, p.rows, p.k, cp::tile_m, ap);
-  if (p.b_transposed) {
-    cp::pack_panels_transposed(p.b, p.ldb, p.n, p.k, cp::tile_n, bp);
-  } else {
-    cp::pack_panels(p.b, p.ldb, p.k, p.n, cp::tile_n, bp);
-  }
   for (std::int64_t j0 = 0; j0 < p.n; j0 += cp::tile_n) {
-    const float* b_panel = bp + j0 * p.k;
     const std::int64_t nb = std::min(cp::tile_n, p.n - j0);
+    if (p.b_transposed) {
+      cp::pack_panels_transposed(p.b + j0 * p.ldb, p.ldb, nb, p.k, cp::tile_n, b_panel);
+    } else {
+      cp::pack_panels(p.b + j0, p.ldb, p.k, nb, cp::tile_n, b_panel);
+    }
     for (std::int64_t i0 = 0; i0 < p.rows; i0 += cp::tile_m) {
       const float* a_panel = ap + i0 * p.k;
       const std::int64_t mb = std::min(cp::tile_m, p.rows - i0);
