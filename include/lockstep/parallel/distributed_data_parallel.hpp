@@ -423,7 +423,11 @@ class distributed_data_parallel {
       parameter& p = *params_[k].param;
       const dtype wire = wire_type(p.compute_type());
       const auto elements = static_cast<std::size_t>(deterministic_ ? p.exact_words() : p.numel());
-      const std::size_t n = elements * size_of(wire);
+      // a bucket's size counts its gradients' values, as the partials travel in them (deterministic mode without
+      // ZeRO: its 16-byte accumulators would make the first bucket a quarter as large, and then nothing overlaps
+      // the backward of the model's first layers); ZeRO-2 sizes its reused buffers by the words
+      const std::size_t n = deterministic_ && !sharding_ ? static_cast<std::size_t>(p.numel()) * size_of(p.compute_type())
+                                                         : elements * size_of(wire);
       if (!current.params.empty() && (bytes + n > limit || wire != current.wire ||
                                        ((sharding_ || deterministic_) && p.compute_type() != current.value_type))) {
         buckets_.push_back(std::move(current));
