@@ -539,6 +539,25 @@ TEST(blas_cuda, cublas_errors_are_sentences) {
 
 // ---- deterministic mode's chunk products (blas/chunk_products.hpp) ------------------------------------------
 
+// Every tile kernel this CPU runs (they must all give the same bits).
+std::vector<detail::chunk_products::tile_kernel> tile_kernels_here() {
+  std::vector<detail::chunk_products::tile_kernel> kernels{&detail::chunk_products::tile_scalar};
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) kernels.push_back(&detail::chunk_products::tile_avx2);
+  if (__builtin_cpu_supports("avx512f")) kernels.push_back(&detail::chunk_products::tile_avx512);
+#endif
+  return kernels;
+}
+
+// Floats in (-2, 2) with full significands, the same sequence for the same seed.
+struct full_floats {
+  std::uint32_t state;
+  float operator()() {
+    state = state * 1664525u + 1013904223u;
+    return static_cast<float>(static_cast<std::int32_t>(state)) * 0x1p-30f;
+  }
+};
+
 // P_c[i][j] is the fma chain over chunk c's rows in order, from zero: with every tile kernel this CPU runs, for
 // sizes that leave partial tiles, blocks and chunks (m not a multiple of 8, n not of 32 or 256, a short last
 // chunk), in f32 and with f16/bf16 operands (widened exactly). Random floats: the comparison is of bits, as the
@@ -548,16 +567,8 @@ void expect_chunk_products_are_fma_chains() {
   struct size_case {
     std::int64_t rows, m, n, chunk_rows;
   };
-  std::vector<detail::chunk_products::tile_kernel> kernels{&detail::chunk_products::tile_scalar};
-#if LOCKSTEP_CHUNK_PRODUCTS_X86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) kernels.push_back(&detail::chunk_products::tile_avx2);
-  if (__builtin_cpu_supports("avx512f")) kernels.push_back(&detail::chunk_products::tile_avx512);
-#endif
-  std::uint32_t state = 12345;
-  auto next = [&] {  // a float in (-2, 2) with a full significand
-    state = state * 1664525u + 1013904223u;
-    return static_cast<float>(static_cast<std::int32_t>(state)) * 0x1p-30f;
-  };
+  const auto kernels = tile_kernels_here();
+  full_floats next{12345};
   for (const size_case sc : {size_case{70, 13, 45, 32}, size_case{64, 8, 256, 32}, size_case{5, 17, 300, 4},
                              size_case{33, 9, 257, 16}, size_case{1, 1, 1, 8}}) {
     const std::int64_t ldg = sc.m + 3, ldx = sc.n + 1;  // padded rows: the leading dimensions are honoured
@@ -632,16 +643,8 @@ void expect_chunk_products_are_fma_chains() {
 // gives the bits those rows get in a larger call.
 template <class T>
 void expect_row_products_are_fma_chains() {
-  std::vector<detail::chunk_products::tile_kernel> kernels{&detail::chunk_products::tile_scalar};
-#if LOCKSTEP_CHUNK_PRODUCTS_X86
-  if (__builtin_cpu_supports("avx2") && __builtin_cpu_supports("fma")) kernels.push_back(&detail::chunk_products::tile_avx2);
-  if (__builtin_cpu_supports("avx512f")) kernels.push_back(&detail::chunk_products::tile_avx512);
-#endif
-  std::uint32_t state = 777;
-  auto next = [&] {  // a float in (-2, 2) with a full significand
-    state = state * 1664525u + 1013904223u;
-    return static_cast<float>(static_cast<std::int32_t>(state)) * 0x1p-30f;
-  };
+  const auto kernels = tile_kernels_here();
+  full_floats next{777};
   struct size_case {
     std::int64_t rows, n, k;
   };

@@ -13,6 +13,8 @@
 //      reduce-scatter + all-gather: rank r reduces chunk r (1/k of the elements) of all k inputs, in f32, and
 //      writes the result into chunk r of all k outputs, so every rank reads and writes about 2N bytes in total
 //      (like a memcpy of N). reduce and reduce_scatter split the same way; broadcast and all_gather copy.
+//      all_reduce_exact splits the same way too: rank r sums chunk r of every rank's terms exactly (copying its
+//      peers' terms a piece at a time first) and writes the rounded values into chunk r of every output.
 //      The loops work on blocks that stay in L1 (f16/bf16 are widened a block at a time and rounded once) and
 //      vectorize; when the buffers cannot stay in the last-level cache the outputs are written with
 //      non-temporal stores (see stream_outputs).
@@ -52,6 +54,7 @@
 #include "lockstep/kernels/host_loop.hpp"  // host_has_avx2
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "lockstep/runtime/tensor.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
 #include <immintrin.h>
@@ -451,19 +454,9 @@ void for_each_tensor_run(const collective_call& c, std::size_t begin, std::size_
 
 /// recv[i] = NaN for i in [from, to) (all_reduce_exact's answer to a term outside the window). Shared with MPI.
 inline void poison_exact(dtype type, void* recv, std::size_t from, std::size_t to) {
-  auto fill = [&]<class T>() {
+  dispatch_floating(type, "all_reduce_exact", [&]<class T>() {
     std::fill(static_cast<T*>(recv) + from, static_cast<T*>(recv) + to, convert<T>(std::numeric_limits<float>::quiet_NaN()));
-  };
-  switch (type) {
-    case dtype::f32:
-      return fill.template operator()<float>();
-    case dtype::f16:
-      return fill.template operator()<half>();
-    case dtype::bf16:
-      return fill.template operator()<bfloat16>();
-    default:
-      break;
-  }
+  });
 }
 
 /// Poisons, in recv, the tensors of all_reduce_exact `c` whose count of terms outside the window is not 0
@@ -745,7 +738,7 @@ class clique_state {
         const auto [begin, end] = chunk_of(c.count, k, rank, es);
         if (begin == end) return;
         std::vector<std::int64_t> outside(std::max<std::size_t>(c.tensors, 1), 0);
-        (void)dispatch_exact(c.type, [&]<class T>() {
+        dispatch_floating(c.type, "all_reduce_exact", [&]<class T>() {
           const std::size_t terms = c.terms, peers = static_cast<std::size_t>(k - 1);
           const std::size_t piece = std::max<std::size_t>(16, (std::size_t{256} << 10) / (sizeof(T) * terms * std::max<std::size_t>(peers, 1)));
           thread_local std::vector<std::byte> staging;
@@ -765,13 +758,14 @@ class clique_state {
                 if (owner == r) return static_cast<const T*>(s.send[owner]) + i * s.stride[owner] + b;
                 return copies + ((owner < r ? owner : owner - 1) * terms + i) * len + (b - p0);
               };
-              std::array<T*, max_ranks> out{};
-              for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) out[j] = static_cast<T*>(s.recv[j]) + b;
+              std::array<T*, max_ranks> out{};  // this rank's own first: the sums are written there, then copied
+              for (std::size_t j = 0; j < static_cast<std::size_t>(k); ++j) {
+                out[j] = static_cast<T*>(s.recv[j == 0 ? r : (j <= r ? j - 1 : j)]) + b;
+              }
               run_host_loop(e - b, kernels::exact_sums_host_op<T, decltype(term)>{
                                        term, terms * static_cast<std::size_t>(k), out.data(), k, &outside[tensor]});
             });
           }
-          return std::int64_t{0};
         });
         if (std::any_of(outside.begin(), outside.end(), [](std::int64_t o) { return o != 0; })) {
           std::lock_guard lock(s.outside_mutex);
@@ -784,22 +778,6 @@ class clique_state {
       case collective_kind::barrier:
         return;
     }
-  }
-
-  // f(<T>) for all_reduce_exact's float types.
-  template <class F>
-  static std::int64_t dispatch_exact(dtype type, F&& f) {
-    switch (type) {
-      case dtype::f32:
-        return f.template operator()<float>();
-      case dtype::f16:
-        return f.template operator()<half>();
-      case dtype::bf16:
-        return f.template operator()<bfloat16>();
-      default:
-        break;
-    }
-    throw precondition_error(concat("host clique: all_reduce_exact of dtype ", name_of(type)));
   }
 
   const std::vector<device> devices_;

@@ -773,19 +773,7 @@ class state {
         run_host_loop(to - from, kernels::exact_sums_host_op<T, decltype(term)>{term, all, out, 1, &outside[tensor]});
       });
     };
-    switch (c.type) {
-      case dtype::f32:
-        sum.template operator()<float>();
-        break;
-      case dtype::f16:
-        sum.template operator()<half>();
-        break;
-      case dtype::bf16:
-        sum.template operator()<bfloat16>();
-        break;
-      default:
-        return;
-    }
+    dispatch_floating(c.type, "all_reduce_exact", sum);
     host_comm::poison_exact_tensors(c, outside);
   }
 
