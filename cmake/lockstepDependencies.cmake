@@ -36,6 +36,32 @@ if(NOT TARGET lockstep::openblas)
     INTERFACE_LINK_LIBRARIES "${OpenBLAS_LIBRARIES}")
 endif()
 
+# oneDNN (Debian's libdnnl-dev): optional. Where it is found, host GEMMs run on it as the table in
+# blas/host_kernels.hpp says (it generates kernels for the CPU's instruction sets: AVX2, AVX-512, AVX512-BF16, AMX),
+# and lockstep::lockstep carries LOCKSTEP_HAS_ONEDNN=1. LOCKSTEP_ONEDNN=OFF builds without it (OpenBLAS alone).
+if(NOT DEFINED LOCKSTEP_ONEDNN)
+  set(LOCKSTEP_ONEDNN AUTO)
+endif()
+if(NOT TARGET lockstep::onednn AND NOT LOCKSTEP_ONEDNN STREQUAL "OFF")
+  # By its header and library, not its dnnl-config.cmake: Debian's asks for OpenCL's development files (its GPU
+  # engine), which host GEMMs do not need.
+  find_path(lockstep_onednn_include_dir oneapi/dnnl/dnnl.h)
+  find_library(lockstep_onednn_library dnnl)
+  if(lockstep_onednn_include_dir AND lockstep_onednn_library)
+    add_library(lockstep::onednn INTERFACE IMPORTED)
+    set_target_properties(lockstep::onednn PROPERTIES
+      INTERFACE_INCLUDE_DIRECTORIES "${lockstep_onednn_include_dir}"
+      INTERFACE_LINK_LIBRARIES "${lockstep_onednn_library}"
+      INTERFACE_COMPILE_DEFINITIONS LOCKSTEP_HAS_ONEDNN=1)
+  elseif(LOCKSTEP_ONEDNN STREQUAL "ON")
+    message(FATAL_ERROR "LOCKSTEP_ONEDNN=ON but oneDNN was not found: install Debian's libdnnl-dev "
+                        "(scripts/setup.sh does) or point CMAKE_PREFIX_PATH at a oneDNN install")
+  else()
+    message(STATUS "lockstep: oneDNN not found: host GEMMs run on OpenBLAS alone (install libdnnl-dev for "
+                   "kernels chosen by the CPU's instruction sets and bf16 on AVX512-BF16 / AMX)")
+  endif()
+endif()
+
 # xxHash: io/checkpoint.hpp uses it as header-only code (XXH_INLINE_ALL), so only the header is needed.
 if(NOT TARGET lockstep::xxhash)
   find_path(lockstep_xxhash_include_dir xxhash.h)
@@ -119,6 +145,9 @@ function(lockstep_attach_dependencies core mpi wrap)
   set(libs Threads::Threads ZLIB::ZLIB nlohmann_json::nlohmann_json lockstep::openblas lockstep::xxhash ${CMAKE_DL_LIBS})
   if(LOCKSTEP_CUDA_FOUND)
     list(APPEND libs CUDA::cudart CUDA::cublas lockstep::nccl)
+  endif()
+  if(TARGET lockstep::onednn)
+    list(APPEND libs lockstep::onednn)
   endif()
   if(TARGET lockstep::mpi_c AND TARGET ${mpi})
     set(mpi_libs lockstep::mpi_c)

@@ -13,6 +13,12 @@
 #define LOCKSTEP_VERSION_MINOR 1
 #define LOCKSTEP_VERSION_PATCH 0
 
+// oneDNN (Debian's libdnnl-dev) for host GEMMs: set to 1 by lockstep's CMake package when it found oneDNN (the
+// program then links it); without it host GEMMs run on OpenBLAS alone (blas/host_kernels.hpp).
+#ifndef LOCKSTEP_HAS_ONEDNN
+#define LOCKSTEP_HAS_ONEDNN 0
+#endif
+
 #if defined(__CUDACC__)
 #define LOCKSTEP_HAS_CUDA 1
 #define LOCKSTEP_HD __host__ __device__

@@ -4,7 +4,9 @@
 //   - on a GPU it owns a cuBLAS handle created on that device and bound to the stream (cublasSetStream), with
 //     the pointer mode on the host (alpha and beta are host floats) and the default math mode, so an fp32
 //     GEMM stays fp32 (no TF32); reductions stay in fp32 for fp16/bf16 outputs too (see the constructor);
-//   - on a host device it owns nothing from cuBLAS; GEMMs run on the stream's worker through OpenBLAS.
+//   - on a host device it owns nothing from cuBLAS; GEMMs run on the stream's worker with the kernels of its
+//     host_gemm_plan (host_kernels.hpp: oneDNN or OpenBLAS, chosen from the CPU's instruction sets), and it
+//     keeps the oneDNN matmuls it created, by shape (onednn.hpp).
 // Either way it owns a scratch workspace on the device, grown on demand in stream order on the stream and
 // then kept, so that a steady-state training step allocates nothing. The host fp16/bf16 GEMM converts its
 // operands into it (at most 6 MiB); no GEMM on a GPU uses it (cuBLAS manages its own workspace).
@@ -16,6 +18,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
 #include <type_traits>
 #include <utility>
 
@@ -29,6 +32,8 @@
 #include <cblas.h>
 #pragma pop_macro("bfloat16")
 
+#include "lockstep/blas/host_kernels.hpp"
+#include "lockstep/blas/onednn.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/core/cuda_check.hpp"
 #include "lockstep/core/error.hpp"
@@ -126,10 +131,19 @@ class blas_handle {
   /// `s`; throws cublas_error when cuBLAS fails (CUBLAS_STATUS_NOT_INITIALIZED, ALLOC_FAILED). On a host
   /// device, makes OpenBLAS single-threaded the first time (see detail::use_single_threaded_openblas).
   /// Throws device_error when the stream's device does not exist.
-  explicit blas_handle(stream_ref s) : stream_(s) {
+  explicit blas_handle(stream_ref s) : blas_handle(s, s.get_device().is_host() ? host_gemm_plan::process()
+                                                                                  : host_gemm_plan{}) {}
+
+  /// A handle whose host GEMMs run the kernels of `plan` instead of the process's (tests force each kernel
+  /// the CPU has this way). `plan` must name oneDNN only in a build with oneDNN (precondition_error).
+  blas_handle(stream_ref s, const host_gemm_plan& plan) : stream_(s), plan_(plan) {
     const device d = s.get_device();
     if (d.is_host()) {
       check_device_exists(d);
+      LOCKSTEP_EXPECTS(LOCKSTEP_HAS_ONEDNN || (plan.f32 != host_gemm_kernel::onednn &&
+                                               plan.bf16 != host_gemm_kernel::onednn &&
+                                               plan.f16 != host_gemm_kernel::onednn),
+                       "blas_handle: the plan names oneDNN (", plan.str(), "), but this program was built without it");
       detail::use_single_threaded_openblas();
       return;
     }
@@ -163,6 +177,16 @@ class blas_handle {
   [[nodiscard]] stream_ref stream() const noexcept { return stream_; }
   /// The device of that stream.
   [[nodiscard]] device get_device() const noexcept { return stream_.get_device(); }
+  /// The kernels of this handle's GEMMs on a host device (unused on a GPU).
+  [[nodiscard]] const host_gemm_plan& host_plan() const noexcept { return plan_; }
+
+#if LOCKSTEP_HAS_ONEDNN
+  /// The oneDNN matmuls this handle created (host devices), by shape; created on first use.
+  [[nodiscard]] detail::onednn_matmuls& onednn_cache() {
+    if (!onednn_) onednn_ = std::make_unique<detail::onednn_matmuls>();
+    return *onednn_;
+  }
+#endif
 
 #if LOCKSTEP_HAS_CUDA
   /// The cuBLAS handle (bound to stream()); precondition: a GPU handle.
@@ -187,6 +211,10 @@ class blas_handle {
 
  private:
   stream_ref stream_;
+  host_gemm_plan plan_;
+#if LOCKSTEP_HAS_ONEDNN
+  std::unique_ptr<detail::onednn_matmuls> onednn_;
+#endif
   unique_handle<detail::cublas_handle_traits> cublas_;
   device_buffer<float> workspace_;  // freed before cublas_ is destroyed (reverse order of declaration)
 };

@@ -9,10 +9,13 @@
 //
 //   - GPU: cublasGemmEx with compute type CUBLAS_COMPUTE_32F (fp32 without TF32, fp16 and bf16 with fp32
 //     accumulation); row-major is the column-major product C^T = op(B)^T op(A)^T.
-//   - host device: queued on the handle's stream and run by its worker. fp32 is cblas_sgemm. fp16/bf16 are
-//     converted to fp32 block by block into the handle's scratch memory, multiplied with cblas_sgemm into an
-//     fp32 accumulator block that sums the whole k dimension, and rounded once (see detail::gemm_host_blocked).
-//     The scratch memory is bounded (at most 6 MiB), whatever the problem size (see detail::host_blocking).
+//   - host device: queued on the handle's stream and run by its worker, with the kernels of the handle's
+//     host_gemm_plan (host_kernels.hpp has the table). fp32 is one oneDNN matmul or OpenBLAS's cblas_sgemm;
+//     bf16 is one oneDNN matmul in bf16 where the CPU multiplies bf16 (AVX512-BF16, AMX). Otherwise fp16/bf16
+//     are converted to fp32 block by block into the handle's scratch memory, multiplied by the f32 kernel
+//     into an fp32 accumulator block that sums the whole k dimension, and rounded once (see
+//     detail::gemm_host_blocked). The scratch memory is bounded (at most 6 MiB, plus a oneDNN matmul's
+//     scratchpad), whatever the problem size (see detail::host_blocking).
 //
 // BLAS semantics for the corner cases: m == 0 or n == 0 does nothing; k == 0 or alpha == 0 sets
 // C = beta * C without reading A or B; beta == 0 sets C without reading it (NaNs in C do not propagate).
@@ -23,10 +26,13 @@
 #include <cstdint>
 #include <cstring>
 #include <limits>
+#include <memory>
 #include <string_view>
 #include <type_traits>
 
 #include "lockstep/blas/blas_handle.hpp"  // and OpenBLAS's cblas.h
+#include "lockstep/blas/host_kernels.hpp"
+#include "lockstep/blas/onednn.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/half.hpp"
@@ -124,13 +130,50 @@ void scale_host(std::int64_t m, std::int64_t n, float beta, T* c, std::int64_t l
 
 inline CBLAS_TRANSPOSE cblas_op(transpose t) noexcept { return t == transpose::yes ? CblasTrans : CblasNoTrans; }
 
+/// C = alpha op(A) op(B) + beta C in fp32 (row-major, dense dimensions that fit an int) with the f32 kernel
+/// `kernel` (OpenBLAS's cblas_sgemm, or oneDNN's dnnl_sgemm), on the calling thread.
+inline void sgemm_host(host_gemm_kernel kernel, transpose ta, transpose tb, std::int64_t m, std::int64_t n,
+                       std::int64_t k, const float* a, std::int64_t lda, const float* b, std::int64_t ldb, float beta,
+                       float* c, std::int64_t ldc, float alpha = 1.0f) {
+#if LOCKSTEP_HAS_ONEDNN
+  if (kernel == host_gemm_kernel::onednn) {
+    onednn_one_thread_here();
+    LOCKSTEP_ONEDNN_CHECK(dnnl_sgemm(ta == transpose::yes ? 'T' : 'N', tb == transpose::yes ? 'T' : 'N', m, n, k,
+                                     alpha, a, lda, b, ldb, beta, c, ldc),
+                          "multiplying f32 blocks (m = ", m, ", n = ", n, ", k = ", k, ")");
+    return;
+  }
+#endif
+  (void)kernel;
+  cblas_sgemm(CblasRowMajor, cblas_op(ta), cblas_op(tb), static_cast<blasint>(m), static_cast<blasint>(n),
+              static_cast<blasint>(k), alpha, a, static_cast<blasint>(lda), b, static_cast<blasint>(ldb), beta, c,
+              static_cast<blasint>(ldc));
+}
+
+#if LOCKSTEP_HAS_ONEDNN
+/// Queues the GEMM as one oneDNN matmul in T (see onednn.hpp), created or found in the handle's cache on this
+/// thread, its scratchpad taken from the handle's scratch memory. Returns false, queuing nothing, when oneDNN
+/// offers only its reference loop for this shape (the caller then takes another kernel).
+template <class T>
+bool gemm_host_onednn(blas_handle& h, const gemm_problem<T>& p) {
+  const auto key = onednn_matmul_key::make(dtype_of_v<T>, p.ta == transpose::yes, p.tb == transpose::yes, p.m, p.n,
+                                           p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta);
+  std::shared_ptr<const onednn_matmul> mm = h.onednn_cache().get(key);
+  if (mm->is_reference()) return false;
+  void* scratchpad = mm->scratchpad_bytes() == 0 ? nullptr : h.scratch((mm->scratchpad_bytes() + 3) / 4);
+  detail::enqueue_host(h.stream(), [p, mm, scratchpad] { mm->run(p.a, p.b, p.c, scratchpad); },
+                       std::is_same_v<T, float> ? "gemm (f32, oneDNN)" : "gemm (bf16, oneDNN)");
+  return true;
+}
+#endif
+
 /// The fp16/bf16 GEMM on the host, in blocks of C: for each block of columns and each block of rows, the
 /// products over the whole depth are accumulated in an fp32 block `acc` (one or more sgemm calls) before
 /// the block is rounded into C, once. Operand blocks are converted in their stored layout (rows of the
 /// stored matrix stay contiguous) and sgemm transposes them as the caller asked. `scratch` holds
-/// `bl.scratch_floats()` floats. Runs on the stream's worker.
+/// `bl.scratch_floats()` floats; `f32` is the kernel of the fp32 products. Runs on the stream's worker.
 template <class T>
-void gemm_host_blocked(const gemm_problem<T>& p, const host_blocking& bl, float* scratch) {
+void gemm_host_blocked(const gemm_problem<T>& p, const host_blocking& bl, float* scratch, host_gemm_kernel f32) {
   float* a_block = scratch;                        // op(A) block [rows, depth], stored as A is
   float* b_block = a_block + bl.rows * bl.depth;   // op(B) block [depth, cols], stored as B is
   float* acc = b_block + bl.depth * bl.cols;       // [rows, cols]
@@ -166,10 +209,8 @@ void gemm_host_blocked(const gemm_problem<T>& p, const host_blocking& bl, float*
         const std::int64_t kb = std::min(bl.depth, p.k - p0);
         if (!one_depth_block) ldb_block = convert_b(p0, kb, j0, nb);
         const std::int64_t lda_block = convert_a(i0, mb, p0, kb);
-        cblas_sgemm(CblasRowMajor, cblas_op(p.ta), cblas_op(p.tb), static_cast<blasint>(mb),
-                    static_cast<blasint>(nb), static_cast<blasint>(kb), 1.0f, a_block,
-                    static_cast<blasint>(lda_block), b_block, static_cast<blasint>(ldb_block),
-                    p0 == 0 ? 0.0f : 1.0f, acc, static_cast<blasint>(nb));
+        sgemm_host(f32, p.ta, p.tb, mb, nb, kb, a_block, lda_block, b_block, ldb_block, p0 == 0 ? 0.0f : 1.0f, acc,
+                   nb);
       }
       for (std::int64_t r = 0; r < mb; ++r) {
         store_run(acc + r * nb, p.c + (i0 + r) * p.ldc + j0, nb, p.alpha, p.beta);
@@ -187,6 +228,10 @@ void gemm_host(blas_handle& h, const gemm_problem<T>& p) {
     detail::enqueue_host(s, [p] { scale_host(p.m, p.n, p.beta, p.c, p.ldc); }, "gemm (C = beta * C)");
     return;
   }
+  const host_gemm_plan& plan = h.host_plan();
+#if LOCKSTEP_HAS_ONEDNN
+  if (plan.for_dtype(dtype_of_v<T>) == host_gemm_kernel::onednn && gemm_host_onednn(h, p)) return;
+#endif
   if constexpr (std::is_same_v<T, float>) {
     // OpenBLAS takes blasint (int in the LP64 build Debian ships) dimensions.
     constexpr auto blas_max = static_cast<std::int64_t>(std::numeric_limits<blasint>::max());
@@ -195,20 +240,20 @@ void gemm_host(blas_handle& h, const gemm_problem<T>& p) {
                      "gemm: m = ", p.m, ", n = ", p.n, ", k = ", p.k, ", lda = ", p.lda, ", ldb = ", p.ldb,
                      ", ldc = ", p.ldc, " exceed OpenBLAS's integer range (", blas_max,
                      "); split the product into smaller GEMMs");
+    // Here only when the plan says OpenBLAS, or oneDNN has no kernel but its reference loop for the shape.
     detail::enqueue_host(
         s,
         [p] {
-          cblas_sgemm(CblasRowMajor, cblas_op(p.ta), cblas_op(p.tb), static_cast<blasint>(p.m),
-                      static_cast<blasint>(p.n), static_cast<blasint>(p.k), p.alpha, p.a, static_cast<blasint>(p.lda),
-                      p.b, static_cast<blasint>(p.ldb), p.beta, p.c, static_cast<blasint>(p.ldc));
+          sgemm_host(host_gemm_kernel::openblas, p.ta, p.tb, p.m, p.n, p.k, p.a, p.lda, p.b, p.ldb, p.beta, p.c,
+                     p.ldc, p.alpha);
         },
         "gemm (f32, OpenBLAS)");
   } else {
     const host_blocking bl = host_blocking::for_problem(p.m, p.n, p.k);
     float* scratch = h.scratch(bl.scratch_floats());  // in stream order, before the work that uses it
-    detail::enqueue_host(s, [p, bl, scratch] { gemm_host_blocked(p, bl, scratch); },
-                         std::is_same_v<T, half> ? "gemm (f16 via f32 blocks, OpenBLAS)"
-                                                 : "gemm (bf16 via f32 blocks, OpenBLAS)");
+    const host_gemm_kernel f32 = plan.f32;
+    detail::enqueue_host(s, [p, bl, scratch, f32] { gemm_host_blocked(p, bl, scratch, f32); },
+                         std::is_same_v<T, half> ? "gemm (f16 via f32 blocks)" : "gemm (bf16 via f32 blocks)");
   }
 }
 
@@ -329,8 +374,9 @@ LOCKSTEP_ABI_BEGIN
 ///
 /// Asynchronous: returns once the work is queued on h.stream(). A failure of the queued host work is
 /// reported by the next synchronization of the stream; cuBLAS errors at launch throw cublas_error. On a host
-/// device, an fp16/bf16 GEMM may first grow the handle's scratch memory (out_of_memory_error when the
-/// device is full); an fp32 GEMM never allocates, and neither does any GEMM on a GPU.
+/// device, a GEMM may grow the handle's scratch memory (out_of_memory_error when the device is full): an
+/// fp16/bf16 GEMM through f32 blocks, and a oneDNN matmul the first time its shape is seen (its scratchpad);
+/// repeated shapes allocate nothing. A GEMM on a GPU never allocates.
 template <class T>
 void gemm(blas_handle& h, transpose ta, transpose tb, std::int64_t m, std::int64_t n, std::int64_t k, float alpha,
           const T* a, std::int64_t lda, const T* b, std::int64_t ldb, float beta, T* c, std::int64_t ldc) {
