@@ -2,12 +2,16 @@
 //
 // Lists the GPUs (name, compute capability, memory, multiprocessors, whether this binary carries code for
 // them, peer access) with the driver and runtime versions and a verdict on their compatibility, the NCCL
-// version, the visibility variables in effect, the host virtual devices, and the devices a program would use
-// by default. Exit code 0 when usable devices exist, 1 otherwise (or when the configuration is invalid).
+// version, the visibility variables in effect, the host virtual devices with the GEMM kernels they run and
+// their measured rate, and the devices a program would use by default. Exit code 0 when usable devices exist,
+// 1 otherwise (or when the configuration is invalid).
 #include <cstdio>
 #include <cstdlib>
 #include <string>
+#include <string_view>
 
+#include "lockstep/blas/gemm_rate.hpp"
+#include "lockstep/blas/host_kernels.hpp"
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/device/query.hpp"
 #include "lockstep/device/visibility.hpp"
@@ -57,7 +61,49 @@ std::string code_for(int index) {
 
 }  // namespace
 
-int main() {
+constexpr const char* usage = R"(usage: lockstep-info [--no-rates]
+Prints what devices this program can use and why not when it cannot: the CUDA driver, runtime and GPUs (compute
+capability, memory, whether this binary has code for them, peer access), NCCL, the visibility variables, the host
+virtual devices with the GEMM kernels they run (and their measured GFLOP/s on one core, unless --no-rates), and
+the devices a program uses by default. Exit status 0 when there are usable devices, 1 otherwise.
+
+environment: CUDA_VISIBLE_DEVICES, CUDA_DEVICE_ORDER, LOCKSTEP_HOST_DEVICES, LOCKSTEP_HOST_DEVICE_MEMORY,
+LOCKSTEP_HOST_GEMM (auto, openblas, onednn), ONEDNN_MAX_CPU_ISA (e.g. AVX2)
+)";
+
+// The host GEMM kernels of this process and their rate on host:0 for the sample's largest shape.
+void print_host_gemm(bool rates) {
+  const host_gemm_plan& plan = host_gemm_plan::process();
+  std::printf("  GEMM kernels: %s\n", plan.str().c_str());
+  std::printf("  OpenBLAS:     %s kernels (%s)\n", host_gemm_plan::openblas_core().c_str(),
+              plan.f32 == host_gemm_kernel::openblas ? "in use for f32" : "not used for GEMMs");
+  if (!rates) return;
+  stream s(device{device_kind::host, 0});
+  blas_handle h(s);
+  const gemm_shape shape{transpose::no, transpose::yes, 128, 1024, 1024};
+  std::printf("  rate on one core, C[128, 1024] = A[128, 1024] B^T:");
+  for (dtype t : {dtype::f32, dtype::bf16, dtype::f16}) {
+    std::printf(" %s %.0f GFLOP/s%s", std::string(name_of(t)).c_str(), gemm_rate(h, t, shape, 0.1),
+                t == dtype::f16 ? "\n" : ",");
+    std::fflush(stdout);
+  }
+}
+
+int main(int argc, char** argv) {
+  bool rates = true;
+  for (int i = 1; i < argc; ++i) {
+    const std::string_view arg = argv[i];
+    if (arg == "--help" || arg == "-h") {
+      std::fputs(usage, stdout);
+      return 0;
+    }
+    if (arg == "--no-rates") {
+      rates = false;
+      continue;
+    }
+    std::fprintf(stderr, "lockstep-info: unknown option '%s'\n%s", argv[i], usage);
+    return 2;
+  }
   try {
     std::printf("lockstep-info %d.%d.%d\n\n", LOCKSTEP_VERSION_MAJOR, LOCKSTEP_VERSION_MINOR, LOCKSTEP_VERSION_PATCH);
     const auto& cuda = cuda_status();
@@ -95,6 +141,8 @@ int main() {
     print_env("CUDA_DEVICE_ORDER");
     print_env("LOCKSTEP_HOST_DEVICES");
     print_env("LOCKSTEP_HOST_DEVICE_MEMORY");
+    print_env("LOCKSTEP_HOST_GEMM");
+    print_env("ONEDNN_MAX_CPU_ISA");
 
     std::printf("\nGPUs: %d\n", cuda.device_count);
     if (cuda.device_count == 0) std::printf("  none: %s\n", cuda.reason().c_str());
@@ -128,6 +176,7 @@ int main() {
       const auto p = get_device_properties(device{device_kind::host, i});
       std::printf("  host:%d  %s  memory limit %s\n", i, p.name.c_str(), format_bytes(p.total_memory).c_str());
     }
+    if (hosts > 0) print_host_gemm(rates);
 
     const auto selection = default_devices();
     std::printf("\nDefault devices: %s\n  %s\n", selection.devices.str().c_str(), selection.reason.c_str());

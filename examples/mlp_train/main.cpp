@@ -14,6 +14,7 @@
 // With --json the last line is one JSON object with those figures.
 #include <lockstep/lockstep.hpp>
 #include <lockstep/amp/loss_scaler.hpp>
+#include <lockstep/blas/gemm_rate.hpp>
 #include <lockstep/comm/run_on_devices.hpp>
 #include <lockstep/io/checkpoint.hpp>
 #include <lockstep/io/preemption.hpp>
@@ -785,6 +786,18 @@ int run(const mlp_options& o) {
                                     ": the model could not evaluate them; use files of one data set"));
   }
 
+  if (!o.json && !processes && selection.devices.kind() == device_kind::host) {
+    // Which kernels multiply, and how fast one core runs the first layer's forward product in this precision.
+    stream s(selection.devices.front());
+    blas_handle h(s);
+    const std::int64_t rows = std::max<std::int64_t>(1, o.batch / static_cast<std::int64_t>(
+                                                              o.mode == "single" ? 1 : selection.devices.size()));
+    const gemm_shape first{transpose::no, transpose::yes, rows, o.hidden.empty() ? 10 : o.hidden.front(), data.inputs};
+    std::printf("host GEMM: %s\n           %s %.0f GFLOP/s on one core for the first layer (%lld x %lld x %lld)\n",
+                host_gemm_plan::process().str().c_str(), std::string(name_of(o.precision)).c_str(),
+                gemm_rate(h, o.precision, first, 0.05), static_cast<long long>(first.m), static_cast<long long>(first.n),
+                static_cast<long long>(first.k));
+  }
   int world_rank = 0;
   run_result r;
   std::vector<std::string> device_names;
@@ -863,6 +876,7 @@ int run(const mlp_options& o) {
   if (o.mode == "ddp") j["zero"] = o.zero;
   if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;
   j["precision"] = std::string(name_of(o.precision));
+  j["host_gemm"] = host_gemm_plan::process().str();
   j["mode"] = processes ? "ddp-mpi" : o.mode;
   j["final_loss"] = r.final_loss;
   if (r.scaler) {
