@@ -42,6 +42,7 @@
 #include <array>
 #include <atomic>
 #include <chrono>
+#include <cstdlib>
 #include <climits>
 #include <condition_variable>
 #include <cstdio>
@@ -870,7 +871,9 @@ LOCKSTEP_DETAIL_END
 LOCKSTEP_ABI_BEGIN
 
 /// Initializes MPI with MPI_THREAD_MULTIPLE for the lifetime of the object (RAII), or checks the thread level
-/// of an MPI initialized by someone else. Finalizes MPI at the end only if it initialized it. Throws mpi_error
+/// of an MPI initialized by someone else. With OpenMPI it first makes MPI_Iallreduce use its ring algorithm
+/// (OMPI_MCA_coll_libnbc_iallreduce_algorithm=1, unless the environment sets it): a program that initializes MPI
+/// itself can set the same variable. Finalizes MPI at the end only if it initialized it. Throws mpi_error
 /// naming the provided level when it is lower than MPI_THREAD_MULTIPLE. Destroy every communicator, and
 /// synchronize the streams their collectives ran on, before the session ends.
 class mpi_session {
@@ -882,6 +885,13 @@ class mpi_session {
     LOCKSTEP_MPI_CHECK(MPI_Finalized(&finalized), "asking whether MPI is finalized");
     if (finalized) throw mpi_error("mpi_session: MPI was already finalized in this process; it cannot start again");
     if (!initialized) {
+#if defined(OPEN_MPI) && OPEN_MPI
+      // OpenMPI's non-blocking all-reduce (coll/libnbc, which MPI_Iallreduce reaches) takes a binomial tree for
+      // fewer than 4 ranks by default: one rank receives everything, sums alone and sends it all back, half the
+      // speed of the blocking MPI_Allreduce. Its ring (algorithm 1) matches or beats MPI_Allreduce from 64 KiB on
+      // 2 ranks (docs/comm.md has the figures). Read at MPI_Init, so set here; a value the user set is kept.
+      ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite*/ 0);
+#endif
       LOCKSTEP_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided_),
                          "initializing MPI with MPI_THREAD_MULTIPLE");
       owns_ = true;
