@@ -18,11 +18,16 @@ reported figure is the median of each side's runs and the ratio of the medians.
              host device against PyTorch on one thread. The seeds differ between the two (different random
              generators), so compare the means and spreads, not seed by seed.
 
-The speed modes run both sides with a constant learning rate.
+The speed modes run both sides with a constant learning rate, in --precision: f32, or bf16 (lockstep's bf16 with
+fp32 master weights against PyTorch's torch.autocast("cpu", dtype=torch.bfloat16) around forward and loss, its
+mixed precision on CPUs), or f16 (lockstep only: PyTorch 1.13 has no f16 autocast on CPUs, so its side runs f32
+and the row says so). --torch-env VAR=VALUE sets a variable for the PyTorch side only (OPENBLAS_CORETYPE=SkylakeX
+gives it the right OpenBLAS kernels on a CPU its OpenBLAS does not know).
 
 Usage: bench/compare_pytorch.py [--mlp-train PATH] [--hidden 256,256 1024,1024] [--steps N] [--repeats R]
                                 [--modes single ddp accuracy] [--epochs N] [--seeds 0 1 2]
-                                [--schedules cosine constant] [--json]
+                                [--schedules cosine constant] [--precision f32|bf16|f16]
+                                [--torch-env VAR=VALUE ...] [--json]
 PyTorch is Debian's python3-torch (scripts/setup.sh --torch); without it the comparison is skipped with a
 message (exit code 0).
 """
@@ -77,8 +82,9 @@ def torch_loader(batch, seed, rank=0, world=1):
     return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, generator=generator, num_workers=0)
 
 
-def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1):
+def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1, precision="f32"):
     """Trains `steps` steps; returns samples per second (global) measured after a warm-up of 10 steps."""
+    import contextlib
     import torch
     torch.set_num_threads(1)
     torch.manual_seed(0)
@@ -95,7 +101,11 @@ def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1):
                 start, samples = time.perf_counter(), 0
             x = x.float().div_(255.0)
             opt.zero_grad()
-            loss_fn(model(x), y).backward()
+            autocast = (torch.autocast(device_type="cpu", dtype=torch.bfloat16) if precision == "bf16"
+                        else contextlib.nullcontext())
+            with autocast:
+                loss = loss_fn(model(x), y)
+            loss.backward()
             opt.step()
             done += 1
             samples += x.shape[0] * world
@@ -135,7 +145,8 @@ def torch_ddp_worker(rank, world, port, args, queue):
     import torch.distributed as dist
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rate = torch_train(args["hidden"], args["batch"], args["steps"], args["lr"], args["momentum"], rank, world)
+    rate = torch_train(args["hidden"], args["batch"], args["steps"], args["lr"], args["momentum"], rank, world,
+                       args.get("precision", "f32"))
     dist.barrier()
     if rank == 0:
         queue.put(rate)
@@ -150,7 +161,8 @@ def torch_child(spec):
         print(json.dumps({"test_accuracy": acc}))
         return
     if spec["mode"] == "single":
-        rate = torch_train(spec["hidden"], spec["batch"], spec["steps"], spec["lr"], spec["momentum"])
+        rate = torch_train(spec["hidden"], spec["batch"], spec["steps"], spec["lr"], spec["momentum"],
+                           precision=spec.get("precision", "f32"))
     else:
         import torch.multiprocessing as mp
         ctx = mp.get_context("spawn")
@@ -175,9 +187,9 @@ def run_sample(binary, hidden, batch, lr, momentum, extra):
     return json.loads(out)
 
 
-def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum):
+def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum, precision="f32"):
     extra = ["--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000", "--eval-batch", "10000",
-             "--lr-schedule", "constant"]
+             "--lr-schedule", "constant", "--precision", precision]
     if mode == "single":
         extra += ["--devices", "host:0"]
     else:
@@ -190,11 +202,14 @@ def lockstep_accuracy(binary, hidden, batch, epochs, lr, momentum, schedule, see
     return run_sample(binary, hidden, batch, lr, momentum, extra)["test_accuracy"]
 
 
+TORCH_ENV = {}  # --torch-env
+
+
 def torch_run(spec, pin):
     cmd = [TORCH_PYTHON, os.path.abspath(__file__), "--torch-child", json.dumps(spec)]
     if pin and shutil.which("taskset"):
         cmd = ["taskset", "-c", "0"] + cmd
-    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+    env = dict(os.environ, OMP_NUM_THREADS="1", MKL_NUM_THREADS="1", **TORCH_ENV)
     out = subprocess.run(cmd, check=True, capture_output=True, text=True, env=env).stdout.strip().splitlines()[-1]
     return json.loads(out)
 
@@ -224,8 +239,9 @@ def compare_accuracy(a, hidden_spec):
     return results
 
 
-def run_torch(mode, hidden, batch, steps, lr, momentum):
-    spec = {"mode": mode, "hidden": hidden, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum}
+def run_torch(mode, hidden, batch, steps, lr, momentum, precision="f32"):
+    spec = {"mode": mode, "hidden": hidden, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum,
+            "precision": "bf16" if precision == "bf16" else "f32"}
     return torch_run(spec, pin=mode == "single")["samples_per_second"]
 
 
@@ -243,9 +259,14 @@ def main():
     p.add_argument("--repeats", type=int, default=3)
     p.add_argument("--lr", type=float, default=0.05)
     p.add_argument("--momentum", type=float, default=0.9)
+    p.add_argument("--precision", default="f32", choices=["f32", "bf16", "f16"], help="speed modes")
+    p.add_argument("--torch-env", nargs="*", default=[], help="VAR=VALUE for the PyTorch side only")
     p.add_argument("--json", action="store_true")
     p.add_argument("--torch-child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    for kv in a.torch_env:
+        var, _, value = kv.partition("=")
+        TORCH_ENV[var] = value
     if a.torch_child:
         torch_child(json.loads(a.torch_child))
         return 0
@@ -270,14 +291,18 @@ def main():
             ours, theirs, ours_single = [], [], []
             for _ in range(a.repeats):
                 if mode == "ddp":
-                    ours_single.append(run_lockstep(a.mlp_train, "single", hidden, a.batch, a.steps, a.lr, a.momentum))
-                ours.append(run_lockstep(a.mlp_train, mode, hidden, a.batch, a.steps, a.lr, a.momentum))
-                theirs.append(run_torch(mode, hidden, a.batch, a.steps, a.lr, a.momentum))
+                    ours_single.append(run_lockstep(a.mlp_train, "single", hidden, a.batch, a.steps, a.lr, a.momentum,
+                                                    a.precision))
+                ours.append(run_lockstep(a.mlp_train, mode, hidden, a.batch, a.steps, a.lr, a.momentum, a.precision))
+                theirs.append(run_torch(mode, hidden, a.batch, a.steps, a.lr, a.momentum, a.precision))
             r = {
                 "mode": mode,
                 "hidden": hidden_spec,
                 "batch": a.batch,
                 "steps": a.steps,
+                "precision": a.precision,
+                "pytorch_precision": "bf16 autocast" if a.precision == "bf16" else "f32",
+                "pytorch_env": TORCH_ENV,
                 "lockstep_samples_per_second": statistics.median(ours),
                 "pytorch_samples_per_second": statistics.median(theirs),
                 "lockstep_runs": ours,
@@ -294,7 +319,7 @@ def main():
                 r["ddp_over_single"] = r["lockstep_samples_per_second"] / statistics.median(ours_single)
             results.append(r)
             if not a.json:
-                print(f"{mode:6s} hidden {hidden_spec:10s} batch {a.batch}: lockstep {r['lockstep_samples_per_second']:9.0f}"
+                print(f"{mode:6s} {a.precision} hidden {hidden_spec:10s} batch {a.batch}: lockstep {r['lockstep_samples_per_second']:9.0f}"
                       f" samples/s, PyTorch {r['pytorch_samples_per_second']:9.0f} samples/s, ratio {r['ratio']:.2f}"
                       f"  (medians of {a.repeats}, alternated)")
                 if ours_single:
