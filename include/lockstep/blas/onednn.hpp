@@ -21,6 +21,7 @@
 #include <cstdint>
 #include <cstring>
 #include <memory>
+#include <mutex>
 #include <string>
 #include <unordered_map>
 
@@ -65,6 +66,15 @@ inline dnnl_engine_t onednn_engine() {
     return e;  // kept for the life of the process, like oneDNN's own global state
   }();
   return engine;
+}
+
+/// Held while a matmul is created or destroyed. oneDNN's primitive cache is thread-safe, but ThreadSanitizer
+/// cannot see its locking (Debian's libdnnl is not instrumented) and reports its lookups and insertions on two
+/// ranks' threads as races; creation is rare (once per shape and handle), so lockstep serializes it instead of
+/// suppressing reports from oneDNN. Running a matmul takes no lock.
+inline std::mutex& onednn_lifetime_mutex() {
+  static std::mutex m;
+  return m;
 }
 
 /// Makes oneDNN compute on the calling thread alone, once per thread: with an OpenMP build it would start a
@@ -114,6 +124,7 @@ struct onednn_matmul_key_hash {
 class onednn_matmul {
  public:
   explicit onednn_matmul(const onednn_matmul_key& key) {
+    const std::lock_guard lock(onednn_lifetime_mutex());
     const dnnl_data_type_t in = key.type == dtype::bf16 ? dnnl_bf16 : key.type == dtype::f16 ? dnnl_f16 : dnnl_f32;
     const dnnl_dims_t a_dims{key.m, key.k}, b_dims{key.k, key.n}, c_dims{key.m, key.n};
     // op(A)[i, p] is A[i * lda + p], or A[p * lda + i] when transposed; likewise op(B).
@@ -167,6 +178,18 @@ class onednn_matmul {
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_create(&st, onednn_engine(), dnnl_stream_default_flags),
                           "creating a oneDNN stream");
     stream_.reset(st);
+  }
+
+  onednn_matmul(const onednn_matmul&) = delete;
+  onednn_matmul& operator=(const onednn_matmul&) = delete;
+  ~onednn_matmul() {
+    const std::lock_guard lock(onednn_lifetime_mutex());
+    primitive_.reset();
+    stream_.reset();
+    a_.reset();
+    b_.reset();
+    c_.reset();
+    scratchpad_.reset();
   }
 
   /// oneDNN's name of the kernel ("brg:avx512_core_bf16", ...). A name that starts with "ref" is its
