@@ -16,7 +16,8 @@ and that one epoch ends with the same weights in every mode and on every number 
 
 Usage: bench/determinism.py [--mlp-train PATH] [--modes cost accuracy hashes] [--hidden 256,256 1024,1024]
                             [--steps N] [--repeats R] [--seeds 0 1 2 3] [--batches 128 130]
-                            [--precisions f32 f16 bf16] [--epochs N] [--mpirun "mpirun --oversubscribe ..."]
+                            [--precisions f32 f16 bf16] [--cost-precisions f32 bf16] [--epochs N]
+                            [--mpirun "mpirun --oversubscribe ..."]
                             [--json]
 """
 import argparse
@@ -48,6 +49,7 @@ def main():
     p.add_argument("--batches", nargs="+", type=int, default=[128, 130])
     p.add_argument("--precisions", nargs="+", default=["f32", "f16", "bf16"])
     p.add_argument("--epochs", type=int, default=1)
+    p.add_argument("--cost-precisions", nargs="+", default=["f32"], help="cost mode: the precisions measured")
     p.add_argument("--mpirun", default="")
     p.add_argument("--json", action="store_true")
     a = p.parse_args()
@@ -57,11 +59,12 @@ def main():
 
     if "cost" in a.modes:
         rows = []
-        for hidden in a.hidden:
+        for hidden, precision in [(h, p) for h in a.hidden for p in a.cost_precisions]:
             for mode, devices in (("single", "host:0"), ("ddp", "host:0,host:1")):
                 for chunk in a.chunk_rows:
                     base = [a.mlp_train, "--mode", mode, "--devices", devices, "--hidden", hidden, "--batch", "128",
-                            "--max-steps", str(a.steps), "--lr-schedule", "constant", "--json"]
+                            "--max-steps", str(a.steps), "--lr-schedule", "constant", "--precision", precision,
+                            "--json"]
                     # DDP two ways: the partial gradients gathered (auto, when they fit) and exact sums all-reduced
                     sides = {"ordinary": [], "deterministic": []}
                     if mode == "ddp":
@@ -74,7 +77,7 @@ def main():
                             j = run(base + extra, env)
                             sides[side].append(1000.0 * j["train_seconds"] / j["steps"])
                     o, d = statistics.median(sides["ordinary"]), statistics.median(sides["deterministic"])
-                    row = {"hidden": hidden, "mode": mode, "devices": devices, "chunk_rows": chunk,
+                    row = {"hidden": hidden, "precision": precision, "mode": mode, "devices": devices, "chunk_rows": chunk,
                            "ordinary_ms": o, "deterministic_ms": d, "ratio": d / o}
                     if "accumulators" in sides:
                         acc = statistics.median(sides["accumulators"])
@@ -83,11 +86,11 @@ def main():
         report["cost"] = rows
         if not a.json:
             print(f"cost: ms per step, batch 128, median of {a.repeats} alternated runs of {a.steps} steps")
-            print("| model | mode | chunk rows | ordinary | deterministic | ratio | DDP, exact sums all-reduced |")
-            print("| --- | --- | ---: | ---: | ---: | ---: | ---: |")
+            print("| model | precision | mode | chunk rows | ordinary | deterministic | ratio | DDP, exact sums all-reduced |")
+            print("| --- | --- | --- | ---: | ---: | ---: | ---: | ---: |")
             for r in rows:
                 acc = f"{r['accumulators_ms']:.2f} ({r['accumulators_ratio']:.2f}x)" if "accumulators_ms" in r else ""
-                print(f"| 784-{r['hidden'].replace(',', '-')}-10 | {r['mode']} ({r['devices']}) | {r['chunk_rows']} | "
+                print(f"| 784-{r['hidden'].replace(',', '-')}-10 | {r['precision']} | {r['mode']} ({r['devices']}) | {r['chunk_rows']} | "
                       f"{r['ordinary_ms']:.2f} | {r['deterministic_ms']:.2f} | {r['ratio']:.2f}x | {acc} |")
 
     if "accuracy" in a.modes:
