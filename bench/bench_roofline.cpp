@@ -101,12 +101,20 @@ int main(int argc, char** argv) {
     else if (a == "--json") json = true;
     else if (a == "--precision") {
       const std::string_view p = value();
+      if (p != "f32" && p != "f16" && p != "bf16") {
+        std::fprintf(stderr, "bench_roofline: --precision must be f32, f16 or bf16, got '%s'\n", argv[i]);
+        return 2;
+      }
       precision = p == "bf16" ? dtype::bf16 : p == "f16" ? dtype::f16 : dtype::f32;
     } else {
       std::fprintf(stderr, "usage: bench_roofline [--hidden A,B] [--batch N] [--devices D] [--precision f32|f16|bf16] "
                            "[--seconds S] [--json]\n");
       return 2;
     }
+  }
+  if (batch < 1 || devices < 1 || seconds <= 0 || hidden.empty()) {
+    std::fprintf(stderr, "bench_roofline: --batch and --devices must be >= 1, --seconds > 0, --hidden not empty\n");
+    return 2;
   }
   try {
     std::vector<std::int64_t> widths{inputs};

@@ -47,7 +47,20 @@ if(NOT TARGET lockstep::onednn AND NOT LOCKSTEP_ONEDNN STREQUAL "OFF")
   # engine), which host GEMMs do not need.
   find_path(lockstep_onednn_include_dir oneapi/dnnl/dnnl.h)
   find_library(lockstep_onednn_library dnnl)
-  if(lockstep_onednn_include_dir AND lockstep_onednn_library)
+  # lockstep uses oneDNN 2.x's C API (operation descriptors), which oneDNN 3 removed.
+  set(lockstep_onednn_major "")
+  if(lockstep_onednn_include_dir AND EXISTS "${lockstep_onednn_include_dir}/oneapi/dnnl/dnnl_version.h")
+    file(STRINGS "${lockstep_onednn_include_dir}/oneapi/dnnl/dnnl_version.h" lockstep_onednn_major_line
+         REGEX "^#define DNNL_VERSION_MAJOR [0-9]+")
+    string(REGEX REPLACE "^#define DNNL_VERSION_MAJOR ([0-9]+).*" "\\1" lockstep_onednn_major "${lockstep_onednn_major_line}")
+  endif()
+  if(lockstep_onednn_include_dir AND lockstep_onednn_library AND NOT lockstep_onednn_major STREQUAL "2")
+    if(LOCKSTEP_ONEDNN STREQUAL "ON")
+      message(FATAL_ERROR "LOCKSTEP_ONEDNN=ON but the oneDNN found (${lockstep_onednn_include_dir}) is version "
+                          "'${lockstep_onednn_major}', and lockstep needs 2.x (Debian 12's libdnnl-dev)")
+    endif()
+    message(STATUS "lockstep: oneDNN ${lockstep_onednn_major} found, but lockstep needs 2.x: host GEMMs run on OpenBLAS")
+  elseif(lockstep_onednn_include_dir AND lockstep_onednn_library)
     add_library(lockstep::onednn INTERFACE IMPORTED)
     set_target_properties(lockstep::onednn PROPERTIES
       INTERFACE_INCLUDE_DIRECTORIES "${lockstep_onednn_include_dir}"

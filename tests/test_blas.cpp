@@ -313,6 +313,11 @@ TEST(host_gemm_kernels, the_table_maps_instruction_sets_to_kernels_and_the_users
       {host_isa::avx2, true, r::automatic, k::onednn, k::via_f32, k::via_f32},
       {host_isa::baseline, true, r::automatic, k::openblas, k::via_f32, k::via_f32},
       {host_isa::baseline, false, r::automatic, k::openblas, k::via_f32, k::via_f32},
+      // without oneDNN in the build, every instruction set runs OpenBLAS
+      {host_isa::avx2, false, r::automatic, k::openblas, k::via_f32, k::via_f32},
+      {host_isa::avx512, false, r::automatic, k::openblas, k::via_f32, k::via_f32},
+      {host_isa::amx, false, r::automatic, k::openblas, k::via_f32, k::via_f32},
+      {host_isa::amx, false, r::openblas, k::openblas, k::via_f32, k::via_f32},
       {host_isa::amx, true, r::openblas, k::openblas, k::via_f32, k::via_f32},
       {host_isa::baseline, true, r::onednn, k::onednn, k::via_f32, k::via_f32},
       {host_isa::avx512_bf16, true, r::onednn, k::onednn, k::onednn, k::via_f32},
@@ -355,19 +360,27 @@ TEST(host_gemm_kernels, openblas_kernels_below_the_cpu_are_recognized_and_the_re
   EXPECT_EQ(forced.str().find("WARNING") != std::string::npos, below) << forced.str();
 }
 
-TEST(host_gemm_kernels, the_process_plan_follows_the_table_for_onednns_instruction_set) {
+TEST(host_gemm_kernels, the_process_runs_onednn_wherever_it_generates_avx2_or_better) {
   const host_gemm_plan& p = host_gemm_plan::process();
-  const char* request = std::getenv("LOCKSTEP_HOST_GEMM");
-  EXPECT_EQ(p, host_gemm_plan::choose(host_gemm_plan::linked_isa(), LOCKSTEP_HAS_ONEDNN != 0,
-                                      host_gemm_plan::parse_request(request)));
-  if (LOCKSTEP_HAS_ONEDNN && !request) {
-    // oneDNN never generates code beyond the CPU's own instruction sets, and ONEDNN_MAX_CPU_ISA lowers them.
-    EXPECT_LE(p.isa, host_cpu_features::detect().isa());
-    const char* max_isa = std::getenv("ONEDNN_MAX_CPU_ISA");
-    if (max_isa && std::string_view(max_isa) == "AVX2") {
-      EXPECT_LE(p.isa, host_isa::avx2);
-    }
+  if (std::getenv("LOCKSTEP_HOST_GEMM")) GTEST_SKIP() << "LOCKSTEP_HOST_GEMM is set: the user's choice, not the table";
+  const host_isa cpu = host_cpu_features::detect().isa();
+  if (!LOCKSTEP_HAS_ONEDNN) {
+    EXPECT_EQ(p.f32, host_gemm_kernel::openblas);
+    EXPECT_EQ(p.isa, host_isa::baseline);
+    return;
   }
+  // oneDNN never generates code beyond the CPU's own instruction sets, and ONEDNN_MAX_CPU_ISA lowers them.
+  EXPECT_LE(p.isa, cpu);
+  const char* max_isa = std::getenv("ONEDNN_MAX_CPU_ISA");
+  const bool capped = max_isa && std::string_view(max_isa) == "AVX2";
+  if (capped) {
+    EXPECT_EQ(p.isa, std::min(cpu, host_isa::avx2));
+  } else {
+    EXPECT_EQ(p.isa, cpu) << "oneDNN generates " << name_of(p.isa) << " code on a CPU with " << name_of(cpu);
+  }
+  EXPECT_EQ(p.f32, p.isa >= host_isa::avx2 ? host_gemm_kernel::onednn : host_gemm_kernel::openblas);
+  EXPECT_EQ(p.bf16, p.isa >= host_isa::avx512_bf16 ? host_gemm_kernel::onednn : host_gemm_kernel::via_f32);
+  EXPECT_EQ(p.f16, host_gemm_kernel::via_f32);
 }
 
 TEST(host_gemm_kernels, every_kernel_this_cpu_has_gives_the_exact_product) {
@@ -388,6 +401,28 @@ TEST(host_gemm_kernels, every_kernel_this_cpu_has_gives_the_exact_product) {
 }
 
 #if LOCKSTEP_HAS_ONEDNN
+TEST(host_gemm_kernels, onednn_has_a_kernel_that_is_not_its_reference_loop_for_every_layout_the_layers_use) {
+  // A oneDNN that fell back to its reference loop (or had no kernel) for these would make gemm() take the other
+  // path silently: the exactness tests would still pass, on the wrong kernel.
+  const host_isa isa = host_gemm_plan::linked_isa();
+  if (isa < host_isa::avx2) GTEST_SKIP() << "oneDNN generates " << name_of(isa) << " code: the table uses OpenBLAS";
+  std::vector<dtype> types{dtype::f32};
+  if (isa >= host_isa::avx512_bf16) types.push_back(dtype::bf16);
+  const std::int64_t shapes[][3] = {{128, 1024, 784}, {1024, 784, 128}, {64, 10, 1024}, {7, 33, 65}, {1, 1, 1}};
+  for (dtype t : types)
+    for (const auto& sh : shapes)
+      for (bool ta : {false, true})
+        for (bool tb : {false, true})
+          for (float beta : {0.0f, 1.0f}) {
+            const std::int64_t m = sh[0], n = sh[1], k = sh[2];
+            const auto key = detail::onednn_matmul_key::make(t, ta, tb, m, n, k, (ta ? m : k) + 3, (tb ? k : n) + 1,
+                                                             n + 2, 1.0f, beta);
+            const detail::onednn_matmul mm(key);
+            EXPECT_TRUE(mm.usable()) << name_of(t) << " ta=" << ta << " tb=" << tb << " " << m << "x" << n << "x" << k
+                                     << " beta=" << beta << ": " << mm.implementation();
+          }
+}
+
 TEST(host_gemm_kernels, a_onednn_handle_keeps_its_matmuls_by_shape_and_their_scratchpad_in_device_memory) {
   const device d{device_kind::host, 0};
   stream s(d);

@@ -787,16 +787,22 @@ int run(const mlp_options& o) {
   }
 
   if (!o.json && !processes && selection.devices.kind() == device_kind::host) {
-    // Which kernels multiply, and how fast one core runs the first layer's forward product in this precision.
-    stream s(selection.devices.front());
-    blas_handle h(s);
+    // Which kernels multiply, and how fast one core runs the first layer's forward product in this precision
+    // (a measurement, not part of the run: a device too small for it says so and trains on).
+    std::printf("host GEMM: %s\n", host_gemm_plan::process().str().c_str());
     const std::int64_t rows = std::max<std::int64_t>(1, o.batch / static_cast<std::int64_t>(
                                                               o.mode == "single" ? 1 : selection.devices.size()));
     const gemm_shape first{transpose::no, transpose::yes, rows, o.hidden.empty() ? 10 : o.hidden.front(), data.inputs};
-    std::printf("host GEMM: %s\n           %s %.0f GFLOP/s on one core for the first layer (%lld x %lld x %lld)\n",
-                host_gemm_plan::process().str().c_str(), std::string(name_of(o.precision)).c_str(),
-                gemm_rate(h, o.precision, first, 0.05), static_cast<long long>(first.m), static_cast<long long>(first.n),
-                static_cast<long long>(first.k));
+    try {
+      stream s(selection.devices.front());
+      blas_handle h(s);
+      const double rate = gemm_rate(h, o.precision, first, 0.05);
+      std::printf("           %s %.0f GFLOP/s on one core for the first layer (%lld x %lld x %lld)\n",
+                  std::string(name_of(o.precision)).c_str(), rate, static_cast<long long>(first.m),
+                  static_cast<long long>(first.n), static_cast<long long>(first.k));
+    } catch (const out_of_memory_error& e) {
+      std::printf("           rate not measured: %s\n", e.what());
+    }
   }
   int world_rank = 0;
   run_result r;

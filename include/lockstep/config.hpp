@@ -3,8 +3,8 @@
 // A translation unit compiled by nvcc carries both backends (`cuda` and `host`); one compiled by a plain
 // C++ compiler carries the host backend only. The two configurations differ in what the same header
 // declares, so everything that depends on the configuration lives in an inline namespace named after it
-// (`lockstep::cuda_v0` or `lockstep::host_v0`). Both kinds of translation unit can therefore be linked into
-// one program without violating the one-definition rule. The vocabulary types that do not depend on the
+// (`lockstep::cuda_v0` or `lockstep::host_v0`, with `_dnnl` appended when host GEMMs may run on oneDNN). Both
+// kinds of translation unit can therefore be linked into one program without violating the one-definition rule. The vocabulary types that do not depend on the
 // configuration (errors, dtypes, shapes, `device`) and the host platform (virtual devices, their memory and
 // stream workers) live directly in `lockstep` and are shared by both.
 #pragma once
@@ -23,12 +23,20 @@
 #define LOCKSTEP_HAS_CUDA 1
 #define LOCKSTEP_HD __host__ __device__
 #define LOCKSTEP_DEVICE __device__
+#if LOCKSTEP_HAS_ONEDNN
+#define LOCKSTEP_ABI_NAMESPACE cuda_v0_dnnl
+#else
 #define LOCKSTEP_ABI_NAMESPACE cuda_v0
+#endif
 #else
 #define LOCKSTEP_HAS_CUDA 0
 #define LOCKSTEP_HD
 #define LOCKSTEP_DEVICE
+#if LOCKSTEP_HAS_ONEDNN
+#define LOCKSTEP_ABI_NAMESPACE host_v0_dnnl
+#else
 #define LOCKSTEP_ABI_NAMESPACE host_v0
+#endif
 #endif
 
 // Opens/closes the configuration-dependent namespace `lockstep::<abi>`.

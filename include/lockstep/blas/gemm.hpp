@@ -153,13 +153,13 @@ inline void sgemm_host(host_gemm_kernel kernel, transpose ta, transpose tb, std:
 #if LOCKSTEP_HAS_ONEDNN
 /// Queues the GEMM as one oneDNN matmul in T (see onednn.hpp), created or found in the handle's cache on this
 /// thread, its scratchpad taken from the handle's scratch memory. Returns false, queuing nothing, when oneDNN
-/// offers only its reference loop for this shape (the caller then takes another kernel).
+/// has no kernel for the GEMM, or only its reference loop (the caller then takes another kernel).
 template <class T>
 bool gemm_host_onednn(blas_handle& h, const gemm_problem<T>& p) {
   const auto key = onednn_matmul_key::make(dtype_of_v<T>, p.ta == transpose::yes, p.tb == transpose::yes, p.m, p.n,
                                            p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta);
   std::shared_ptr<const onednn_matmul> mm = h.onednn_cache().get(key);
-  if (mm->is_reference()) return false;
+  if (!mm->usable()) return false;
   void* scratchpad = mm->scratchpad_bytes() == 0 ? nullptr : h.scratch((mm->scratchpad_bytes() + 3) / 4);
   detail::enqueue_host(h.stream(), [p, mm, scratchpad] { mm->run(p.a, p.b, p.c, scratchpad); },
                        std::is_same_v<T, float> ? "gemm (f32, oneDNN)" : "gemm (bf16, oneDNN)");

@@ -18,6 +18,7 @@
 #if LOCKSTEP_HAS_ONEDNN
 #include <dlfcn.h>
 
+#include <bit>
 #include <cstdint>
 #include <cstring>
 #include <memory>
@@ -26,11 +27,18 @@
 #include <unordered_map>
 
 #include <oneapi/dnnl/dnnl.h>
+#include <oneapi/dnnl/dnnl_version.h>
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
 
-LOCKSTEP_DETAIL_BEGIN
+#if DNNL_VERSION_MAJOR != 2
+#error "lockstep's host GEMMs use oneDNN 2.x's C API (Debian 12's libdnnl-dev 2.6.3); oneDNN 3 removed the operation descriptors it uses: build with -DLOCKSTEP_ONEDNN=OFF"
+#endif
+
+// What is process-wide (the engine, the lock, the per-thread OpenMP setting) lives in the shared lockstep::detail,
+// not in the configuration's inline namespace: a program made of nvcc and g++ translation units has one of each.
+namespace lockstep::detail {
 
 inline const char* onednn_status_name(dnnl_status_t s) noexcept {
   switch (s) {
@@ -77,44 +85,90 @@ inline std::mutex& onednn_lifetime_mutex() {
   return m;
 }
 
+/// The OpenMP runtime's omp_get_max_threads / omp_set_num_threads that oneDNN uses, looked up at run time in
+/// libdnnl's own dependencies (so that a program links no OpenMP runtime of its own, and another runtime loaded
+/// first is not the one set); null for a oneDNN built without OpenMP.
+struct onednn_openmp {
+  int (*get_max_threads)() = nullptr;
+  void (*set_num_threads)(int) = nullptr;
+
+  static const onednn_openmp& get() {
+    static const onednn_openmp omp = [] {
+      onednn_openmp o;
+      void* lib = dlopen("libdnnl.so.2", RTLD_LAZY | RTLD_NOLOAD);
+      void* where = lib ? lib : RTLD_DEFAULT;
+      o.get_max_threads = reinterpret_cast<int (*)()>(dlsym(where, "omp_get_max_threads"));
+      o.set_num_threads = reinterpret_cast<void (*)(int)>(dlsym(where, "omp_set_num_threads"));
+      if (!o.get_max_threads || !o.set_num_threads) o = onednn_openmp{};
+      return o;  // the handle stays open: libdnnl is linked for the life of the process anyway
+    }();
+    return omp;
+  }
+};
+
 /// Makes oneDNN compute on the calling thread alone, once per thread: with an OpenMP build it would start a
-/// team of one thread per core inside every call (the OpenMP setting is per thread). Looked up at run time,
-/// so that a program links no OpenMP runtime of its own; a oneDNN built without OpenMP has nothing to set.
+/// team of one thread per core inside every call (the OpenMP setting is per thread).
 inline void onednn_one_thread_here() noexcept {
   thread_local bool done = false;
   if (done) return;
   done = true;
-  using set_fn = void (*)(int);
-  if (void* f = dlsym(RTLD_DEFAULT, "omp_set_num_threads")) reinterpret_cast<set_fn>(f)(1);
+  if (const auto& omp = onednn_openmp::get(); omp.set_num_threads) omp.set_num_threads(1);
 }
 
-/// The shape, layout and scalars of one GEMM: what a matmul is created for. Compared and hashed by its bytes
-/// (alpha and beta by their bits): make() zero-fills the padding.
+/// One OpenMP thread on the calling thread for the guard's lifetime, then the setting it had. oneDNN's matmuls
+/// fix their thread count (and scratchpad) when they are created, on the thread that queues the GEMM.
+class onednn_one_thread_scope {
+ public:
+  onednn_one_thread_scope() noexcept {
+    const auto& omp = onednn_openmp::get();
+    if (!omp.set_num_threads) return;
+    previous_ = omp.get_max_threads();
+    omp.set_num_threads(1);
+  }
+  ~onednn_one_thread_scope() {
+    if (previous_ > 0) onednn_openmp::get().set_num_threads(previous_);
+  }
+  onednn_one_thread_scope(const onednn_one_thread_scope&) = delete;
+  onednn_one_thread_scope& operator=(const onednn_one_thread_scope&) = delete;
+
+ private:
+  int previous_ = 0;
+};
+
+}  // namespace lockstep::detail
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// The shape, layout and scalars of one GEMM: what a matmul is created for (alpha and beta by their bits).
 struct onednn_matmul_key {
-  std::int64_t m, n, k, lda, ldb, ldc;
-  float alpha, beta;
-  dtype type;
-  bool ta, tb;
+  std::int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
+  float alpha = 1.0f, beta = 0.0f;
+  dtype type = dtype::f32;
+  bool ta = false, tb = false;
 
   static onednn_matmul_key make(dtype type, bool ta, bool tb, std::int64_t m, std::int64_t n, std::int64_t k,
                                 std::int64_t lda, std::int64_t ldb, std::int64_t ldc, float alpha,
                                 float beta) noexcept {
-    onednn_matmul_key key;
-    std::memset(static_cast<void*>(&key), 0, sizeof key);
-    key.m = m, key.n = n, key.k = k, key.lda = lda, key.ldb = ldb, key.ldc = ldc;
-    key.alpha = alpha, key.beta = beta, key.type = type, key.ta = ta, key.tb = tb;
-    return key;
+    return onednn_matmul_key{m, n, k, lda, ldb, ldc, alpha, beta, type, ta, tb};
   }
   friend bool operator==(const onednn_matmul_key& x, const onednn_matmul_key& y) noexcept {
-    return std::memcmp(&x, &y, sizeof x) == 0;
+    return x.m == y.m && x.n == y.n && x.k == y.k && x.lda == y.lda && x.ldb == y.ldb && x.ldc == y.ldc &&
+           std::bit_cast<std::uint32_t>(x.alpha) == std::bit_cast<std::uint32_t>(y.alpha) &&
+           std::bit_cast<std::uint32_t>(x.beta) == std::bit_cast<std::uint32_t>(y.beta) && x.type == y.type &&
+           x.ta == y.ta && x.tb == y.tb;
   }
 };
 
 struct onednn_matmul_key_hash {
   std::size_t operator()(const onednn_matmul_key& key) const noexcept {
-    const auto* b = reinterpret_cast<const unsigned char*>(&key);
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the key's bytes
-    for (std::size_t i = 0; i < sizeof key; ++i) h = (h ^ b[i]) * 1099511628211ull;
+    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the members' values
+    auto mix = [&h](std::uint64_t v) {
+      for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xffu)) * 1099511628211ull;
+    };
+    for (std::int64_t v : {key.m, key.n, key.k, key.lda, key.ldb, key.ldc}) mix(static_cast<std::uint64_t>(v));
+    mix(std::bit_cast<std::uint32_t>(key.alpha));
+    mix(std::bit_cast<std::uint32_t>(key.beta));
+    mix(static_cast<std::uint64_t>(key.type) | (std::uint64_t{key.ta} << 8) | (std::uint64_t{key.tb} << 9));
     return static_cast<std::size_t>(h);
   }
 };
@@ -125,6 +179,7 @@ class onednn_matmul {
  public:
   explicit onednn_matmul(const onednn_matmul_key& key) {
     const std::lock_guard lock(onednn_lifetime_mutex());
+    const onednn_one_thread_scope one_thread;  // the matmul's thread count is fixed now, on the queuing thread
     const dnnl_data_type_t in = key.type == dtype::bf16 ? dnnl_bf16 : key.type == dtype::f16 ? dnnl_f16 : dnnl_f32;
     const dnnl_dims_t a_dims{key.m, key.k}, b_dims{key.k, key.n}, c_dims{key.m, key.n};
     // op(A)[i, p] is A[i * lda + p], or A[p * lda + i] when transposed; likewise op(B).
@@ -155,9 +210,13 @@ class onednn_matmul {
       LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops");
     }
     dnnl_primitive_desc_t pd = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_desc_create(&pd, &desc, attr, onednn_engine(), nullptr),
-                          "creating a ", name_of(key.type), " matmul (m = ", key.m, ", n = ", key.n, ", k = ", key.k,
-                          ")");
+    const dnnl_status_t made = dnnl_primitive_desc_create(&pd, &desc, attr, onednn_engine(), nullptr);
+    if (made == dnnl_unimplemented) {  // no kernel at all for this type or layout (f16 on most CPUs)
+      implementation_ = "none";
+      return;
+    }
+    LOCKSTEP_ONEDNN_CHECK(made, "creating a ", name_of(key.type), " matmul (m = ", key.m, ", n = ", key.n,
+                          ", k = ", key.k, ")");
     std::unique_ptr<dnnl_primitive_desc, decltype(&dnnl_primitive_desc_destroy)> pd_owner(
         pd, &dnnl_primitive_desc_destroy);
     const char* impl = nullptr;
@@ -192,10 +251,11 @@ class onednn_matmul {
     scratchpad_.reset();
   }
 
-  /// oneDNN's name of the kernel ("brg:avx512_core_bf16", ...). A name that starts with "ref" is its
-  /// reference loop, a hundred times slower than a GEMM kernel: gemm() does not use it.
+  /// oneDNN's name of the kernel ("brg:avx512_core_bf16", ...), or "none" when oneDNN has none for the key.
   [[nodiscard]] const std::string& implementation() const noexcept { return implementation_; }
-  [[nodiscard]] bool is_reference() const noexcept { return implementation_.rfind("ref", 0) == 0; }
+  /// Whether gemm() runs it: a kernel exists and is not oneDNN's reference loop (an implementation whose name
+  /// starts with "ref", a hundred times slower than a GEMM kernel).
+  [[nodiscard]] bool usable() const noexcept { return primitive_ && implementation_.rfind("ref", 0) != 0; }
   /// Bytes of scratchpad memory a run needs (given to run()).
   [[nodiscard]] std::size_t scratchpad_bytes() const noexcept { return scratchpad_bytes_; }
 

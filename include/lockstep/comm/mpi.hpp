@@ -866,6 +866,19 @@ inline MPI_Comm duplicate(MPI_Comm comm, std::chrono::milliseconds timeout, cons
 
 }  // namespace mpi_comm
 
+/// Whether the MPI library loaded is an OpenMPI whose libnbc ring all-reduce is correct in place: 4.0.7 and
+/// later 4.0.x, 4.1.2 and later, 5 and later. MPI_Get_library_version may be called before MPI_Init.
+inline bool openmpi_ring_iallreduce_is_correct() {
+  char text[MPI_MAX_LIBRARY_VERSION_STRING] = {};
+  int length = 0;
+  if (MPI_Get_library_version(text, &length) != MPI_SUCCESS) return false;
+  int major = 0, minor = 0, release = 0;
+  const char* v = std::strstr(text, "Open MPI v");
+  if (!v || std::sscanf(v, "Open MPI v%d.%d.%d", &major, &minor, &release) != 3) return false;
+  if (major != 4) return major > 4;
+  return minor == 0 ? release >= 7 : minor > 1 || release >= 2;
+}
+
 LOCKSTEP_DETAIL_END
 
 LOCKSTEP_ABI_BEGIN
@@ -885,13 +898,15 @@ class mpi_session {
     LOCKSTEP_MPI_CHECK(MPI_Finalized(&finalized), "asking whether MPI is finalized");
     if (finalized) throw mpi_error("mpi_session: MPI was already finalized in this process; it cannot start again");
     if (!initialized) {
-#if defined(OPEN_MPI) && OPEN_MPI
       // OpenMPI's non-blocking all-reduce (coll/libnbc, which MPI_Iallreduce reaches) takes a binomial tree for
       // fewer than 4 ranks by default: one rank receives everything, sums alone and sends it all back, half the
-      // speed of the blocking MPI_Allreduce. Its ring (algorithm 1) matches or beats MPI_Allreduce from 64 KiB on
-      // 2 ranks (docs/comm.md has the figures). Read at MPI_Init, so set here; a value the user set is kept.
-      ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite*/ 0);
-#endif
+      // speed of the blocking MPI_Allreduce. Its ring (algorithm 1) matches or beats MPI_Allreduce from 256 KiB
+      // (docs/comm.md has the figures). Read at MPI_Init, so set here; a value the user set is kept. Only from
+      // the releases whose ring handles MPI_IN_PLACE (4.0.7, 4.1.2, 5.0: open-mpi/ompi#9385 gave wrong sums
+      // from 4 ranks before), which lockstep's in-place all-reduces use.
+      if (detail::openmpi_ring_iallreduce_is_correct()) {
+        ::setenv("OMPI_MCA_coll_libnbc_iallreduce_algorithm", "1", /*overwrite*/ 0);
+      }
       LOCKSTEP_MPI_CHECK(MPI_Init_thread(argc, argv, MPI_THREAD_MULTIPLE, &provided_),
                          "initializing MPI with MPI_THREAD_MULTIPLE");
       owns_ = true;
