@@ -9,6 +9,8 @@ python3-matplotlib: scripts/setup.sh --plots; run with /usr/bin/python3, which s
     --zero FILE         bench/zero.py --json FILE: peak memory per device against the number of devices, per ZeRO
                         stage, with the state bytes predicted from the layout
     --pytorch FILE      bench/compare_pytorch.py --json > FILE: lockstep's throughput against PyTorch's
+    --roofline FILE     bench/roofline.py --json FILE: each step's GEMM FLOP rate against its roofline, per model,
+                        precision and mode
     --out DIR           where the SVGs go (default docs/figures)
     --format png        PNG instead of SVG (to preview)
 
@@ -173,19 +175,48 @@ def plot_pytorch(path, out):
     save(fig, out, "pytorch_throughput.svg")
 
 
+def plot_roofline(path, out):
+    with open(path) as f:
+        data = json.load(f)
+    rows = data.get("rows", [])
+    if not rows:
+        return
+    models = sorted({r["hidden"] for r in rows}, key=lambda h: -int(h.split(",")[0]))
+    fig, axes = plt.subplots(1, len(models), figsize=(3.4 * len(models), 3.6), sharey=True, squeeze=False)
+    for ax, hidden in zip(axes[0], models):
+        mine = [r for r in rows if r["hidden"] == hidden]
+        labels = [f"{r['precision']}\n{'DDP 2' if r['mode'] == 'ddp' else 'one'}" for r in mine]
+        xs = range(len(mine))
+        ax.bar([x - 0.2 for x in xs], [r["step_gflops"] for r in mine], 0.4, label="step (GEMM FLOPs)")
+        ax.bar([x + 0.2 for x in xs],
+               [r["roofline_gflops_per_device"] * (2 if r["mode"] == "ddp" else 1) for r in mine], 0.4,
+               label="roofline (best kernels, x devices)", alpha=0.6)
+        for x, r in zip(xs, mine):
+            ax.annotate(f"{r['ratio']:.2f}", (x, r["step_gflops"]), ha="center", va="bottom", fontsize=7)
+        ax.set_xticks(list(xs))
+        ax.set_xticklabels(labels, fontsize=7)
+        ax.set_title(f"784-{hidden.replace(',', '-')}-10", fontsize=8)
+        ax.grid(True, axis="y", alpha=0.3)
+    axes[0][0].set_ylabel("GFLOP/s")
+    axes[0][0].legend(fontsize=6)
+    fig.suptitle(f"training step against its GEMM roofline ({data.get('cpu', '')})", fontsize=8)
+    save(fig, out, "roofline.svg")
+
+
 def main():
     here = os.path.dirname(os.path.abspath(__file__))
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--collectives")
     p.add_argument("--zero")
     p.add_argument("--pytorch")
+    p.add_argument("--roofline")
     p.add_argument("--out", default=os.path.join(here, "..", "docs", "figures"))
     p.add_argument("--format", default="svg", choices=["svg", "png"])
     a = p.parse_args()
     global FORMAT
     FORMAT = a.format
-    if not (a.collectives or a.zero or a.pytorch):
-        p.error("give at least one of --collectives, --zero, --pytorch")
+    if not (a.collectives or a.zero or a.pytorch or a.roofline):
+        p.error("give at least one of --collectives, --zero, --pytorch, --roofline")
     os.makedirs(a.out, exist_ok=True)
     if a.collectives:
         rows = benchmark_rows(a.collectives)
@@ -195,6 +226,8 @@ def main():
         plot_zero(a.zero, a.out)
     if a.pytorch:
         plot_pytorch(a.pytorch, a.out)
+    if a.roofline:
+        plot_roofline(a.roofline, a.out)
     return 0
 
 
