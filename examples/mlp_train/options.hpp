@@ -4,6 +4,7 @@
 #include <lockstep/core/dtype.hpp>
 #include <lockstep/data/idx.hpp>
 
+#include <algorithm>
 #include <charconv>
 #include <cstdint>
 #include <stdexcept>
@@ -134,8 +135,10 @@ inline mlp_options parse_options(int argc, char** argv) {
   using mlp_detail::parse_float;
   using mlp_detail::parse_number;
   mlp_options o;
+  std::vector<std::string_view> given;  // the options on the command line, to check what depends on what
   for (int i = 1; i < argc; ++i) {
     const std::string_view flag = argv[i];
+    given.push_back(flag);
     auto value = [&]() -> std::string_view {
       if (i + 1 >= argc) throw usage_error(std::string(flag) + " needs a value");
       return argv[++i];
@@ -265,7 +268,18 @@ inline mlp_options parse_options(int argc, char** argv) {
   if (o.epochs == 0 && o.load_model.empty()) {
     throw usage_error("--epochs 0 trains nothing: give --load-model FILE to evaluate a saved model");
   }
+  auto was_given = [&](std::string_view f) { return std::find(given.begin(), given.end(), f) != given.end(); };
   if (o.save_every > 0 && o.save.empty()) throw usage_error("--save-every needs --save DIR");
+  // An option whose effect depends on another must not be silently ignored without it.
+  if (was_given("--keep-last") && o.save.empty()) {
+    throw usage_error("--keep-last prunes the checkpoints under --save DIR: give --save DIR too");
+  }
+  if (was_given("--chunk-rows") && !o.deterministic) {
+    throw usage_error("--chunk-rows sets the chunks of --deterministic: give --deterministic too");
+  }
+  if (was_given("--exact-sums") && !(o.deterministic && o.mode == "ddp")) {
+    throw usage_error("--exact-sums chooses how --mode ddp --deterministic sums gradients: give both");
+  }
   if (o.zero > 0 && o.mode != "ddp") {
     throw usage_error("--zero " + std::to_string(o.zero) + " shards the training state over DDP's ranks: use it with "
                       "--mode ddp (--mode " + o.mode + " keeps one copy)");
