@@ -326,6 +326,25 @@ TEST(checkpoint, a_save_before_the_first_step_resumes_as_a_first_step) {
   EXPECT_EQ(resumed.fingerprint(), straight.fingerprint());
 }
 
+TEST(checkpoint, a_file_given_for_a_checkpoint_and_a_directory_given_for_a_model_are_named_with_the_fix) {
+  scratch dir;
+  const device d{device_kind::host, 0};
+  run origin(d, dtype::f32, false);
+  origin.train(1);
+  checkpointer saver(dir.path());
+  auto st = origin.state();
+  const fs::path good = saver.save(st, origin.s);
+  const auto before = origin.fingerprint();
+  // a checkpoint's own file where its directory belongs
+  const std::string m = message_of<io_error>([&] { load_checkpoint(good / "model.safetensors", st, origin.s); });
+  EXPECT_CONTAINS(m, "model.safetensors is a file; a checkpoint is the directory that holds its files (" +
+                         good.string() + ")");
+  // a directory where a model file belongs (mmap used to say "No such device")
+  const std::string d_msg = message_of<io_error>([&] { load_model(good, parameters_of(origin.model), origin.s); });
+  EXPECT_CONTAINS(d_msg, "a directory, not a file: give the file in it, e.g. its model.safetensors");
+  EXPECT_EQ(origin.fingerprint(), before);
+}
+
 // Each way a load can fail leaves the model, the optimizer (state, counts, rate) and the scaler bit for bit.
 TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
   scratch dir;

@@ -406,6 +406,13 @@ class fault_injection {
     return f;
   }
 
+  /// Throws precondition_error when LOCKSTEP_FAULT names a rank the run does not have (it would never fire).
+  void check_rank(int world) const {
+    if (rank_ < world) return;
+    throw precondition_error(detail::concat("LOCKSTEP_FAULT names rank ", rank_, ", but this run has ", world,
+                                            " rank", world == 1 ? "" : "s", " (0 to ", world - 1, ")"));
+  }
+
   /// At the start of step `step` (1-based) of `last` on rank `rank`: fails as configured, if this is the place.
   void at_step(int rank, std::int64_t step, std::int64_t last, device dev, stream_ref comm_stream) const {
     if (rank != rank_ || step != (last_ ? last : step_)) return;
@@ -641,6 +648,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   loss_watch watch(o, compute);
   device_buffer<float> global_loss(1, compute);
   const fault_injection fault = fault_injection::from_environment();
+  fault.check_rank(world);
   const std::int64_t last_step = total_steps(o, loader.batches_per_epoch());
   ddp.reset_report();
   run_epochs(

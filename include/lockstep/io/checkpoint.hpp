@@ -948,6 +948,12 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
   std::filesystem::path dir = where;
   std::error_code ec;
   if (!std::filesystem::exists(where / detail::manifest_file_name, ec)) {
+    if (std::filesystem::is_regular_file(where, ec)) {
+      throw io_error(detail::concat("loading a checkpoint: ", where.string(), " is a file; a checkpoint is the "
+                                    "directory that holds its files (", where.parent_path().string(),
+                                    "), or the root above it (its newest complete checkpoint is loaded)"),
+                     ENOTDIR);
+    }
     if (!std::filesystem::is_directory(where, ec)) {
       throw io_error(detail::concat("loading a checkpoint: ", where.string(), " does not exist"), ENOENT);
     }

@@ -104,6 +104,10 @@ class mapped_file {
  public:
   mapped_file() = default;
   explicit mapped_file(const std::filesystem::path& path) {
+    std::error_code ec;
+    if (std::filesystem::is_directory(path, ec)) {  // open() succeeds on one and mmap() says "No such device"
+      throw_io(EISDIR, "reading", path, "a directory, not a file: give the file in it, e.g. its model.safetensors");
+    }
     posix_file f(path, O_RDONLY);
     size_ = f.size();
     if (size_ == 0) return;
