@@ -762,7 +762,21 @@ std::string device_label(const device_report& d, std::size_t rank, bool processe
   return processes ? "rank " + std::to_string(rank) + " " + d.device.str() : d.device.str();
 }
 
+// The number of processes of the mpirun job this process belongs to (1 when not started by mpirun).
+int mpirun_world_size() {
+  for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
+    if (const char* v = std::getenv(var)) return std::max(1, std::atoi(v));
+  }
+  return 1;
+}
+
 int run(const mlp_options& o) {
+  if (o.mode != "ddp" && mpirun_world_size() > 1) {
+    throw precondition_error(detail::concat(
+        "started by mpirun as one of ", mpirun_world_size(), " processes, but with --mode ", o.mode,
+        ": every process would train its own copy of the model alone; use --mode ddp (one rank per process), or run "
+        "one process without mpirun"));
+  }
   const bool processes = o.mode == "ddp" && under_mpirun();
 #if !(defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI)
   if (processes) {
