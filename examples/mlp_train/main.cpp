@@ -469,7 +469,8 @@ void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result
     loader.start_epoch(static_cast<std::uint64_t>(epoch), skip);
     at = run_position{.step = r.steps, .epoch = static_cast<std::uint64_t>(epoch), .epoch_samples = skip};
     std::int64_t epoch_samples = 0;
-    std::size_t epoch_step = 0;
+    // steps of this epoch taken before a resume (a global batch each), so that the progress line goes on counting
+    std::size_t epoch_step = skip / static_cast<std::size_t>(o.batch);
     bool epoch_done = true;
     while (auto b = loader.next()) {
       if (step_limit_reached(o, r.steps) || !r.stopped.empty()) {
@@ -856,7 +857,12 @@ int run(const mlp_options& o) {
     std::printf("weights sha256     %s\n", r.weights_sha256.c_str());
     std::printf("training seconds   %.2f\n", r.train_seconds);
     std::printf("samples per second %.0f\n", throughput);
-    std::printf("final loss         %.4f\n", r.final_loss);
+    if (r.resumed_at >= 0 && r.steps == r.resumed_at) {
+      std::printf("final loss         none: nothing was left to train (the checkpoint is at step %lld, the run's end)\n",
+                  static_cast<long long>(r.steps));
+    } else {
+      std::printf("final loss         %.4f\n", r.final_loss);
+    }
     if (r.scaler) {
       std::printf("precision          %s, loss scale %g, %lld of %lld steps skipped (last overflow at step %lld)\n",
                   std::string(name_of(o.precision)).c_str(), static_cast<double>(r.scaler->scale),
@@ -906,7 +912,11 @@ int run(const mlp_options& o) {
   j["precision"] = std::string(name_of(o.precision));
   j["host_gemm"] = host_gemm_plan::process().str();
   j["mode"] = processes ? "ddp-mpi" : o.mode;
-  j["final_loss"] = r.final_loss;
+  if (r.resumed_at >= 0 && r.steps == r.resumed_at) {
+    j["final_loss"] = nullptr;  // nothing was left to train
+  } else {
+    j["final_loss"] = r.final_loss;
+  }
   if (r.scaler) {
     j["loss_scale"] = r.scaler->scale;
     j["skipped_steps"] = r.scaler->skipped_steps;
