@@ -183,8 +183,8 @@ class blas_handle {
 #if LOCKSTEP_HAS_ONEDNN
   /// The oneDNN matmuls this handle created (host devices), by shape; created on first use.
   [[nodiscard]] detail::onednn_matmuls& onednn_cache() {
-    if (!onednn_) onednn_ = std::make_shared<detail::onednn_matmuls>();
-    return *static_cast<detail::onednn_matmuls*>(onednn_.get());
+    if (!onednn_) onednn_ = std::make_unique<detail::onednn_matmuls>();
+    return *onednn_;
   }
 #endif
 
@@ -212,9 +212,9 @@ class blas_handle {
  private:
   stream_ref stream_;
   host_gemm_plan plan_;
-  // The oneDNN matmuls (a detail::onednn_matmuls), type-erased so that the handle's layout is the same with and
-  // without LOCKSTEP_HAS_ONEDNN (the inline namespace names only the CUDA configuration).
-  std::shared_ptr<void> onednn_;
+#if LOCKSTEP_HAS_ONEDNN
+  std::unique_ptr<detail::onednn_matmuls> onednn_;  // (a build with oneDNN has an inline namespace of its own)
+#endif
   unique_handle<detail::cublas_handle_traits> cublas_;
   device_buffer<float> workspace_;  // freed before cublas_ is destroyed (reverse order of declaration)
 };
