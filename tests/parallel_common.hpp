@@ -210,7 +210,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   graph model = make_model(ctx);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,
                                 ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
-                                            .deterministic = r.deterministic, .zero = r.zero});
+                                            .deterministic = r.deterministic, .zero = to_zero_stage(r.zero)});
   auto params = parameters_of(model).pointers();
   std::optional<sgd> plain;
   std::optional<adamw> adam;
@@ -281,7 +281,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
     }
     if (r.clip > 0.0f) {
       std::optional<communicator_ref> shards;
-      if (ddp.zero_stage() > 0) shards = comm;
+      if (ddp.zero() != zero_stage::none) shards = comm;
       in = clipper.clip_grad_norm(params, {.max_norm = r.clip}, s, in, shards);
     }
     plain ? plain->step(s, in) : adam->step(s, in);

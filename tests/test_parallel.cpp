@@ -207,6 +207,122 @@ INSTANTIATE_TEST_SUITE_P(devices_and_batches, parallel_equivalence,
 
 // ---- deterministic mode --------------------------------------------------------------------------------------
 
+// ---- bucket_plan: DDP's pure layout, alone ----
+
+namespace {
+// Checks what every plan must satisfy: every parameter in exactly one bucket, in reverse model order; 256-byte
+// offsets in both layouts; no overlap; under sharding equal ranges whose shards of every parameter partition it.
+void expect_valid_plan(const std::vector<detail::planned_parameter>& ps, const detail::bucket_plan& plan,
+                       const detail::bucket_plan_options& o) {
+  std::vector<std::size_t> order;
+  for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
+    const auto& l = plan.buckets[b];
+    ASSERT_FALSE(l.params.empty());
+    std::size_t end = 0, value_end = 0;
+    for (std::size_t i = 0; i < l.params.size(); ++i) {
+      const std::size_t k = l.params[i];
+      order.push_back(k);
+      EXPECT_EQ(plan.bucket_of[k], b);
+      EXPECT_EQ(l.offsets[i] * size_of(l.wire) % 256, 0u);
+      EXPECT_EQ(l.value_offsets[i] * size_of(l.value_type) % 256, 0u);
+      EXPECT_GE(l.offsets[i], end);
+      EXPECT_GE(l.value_offsets[i], value_end);
+      const auto n = static_cast<std::size_t>(ps[k].numel);
+      end = l.offsets[i] + (o.deterministic ? kernels::exact_words(n) : n);
+      value_end = l.value_offsets[i] + n;
+      EXPECT_EQ(l.value_type, ps[k].compute_type);
+    }
+    EXPECT_LE(end, l.elements);
+    EXPECT_LE(value_end, l.value_elements);
+    if (o.sharded) {
+      EXPECT_EQ(l.shard_elements * static_cast<std::size_t>(o.world), l.value_elements);
+      for (std::size_t i = 0; i < l.params.size(); ++i) {
+        const std::int64_t n = ps[l.params[i]].numel;
+        std::int64_t covered = 0, next = 0;
+        for (int rank = 0; rank < o.world; ++rank) {
+          const element_range r = l.shard_of(i, n, rank);
+          if (r.empty()) continue;
+          EXPECT_EQ(r.begin, next) << "bucket " << b << " parameter " << i << " rank " << rank;
+          next = r.end;
+          covered += r.size();
+        }
+        EXPECT_EQ(covered, n);
+      }
+    }
+  }
+  std::vector<std::size_t> expected(ps.size());
+  for (std::size_t k = 0; k < ps.size(); ++k) expected[k] = ps.size() - 1 - k;
+  EXPECT_EQ(order, expected);
+}
+}  // namespace
+
+TEST(bucket_plan, reverse_order_a_small_first_bucket_and_aligned_offsets) {
+  // 4-byte values: 300 floats (1200 B), 100, 1000, 7, 2000
+  const std::vector<detail::planned_parameter> ps{{300}, {100}, {1000}, {7}, {2000}};
+  const detail::bucket_plan_options o{.bucket_bytes = 5000, .first_bucket_bytes = 1000};
+  const auto plan = detail::plan_buckets(ps, o);
+  expect_valid_plan(ps, plan, o);
+  // backward order 4, 3, 2, 1, 0: {4} fills the 1000-byte first bucket alone; then 5000 bytes: {3, 2, 1} (4428),
+  // and {0}
+  ASSERT_EQ(plan.buckets.size(), 3u);
+  EXPECT_EQ(plan.buckets[0].params, (std::vector<std::size_t>{4}));
+  EXPECT_EQ(plan.buckets[1].params, (std::vector<std::size_t>{3, 2, 1}));
+  EXPECT_EQ(plan.buckets[2].params, (std::vector<std::size_t>{0}));
+  EXPECT_EQ(plan.buckets[1].offsets, (std::vector<std::size_t>{0, 64, 1088}));  // 7 -> 64, 1000 -> 1024
+  EXPECT_EQ(plan.buckets[1].elements, 1088u + 128u);
+  EXPECT_EQ(plan.buckets[1].buffer_elements, plan.buckets[1].elements);
+}
+
+TEST(bucket_plan, a_change_of_wire_or_value_type_closes_a_bucket) {
+  const std::vector<detail::planned_parameter> ps{{10, dtype::f16}, {10, dtype::f32}, {10, dtype::f32}};
+  // comm hook none: everything travels in f32, one bucket
+  detail::bucket_plan_options o{.bucket_bytes = 1 << 20, .first_bucket_bytes = 1 << 20};
+  EXPECT_EQ(detail::plan_buckets(ps, o).buckets.size(), 1u);
+  // ZeRO: in their own type; the f16 parameter goes alone
+  o.own_type = true;
+  auto plan = detail::plan_buckets(ps, o);
+  ASSERT_EQ(plan.buckets.size(), 2u);
+  EXPECT_EQ(plan.buckets[1].wire, dtype::f16);
+  expect_valid_plan(ps, plan, o);
+  // a hook's type for everything
+  o.own_type = false;
+  plan = detail::plan_buckets(ps, o, dtype::bf16);
+  ASSERT_EQ(plan.buckets.size(), 1u);
+  EXPECT_EQ(plan.buckets[0].wire, dtype::bf16);
+}
+
+TEST(bucket_plan, shards_of_uneven_parameters_cover_each_once_on_any_world) {
+  const std::vector<detail::planned_parameter> ps{{1}, {333, dtype::bf16}, {64}, {65}, {1000}, {0}, {7}};
+  for (const int world : {1, 2, 3, 4, 7}) {
+    for (const bool reused : {false, true}) {
+      const detail::bucket_plan_options o{.bucket_bytes = 1500, .first_bucket_bytes = 300, .own_type = true,
+                                          .sharded = world > 1, .reused_buffers = reused && world > 1, .world = world};
+      SCOPED_TRACE(testing::Message() << "world " << world << (reused ? ", ZeRO-2" : ""));
+      const auto plan = detail::plan_buckets(ps, o);
+      expect_valid_plan(ps, plan, o);
+      if (!o.reused_buffers) continue;
+      for (std::size_t b = 0; b < plan.buckets.size(); ++b) {  // each reused buffer holds every bucket that takes it
+        EXPECT_GE(plan.reused_bytes[b % 2], plan.buckets[b].elements * size_of(plan.buckets[b].wire));
+      }
+    }
+  }
+}
+
+TEST(bucket_plan, deterministic_mode_plans_exact_words_and_room_for_gathered_partials) {
+  const std::vector<detail::planned_parameter> ps{{100}, {50, dtype::f16}};
+  const detail::bucket_plan_options o{.bucket_bytes = 1 << 20, .first_bucket_bytes = 1 << 20, .deterministic = true,
+                                      .exact_collective = true, .world = 2};
+  const auto plan = detail::plan_buckets(ps, o);
+  expect_valid_plan(ps, plan, o);
+  ASSERT_EQ(plan.buckets.size(), 2u);  // the value types differ
+  for (const auto& l : plan.buckets) {
+    EXPECT_EQ(l.wire, dtype::i64);
+    EXPECT_GE(l.buffer_elements, 2 * l.value_elements);  // 16 bytes per value for the partials
+    EXPECT_EQ(l.exact_ends.size(), 2 * l.params.size());
+  }
+  EXPECT_EQ(plan.buckets[0].exact_ends, (std::vector<std::size_t>{50, plan.buckets[0].value_elements}));
+}
+
 TEST(deterministic_shard, whole_chunks_in_rank_order_as_even_as_chunks_allow) {
   EXPECT_EQ(deterministic_shard(130, 32, 0, 3), (row_range{0, 64}));
   EXPECT_EQ(deterministic_shard(130, 32, 1, 3), (row_range{64, 64}));
@@ -783,7 +899,7 @@ TEST_P(ddp_test, ranks_with_different_models_are_rejected_with_the_rank_and_para
     run_on_devices(devices(2), [&](rank_context& rc) {
       context ctx(rc.compute_stream(), rc.rank() == 0 ? dtype::f32 : dtype::f16);
       graph model = make_model(ctx);
-      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 1});
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = zero_stage::optimizer_state});
     });
   });
   EXPECT_CONTAINS(types, "of rank 1 is 'fc1.weight' [32, 20] f16 but rank 0's is 'fc1.weight' [32, 20] f32");

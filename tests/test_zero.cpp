@@ -187,8 +187,8 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
     auto params = parameters_of(model).pointers();
     adamw early(params, adamw_options{});
     early.step(s);  // state for whole parameters, before the wrapper shards them
-    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 2});
-    EXPECT_EQ(ddp.zero_stage(), 2);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = zero_stage::gradients});
+    EXPECT_EQ(ddp.zero(), zero_stage::gradients);
     softmax_cross_entropy loss(reduction::mean);
     tensor x(shape{4, features}, dtype::f16, s);
     fill_zero(x.bytes(), s);
@@ -213,8 +213,8 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
   EXPECT_CONTAINS(messages[3], "so that the norm covers every rank's shard");
   EXPECT_CONTAINS(messages[4], "before distributed_data_parallel sharded the parameters");
   for (const auto& [options, expected] :
-       {std::pair{ddp_options{.zero = 3}, "zero must be 0 (plain DDP), 1"},
-        std::pair{ddp_options{.hook = comm_hook::fp16, .zero = 1}, "cannot be combined with a comm hook"}}) {
+       {std::pair{ddp_options{.zero = static_cast<zero_stage>(3)}, "ZeRO stage must be 0 (plain DDP), 1"},
+        std::pair{ddp_options{.hook = comm_hook::fp16, .zero = zero_stage::optimizer_state}, "cannot be combined with a comm hook"}}) {
     const auto o = options;
     EXPECT_CONTAINS(message_of<error>([&] {
                       run_on_devices(devices(2), [&](rank_context& rc) {
@@ -239,7 +239,7 @@ TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward
       context ctx(s, dtype::f16);
       graph model = make_model(ctx);
       distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
-                                    ddp_options{.bucket_bytes = 2048, .first_bucket_bytes = 512, .zero = zero});
+                                    ddp_options{.bucket_bytes = 2048, .first_bucket_bytes = 512, .zero = to_zero_stage(zero)});
       auto params = parameters_of(model).pointers();
       adamw opt(params, adamw_options{.lr = 0.01f});
       loss_scaler scaler(s, loss_scaler_options{.initial_scale = 256.0f});
@@ -283,7 +283,7 @@ TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward
   run_on_devices(devices(2), [&](rank_context& rc) {
     context ctx(rc.compute_stream());
     graph model = make_model(ctx);
-    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = 1});
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = zero_stage::optimizer_state});
     if (rc.rank() == 0) f32_value = message_of<precondition_error>([&] { (void)parameters_of(model)[0].param->value(); });
   });
   EXPECT_CONTAINS(f32_value, "ZeRO shards it over the ranks: this rank updates elements [");

@@ -617,9 +617,9 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   const stream_ref compute = ctx.stream();
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
-  distributed_data_parallel ddp(model, ctx, comm, comm_stream, ddp_options{.zero = o.zero});
+  distributed_data_parallel ddp(model, ctx, comm, comm_stream, ddp_options{.zero = to_zero_stage(o.zero)});
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
-  optimizer.set_sharded(ddp.zero_stage() > 0);
+  optimizer.set_sharded(ddp.zero() != zero_stage::none);
   softmax_cross_entropy loss(reduction::mean);
   if (o.batch % world != 0 && !o.deterministic) {
     throw precondition_error(detail::concat(
@@ -638,7 +638,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   progress show(o, loader.batches_per_epoch(), rank == 0);
   run_result r;
   run_checkpoints ck(o, model, optimizer, compute, comm, active_preemption);
-  if (ddp.zero_stage() > 0) {
+  if (ddp.zero() != zero_stage::none) {
     ck.set_whole([&](const std::function<void()>& body) {
       optimizer.visit([&](auto& opt) {
         auto whole = ddp.consolidated(opt);

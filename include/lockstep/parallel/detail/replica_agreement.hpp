@@ -1,0 +1,107 @@
+// lockstep/parallel/detail/replica_agreement.hpp — before DDP trains, every rank must wrap the same model and
+// start from the same values: the parameters' names, shapes and compute types are compared across ranks (a
+// mismatch names the rank and the parameter), then rank 0's values are broadcast.
+#pragma once
+
+#include <algorithm>
+#include <cstdint>
+#include <cstring>
+#include <string>
+#include <vector>
+
+#include "lockstep/comm/communicator.hpp"
+#include "lockstep/config.hpp"
+#include "lockstep/nn/parameter.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// Every rank must have the same parameters in the same order: names (first 56 bytes), shapes and compute types
+/// are gathered and compared on `s`. Throws precondition_error naming the first rank and parameter that differ.
+inline void check_same_parameters(const parameter_list& params, communicator_ref comm, stream_ref s) {
+  const int world = comm.size();
+  constexpr std::size_t name_bytes = 56;
+  constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8 + 8;  // name, rank and dims, compute type
+  // 1. the counts
+  auto count = to_device(std::vector<std::int64_t>{static_cast<std::int64_t>(params.size())}, s);
+  device_buffer<std::int64_t> counts(static_cast<std::size_t>(world), s);
+  comm.all_gather(device_span<const std::int64_t>(count.span()), counts.span(), s);
+  comm.synchronize(s);
+  const auto all_counts = to_vector(device_span<const std::int64_t>(counts.span()), s);
+  for (int r = 0; r < world; ++r) {
+    if (all_counts[static_cast<std::size_t>(r)] != all_counts[0]) {
+      throw precondition_error(concat("distributed_data_parallel: rank ", r, " has ",
+                                      all_counts[static_cast<std::size_t>(r)], " parameters but rank 0 has ",
+                                      all_counts[0], ": every rank must wrap the same model"));
+    }
+  }
+  if (params.empty()) return;
+  // 2. name and shape of every parameter
+  std::vector<std::uint8_t> mine(params.size() * record, 0);
+  for (std::size_t i = 0; i < params.size(); ++i) {
+    std::uint8_t* rec = mine.data() + i * record;
+    const std::string& name = params[i].name;
+    std::memcpy(rec, name.data(), std::min(name.size(), name_bytes));
+    const shape& dims = params[i].param->dims();
+    std::int64_t fields[shape::max_rank + 1] = {dims.rank()};
+    for (int d = 0; d < dims.rank(); ++d) fields[d + 1] = dims[d];
+    std::memcpy(rec + name_bytes, fields, sizeof fields);
+    // the compute type too: it decides the buckets' layout (under ZeRO, the type gradients travel in)
+    const auto type = static_cast<std::int64_t>(params[i].param->compute_type());
+    std::memcpy(rec + name_bytes + sizeof fields, &type, sizeof type);
+  }
+  auto mine_dev = to_device(mine, s);
+  device_buffer<std::uint8_t> all(mine.size() * static_cast<std::size_t>(world), s);
+  comm.all_gather(device_span<const std::uint8_t>(mine_dev.span()), all.span(), s);
+  comm.synchronize(s);
+  const auto everyone = to_vector(device_span<const std::uint8_t>(all.span()), s);
+  auto describe = [&](const std::uint8_t* rec) {
+    std::string name(reinterpret_cast<const char*>(rec), name_bytes);
+    name.resize(std::strlen(name.c_str()));
+    std::int64_t fields[shape::max_rank + 1];
+    std::memcpy(fields, rec + name_bytes, sizeof fields);
+    std::string dims = "[";
+    for (std::int64_t d = 0; d < fields[0]; ++d) dims += (d ? ", " : "") + std::to_string(fields[d + 1]);
+    std::int64_t type = 0;
+    std::memcpy(&type, rec + name_bytes + sizeof fields, sizeof type);
+    return "'" + name + "' " + dims + "] " + std::string(name_of(static_cast<dtype>(type)));
+  };
+  for (int r = 1; r < world; ++r) {
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const std::uint8_t* theirs = everyone.data() + (static_cast<std::size_t>(r) * params.size() + i) * record;
+      const std::uint8_t* first = everyone.data() + i * record;
+      if (std::memcmp(theirs, first, record) != 0) {
+        throw precondition_error(concat("distributed_data_parallel: parameter ", i, " of rank ", r, " is ",
+                                        describe(theirs), " but rank 0's is ", describe(first),
+                                        ": every rank must wrap the same model"));
+      }
+    }
+  }
+}
+
+/// Rank 0's fp32 values to every rank, packed into one buffer, on `s` (after the whole device's work: the
+/// model's initialization ran on some stream); working copies refreshed. Returns when done.
+inline void broadcast_parameters(const parameter_list& params, communicator_ref comm, stream_ref s) {
+  if (comm.size() == 1 || params.empty()) return;
+  synchronize(s.get_device());
+  std::size_t total = 0;
+  for (const auto& p : params) total += static_cast<std::size_t>(p.param->numel());
+  device_buffer<float> flat(total, s);
+  std::size_t offset = 0;
+  for (const auto& p : params) {
+    const auto n = static_cast<std::size_t>(p.param->numel());
+    copy(flat.span().subspan(offset, n), p.param->value().span<const float>(), s);
+    offset += n;
+  }
+  comm.broadcast(flat.span(), 0, s);
+  offset = 0;
+  for (const auto& p : params) {
+    const auto n = static_cast<std::size_t>(p.param->numel());
+    copy(p.param->value().span<float>(), device_span<const float>(flat.span().subspan(offset, n)), s);
+    p.param->refresh_working_copy(s);
+    offset += n;
+  }
+  comm.synchronize(s);
+}
+
+LOCKSTEP_DETAIL_END

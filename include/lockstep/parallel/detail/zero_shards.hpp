@@ -1,0 +1,321 @@
+// lockstep/parallel/detail/zero_shards.hpp — ZeRO's shards (Rajbhandari et al. 2019): each rank owns a
+// contiguous range of every bucket (bucket_plan.hpp), keeps the fp32 master values (under f16/bf16) and the
+// optimizer state of that range only, and steps it alone; the values forward reads live in one flat buffer per
+// bucket, all-gathered in place before the next forward (gather()). Stage 2 also keeps only the range's
+// gradients: the whole gradients of a bucket live in one of two buffers reused bucket after bucket, and the
+// reduced range is copied out of it into each parameter's gradient shard (copy_out). consolidate() and
+// reshard() gather whole values and optimizer state for checkpoints, and shard them again.
+#pragma once
+
+#include <algorithm>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <unordered_map>
+#include <utility>
+#include <vector>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/nn/deterministic.hpp"
+#include "lockstep/parallel/detail/ddp_replica.hpp"
+#include "lockstep/parallel/timeline.hpp"
+#include "lockstep/runtime/memory.hpp"
+
+LOCKSTEP_DETAIL_BEGIN
+
+class zero_shards {
+ public:
+  explicit zero_shards(ddp_replica& r) : r_(&r), ranges_(r.params.size()), gathered_(r.get_device()) {}
+  zero_shards(const zero_shards&) = delete;
+  zero_shards& operator=(const zero_shards&) = delete;
+  ~zero_shards() {
+    if (pending_reads_) r_->compute_stream().wait(gathered_);  // nobody waits for the gathers after this
+  }
+
+  // ---- placement (at construction) ----
+
+  /// ZeRO-2: the two buffers buckets take turns in (bucket b in buffer b % 2), zeroed.
+  void create_reused_buffers(const bucket_plan& plan) {
+    for (int i = 0; i < 2; ++i) {
+      const std::size_t bytes = plan.reused_bytes[static_cast<std::size_t>(i)];
+      if (bytes == 0) continue;
+      reused_[i] = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bytes)}, dtype::u8, r_->compute_stream());
+      fill_zero(reused_[i]->bytes(), r_->compute_stream());
+    }
+  }
+  /// ZeRO-2: the buffer bucket b uses.
+  [[nodiscard]] const std::shared_ptr<tensor>& reused_buffer(std::size_t b) const { return reused_[b % 2]; }
+
+  /// The buffer of the values forward reads, for a bucket.
+  void create_values(ddp_bucket& b) const {
+    const stream_ref s = r_->compute_stream();
+    b.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(b.layout.value_elements)}, b.layout.value_type, s);
+    fill_zero(b.values->bytes(), s);
+    b.gathered.emplace(r_->get_device());
+  }
+  /// The i-th parameter of bucket b reads its values from the bucket's values buffer; its range is noted.
+  void place(const ddp_bucket& b, std::size_t i) {
+    parameter& p = r_->param(b, i);
+    p.share_compute_storage(r_->value_slot(b, i, *b.values), b.values, r_->compute_stream());
+    ranges_[b.layout.params[i]] = b.layout.shard_of(i, p.numel(), r_->comm.rank());
+  }
+  /// After placement: every parameter gets its range as its shard (freeing the master values outside it), and
+  /// under ZeRO-2 in deterministic mode each gradient shard an exact sum kept across micro-batches.
+  void shard_parameters() {
+    const stream_ref s = r_->compute_stream();
+    for (std::size_t k = 0; k < r_->params.size(); ++k) r_->param(k).set_shard(ranges_[k], r_->reused_buffers, s);
+    if (r_->reused_buffers && r_->deterministic) {
+      exact_shards_.resize(r_->params.size());
+      for (std::size_t k = 0; k < r_->params.size(); ++k) {
+        const auto m = static_cast<std::size_t>(ranges_[k].size());
+        exact_shards_[k] = tensor(shape{static_cast<std::int64_t>(kernels::exact_words(m))}, dtype::i64, s);
+      }
+    }
+  }
+
+  // ---- training ----
+
+  /// After a synchronized backward: each rank updates its shard, the others' values arrive with the next gather.
+  void mark_updated() { set_stale(true); }
+
+  /// All-gathers the values each rank updated into every rank's copy, in stream order on the context's stream
+  /// (a collective), timed on `t`. No-op when nothing changed since the last gather.
+  void gather(timeline& t) {
+    if (!stale_) return;
+    r_->check_communication();
+    const stream_ref cs = r_->comm_stream;
+    r_->after(cs, r_->compute_stream());  // the optimizer step that updated the shards
+    t.begin(phase::communication, cs);
+    // Last bucket first: it holds the first layers, which forward reads first. Each parameter's first read waits
+    // for its own bucket only (a read hook), so that forward overlaps the later gathers.
+    for (std::size_t b = r_->buckets.size(); b-- > 0;) {
+      ddp_bucket& bk = r_->buckets[b];
+      const bucket_layout& l = bk.layout;
+      const std::size_t es = size_of(l.value_type);
+      r_->comm.all_gather(static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * es,
+                          bk.values->data(), l.shard_elements, l.value_type, cs);
+      bk.gathered->record(cs);
+      for (const std::size_t k : l.params) {
+        r_->param(k).set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
+      }
+    }
+    t.end(cs);
+    gathered_.record(cs);
+    pending_reads_ = true;
+    set_stale(false);
+  }
+  /// Orders the context's stream after every all-gather of the last gather() (the read hooks ordered only the
+  /// reads forward made): backward and the step after it come after every all-gather, which reads the shards.
+  void wait_for_gathers() {
+    if (!pending_reads_) return;
+    r_->compute_stream().wait(gathered_);
+    for (const auto& p : r_->params) p.param->set_read_hook(nullptr);
+    pending_reads_ = false;
+  }
+
+  /// ZeRO-2: the whole gradient of a parameter of bucket b is about to be written into its buffer, which bucket
+  /// b - 2 used before: the write waits until that bucket was reduced and copied out (`launched`: the buckets
+  /// whose collectives were queued). Buckets 0 and 1 follow the previous step's last buckets, which backward
+  /// waited for.
+  void before_first_write(std::size_t b, std::size_t launched) const {
+    if (b < 2) return;
+    LOCKSTEP_EXPECTS(launched > b - 2, "distributed_data_parallel (ZeRO-2): a gradient of bucket ", b,
+                     " is written before bucket ", b - 2, ", which shares its buffer, was reduced (a layer whose "
+                     "parameters span three buckets); raise ddp_options::bucket_bytes");
+    r_->compute_stream().wait(*r_->buckets[b - 2].released);
+  }
+
+  /// ZeRO-2: the reduced range of bucket b into the parameters' own gradient shards (added to what they hold
+  /// since zero_grad), on the communication stream; then the buffer may be reused.
+  void copy_out(ddp_bucket& b) {
+    const stream_ref cs = r_->comm_stream;
+    const bucket_layout& l = b.layout;
+    for (std::size_t i = 0; i < l.params.size(); ++i) {
+      parameter& p = r_->param(b, i);
+      const element_range r = ranges_[l.params[i]];
+      const tensor_view to = p.grad_shard();
+      p.release_full_grad();
+      if (r.empty()) continue;
+      const float keep = p.begin_shard_accumulate();
+      if (r_->deterministic) {
+        add_exact_shard(b, i, keep == 0.0f);
+        continue;
+      }
+      const tensor_view from(static_cast<std::byte*>(b.flat->data()) + (l.offsets[i] + static_cast<std::size_t>(r.begin)) * size_of(l.wire),
+                             l.wire, shape{r.size()}, r_->get_device());
+      dispatch_floating(l.wire, "ZeRO-2 gradient shard", [&]<class T>() {
+        if (keep == 0.0f) {
+          copy(to.span<T>(), from.span<const T>(), cs);
+        } else {
+          axpy<T>(1.0f, from.span<const T>(), to.span<T>(), cs);
+        }
+      });
+    }
+    b.released->record(cs);
+  }
+
+  // ---- checkpoints ----
+
+  /// The whole master values and optimizer state on every rank (distributed_data_parallel::consolidated).
+  /// Nested calls: the outermost one gathers.
+  template <class Optimizer>
+  void consolidate(Optimizer& opt, timeline& comm_timeline) {
+    if (consolidations_++ > 0) return;
+    // The values whole and current for the guard's readers; if a step may still come (a save between backward
+    // and the step), the next forward gathers again (reshard marks them stale again).
+    regather_ = stale_;
+    gather(comm_timeline);
+    wait_for_gathers();  // the guard's readers (checkpoints) read the values on any stream
+    // Every rank gathers the same state tensors: a rank that saved before the first step has state (the save
+    // materialized it) that the others lack, so all materialize it (zeros; the next step stays a first step).
+    opt.materialize_state(r_->compute_stream());
+    const stream_ref s = r_->comm_stream;
+    std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
+    for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      gather_whole([&](std::size_t k) { return where.contains(k); },
+                   [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
+                   [&](std::size_t k, const tensor_view& whole) {
+                     tensor t(r_->param(k).dims(), dtype::f32, s);
+                     copy(t.span<float>(), whole.span<const float>(), s);
+                     // the shard was read on this stream (gather_whole's copy): freed after that read
+                     opt.replace_state(where.at(k).first, where.at(k).second, which, std::move(t)).set_stream(s);
+                   });
+    }
+    gather_whole([&](std::size_t k) { return !r_->param(k).working().empty(); },  // f16/bf16: masters sharded
+                 [&](std::size_t k) { return r_->param(k).master_shard(); },
+                 [&](std::size_t k, const tensor_view& whole) { r_->param(k).clear_shard(whole, s); });
+    for (const auto& p : r_->params) p.param->clear_shard(tensor_view{}, s);  // the f32 ones: nothing to gather
+    r_->comm.synchronize(s);
+  }
+
+  /// Back to shards after consolidate(): the optimizer state and the master values keep this rank's range.
+  template <class Optimizer>
+  void reshard(Optimizer& opt) {
+    if (--consolidations_ > 0) return;
+    const stream_ref s = r_->compute_stream();
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) {
+        const element_range r = ranges_[k];
+        tensor part(shape{r.size()}, dtype::f32, s);
+        if (!r.empty()) {
+          copy(part.span<float>(),
+               opt.state(g, i, which).template span<const float>().subspan(static_cast<std::size_t>(r.begin),
+                                                                            static_cast<std::size_t>(r.size())),
+               s);
+        }
+        opt.replace_state(g, i, which, std::move(part)).set_stream(s);  // the whole state, read above on `s`
+      });
+    }
+    for (std::size_t k = 0; k < r_->params.size(); ++k) r_->param(k).set_shard(ranges_[k], r_->reused_buffers, s);
+    if (std::exchange(regather_, false)) set_stale(true);
+  }
+
+  // ---- memory ----
+
+  /// Bytes of the values buffers forward reads.
+  [[nodiscard]] std::uint64_t values_bytes() const {
+    std::uint64_t n = 0;
+    for (const auto& b : r_->buckets) n += b.values ? b.layout.value_elements * size_of(b.layout.value_type) : 0;
+    return n;
+  }
+  /// ZeRO-2: bytes of the reused buffers, the gradient shards and their exact sums.
+  [[nodiscard]] std::uint64_t reused_gradient_bytes() const {
+    std::uint64_t n = 0;
+    for (const auto& buffer : reused_) n += buffer ? buffer->capacity_bytes() : 0;
+    for (const auto& p : r_->params) n += static_cast<std::uint64_t>(p.param->grad_shard().numel()) * size_of(p.param->compute_type());
+    for (const auto& t : exact_shards_) n += t.size_bytes();
+    return n;
+  }
+
+ private:
+  // Every parameter's values stale (after backward) or current (after a gather).
+  void set_stale(bool stale) {
+    for (const auto& p : r_->params) p.param->set_stale(stale);
+    stale_ = stale;
+  }
+
+  // ZeRO-2, deterministic mode: the all-reduced exact sums of the range of bucket b's i-th parameter written over
+  // (`overwrite`) or added to its shard's exact sum, which is then rounded into the gradient shard; on the
+  // communication stream.
+  void add_exact_shard(const ddp_bucket& b, std::size_t i, bool overwrite) {
+    const stream_ref cs = r_->comm_stream;
+    const std::size_t k = b.layout.params[i];
+    parameter& p = r_->param(k);
+    const element_range r = ranges_[k];
+    const auto n = static_cast<std::size_t>(p.numel()), m = static_cast<std::size_t>(r.size());
+    const std::int64_t* words = static_cast<const std::int64_t*>(b.flat->data()) + b.layout.offsets[i];
+    std::int64_t* shard = exact_shards_[k].as<std::int64_t>();
+    const std::int64_t* from[3] = {words + r.begin, words + n + r.begin, words + 2 * n};  // hi, lo, count
+    std::int64_t* to[3] = {shard, shard + m, shard + 2 * m};
+    for (int part = 0; part < 3; ++part) {
+      const std::size_t count = part < 2 ? m : 1;
+      if (overwrite) {
+        copy(device_span<std::int64_t>(to[part], count, r_->get_device()),
+             device_span<const std::int64_t>(from[part], count, r_->get_device()), cs);
+      } else {
+        launch_elementwise(count, kernels::exact_add_words_op{from[part], to[part]}, cs, "ZeRO-2 exact shard");
+      }
+    }
+    round_exact_limbs(p.compute_type(), to[0], to[1], to[2], p.grad_shard().data(), m, cs);
+  }
+
+  // Whole fp32 tensors from every rank's shards, bucket by bucket, in stream order on the communication stream
+  // (which waits for the context's stream first; the context's stream waits for it at the end). For each
+  // parameter k with wanted(k) (the same on every rank), piece(k) is its shard on this rank (shard().size()
+  // floats) and take(k, whole) receives all numel() values, flat, in a temporary buffer.
+  template <class Wanted, class Piece, class Take>
+  void gather_whole(Wanted&& wanted, Piece&& piece, Take&& take) {
+    const stream_ref s = r_->comm_stream;
+    r_->after(s, r_->compute_stream());
+    for (auto& b : r_->buckets) {
+      const bucket_layout& l = b.layout;
+      if (std::none_of(l.params.begin(), l.params.end(), wanted)) continue;
+      tensor flat(shape{static_cast<std::int64_t>(l.value_elements)}, dtype::f32, s);
+      fill_zero(flat.span<float>(), s);
+      for (std::size_t i = 0; i < l.params.size(); ++i) {
+        const std::size_t k = l.params[i];
+        if (!wanted(k) || ranges_[k].empty()) continue;
+        copy(flat.span<float>().subspan(l.value_offsets[i] + static_cast<std::size_t>(ranges_[k].begin),
+                                        static_cast<std::size_t>(ranges_[k].size())),
+             piece(k).template span<const float>(), s);
+      }
+      r_->comm.all_gather(flat.span<float>().data() + l.rank_offset(r_->comm.rank()), flat.data(), l.shard_elements,
+                          dtype::f32, s);
+      for (std::size_t i = 0; i < l.params.size(); ++i) {
+        const std::size_t k = l.params[i];
+        if (!wanted(k)) continue;
+        take(k, r_->value_slot(b, i, flat));
+      }
+    }
+    gathered_.record(s);
+    r_->compute_stream().wait(gathered_);
+  }
+
+  // Calls f(group, index in group, parameter index) for every wrapped parameter for which `opt` holds state (all
+  // of a group's state tensors exist once it has any).
+  template <class Optimizer, class F>
+  void for_each_state(Optimizer& opt, F&& f) {
+    for (std::size_t g = 0; g < opt.group_count(); ++g) {
+      if (!opt.has_state(g)) continue;
+      const auto& ps = opt.params(g);
+      for (std::size_t i = 0; i < ps.size(); ++i) {
+        const auto it = r_->index.find(ps[i]);
+        if (it != r_->index.end()) f(g, i, it->second);
+      }
+    }
+  }
+
+  ddp_replica* r_;
+  std::vector<element_range> ranges_;      // each parameter's shard on this rank
+  std::shared_ptr<tensor> reused_[2];      // ZeRO-2: the buffers buckets take turns in
+  std::vector<tensor> exact_shards_;       // ZeRO-2, deterministic mode: each gradient shard's exact sum
+  event gathered_;                         // the last gather's (or gather_whole's) collectives
+  int consolidations_ = 0;                 // consolidate() calls not yet resharded
+  bool regather_ = false;                  // stale when the outermost consolidate began: stale again at its end
+  bool pending_reads_ = false;             // gathered, and the context's stream not yet after every gather
+  bool stale_ = false;                     // shards updated since the last gather
+};
+
+LOCKSTEP_DETAIL_END
