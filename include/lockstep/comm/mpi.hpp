@@ -57,7 +57,7 @@
 #include <vector>
 
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/comm/host_clique.hpp"
+#include "lockstep/comm/detail/host_reduce.hpp"
 #include "lockstep/device/query.hpp"
 #include "lockstep/runtime/copy.hpp"
 

@@ -14,18 +14,14 @@
 // reads (the working copy, or the master values under f32) can be placed the same way (`share_compute_storage`):
 // ZeRO all-gathers them in place.
 //
-// ZeRO (parallel/distributed_data_parallel.hpp) gives a parameter a shard: the range of its elements whose
-// update this rank owns (`shard()`; all of them otherwise). The optimizer, the loss scaler and the clipper read
-// and write `master_shard()`, `grad_shard()` and `working_shard()`, never the whole tensors. Under f16/bf16 the
-// master values of the other elements are not kept at all (`value()` then refuses, naming the way to get them),
-// and under ZeRO-2 the gradient shard has storage of its own while the whole gradient lives only during
-// backward, in memory reused bucket after bucket (a first-write hook lets the owner of that memory order the
-// writes after its previous use). Between a ZeRO backward and the gather of the updated values the compute
-// values are stale: `compute_value()` refuses; after the gather, its first call orders the reader (the context's
-// stream) after the parameter's all-gather (a read hook).
+// A wrapper that shards parameters over ranks (ZeRO: parallel/detail/zero_shards.hpp) attaches a
+// `parameter_sharding` to each: its state (the range of elements this rank updates, the shard's master values
+// and gradient kept apart, whether the values are stale) is the wrapper's, and the parameter asks it before
+// reads and writes. The optimizer, the loss scaler and the clipper read and write `master_shard()`,
+// `grad_shard()` and `working_shard()` (the whole tensors when nothing shards the parameter). Under f16/bf16
+// the master values outside the shard are not kept at all (`value()` then refuses, naming the way to get them).
 #pragma once
 
-#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -49,6 +45,36 @@ struct element_range {
   friend bool operator==(const element_range&, const element_range&) = default;
 };
 
+class parameter;
+
+/// What a wrapper that shards a parameter over ranks (ZeRO) tells it, and hears from it. The state is the
+/// wrapper's (parallel/detail/zero_shards.hpp); the parameter holds it by a shared pointer, so that it outlives
+/// the wrapper.
+class parameter_sharding {
+ public:
+  virtual ~parameter_sharding() = default;
+  /// Whether the parameter is sharded now (false while a consolidation holds it whole).
+  [[nodiscard]] virtual bool active() const noexcept = 0;
+  /// The elements whose update this rank owns.
+  [[nodiscard]] virtual element_range range() const noexcept = 0;
+  /// Whether the wrapper keeps the fp32 master values of range() (f16/bf16: the parameter then holds no master
+  /// values of its own), and those values, flat.
+  [[nodiscard]] virtual bool keeps_masters() const noexcept = 0;
+  [[nodiscard]] virtual tensor_view masters() const noexcept = 0;
+  /// Whether the wrapper keeps the gradient of range() apart from the whole gradient (ZeRO-2), and that gradient.
+  [[nodiscard]] virtual bool keeps_gradient() const noexcept = 0;
+  [[nodiscard]] virtual tensor_view gradient() const noexcept = 0;
+  /// compute_value() of `p` is about to read the values: throws while they are stale (updated on other ranks and
+  /// not yet gathered); otherwise may order the reader after their gather.
+  virtual void before_read(const parameter& p) = 0;
+  /// The whole gradient's memory, logically zero, is about to be written (the wrapper may reuse that memory).
+  virtual void before_first_write() = 0;
+  /// zero_grad() was called: the gradient kept apart is logically zero too.
+  virtual void zero_grad() noexcept = 0;
+  /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
+  virtual void materialize_gradient(stream_ref s) = 0;
+};
+
 class parameter {
  public:
   parameter() = default;
@@ -56,43 +82,39 @@ class parameter {
   /// A parameter named `name` (local to its layer: "weight") of shape `dims` on the device of `s`, with
   /// uninitialized fp32 values and a gradient in `compute_type`, marked zero.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
-      : name_(std::move(name)), dims_(dims), value_(dims, dtype::f32, s), value_view_(value_.view()) {
+      : name_(std::move(name)), dims_(dims), value_(tensor(dims, dtype::f32, s)) {
     set_compute_type(compute_type, s);
   }
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   [[nodiscard]] const shape& dims() const noexcept { return dims_; }
   [[nodiscard]] std::int64_t numel() const noexcept { return dims_.numel(); }
-  [[nodiscard]] device get_device() const noexcept { return value_view_.get_device(); }
+  // (the gradient always exists; the master values may be a sharding wrapper's)
+  [[nodiscard]] device get_device() const noexcept { return grad_.view().get_device(); }
 
   /// The fp32 master values (what the optimizer updates and checkpoints store). Throws precondition_error while
   /// ZeRO shards the parameter: this rank updates only its shard (see master_shard()), and under f16/bf16 keeps
   /// only the shard's master values.
   [[nodiscard]] tensor_view value() const {
-    if (sharded_) {
+    if (is_sharded()) {
+      const element_range r = sharding_->range();
       throw precondition_error(detail::concat(
-          "parameter ", name_, ": ZeRO shards it over the ranks: this rank updates elements [", shard_.begin, ", ",
-          shard_.end, ") of its ", numel(), master_sharded_ ? " and keeps only their fp32 master values" : "",
+          "parameter ", name_, ": ZeRO shards it over the ranks: this rank updates elements [", r.begin, ", ",
+          r.end, ") of its ", numel(), sharding_->keeps_masters() ? " and keeps only their fp32 master values" : "",
           "; read master_shard(), or gather whole values with distributed_data_parallel::consolidated(optimizer) "
           "(save, load and hash checkpoints inside it)"));
     }
-    return value_view_;
+    return value_.view();
   }
   /// What forward and backward read: the working copy under f16/bf16, the master values under f32. Throws
   /// precondition_error between a ZeRO backward and the gather of the updated values (they are stale).
   [[nodiscard]] tensor_view compute_value() const {
-    if (stale_) {
-      throw precondition_error(detail::concat(
-          "parameter ", name_, ": its values on this rank are stale (ZeRO updates a shard per rank; the others' "
-          "updates arrive with the next distributed_data_parallel::forward or gather_parameters()); call "
-          "ddp.gather_parameters() before using the model outside the wrapper"));
-    }
-    if (read_hook_) std::exchange(read_hook_, nullptr)();
-    return working_view_.empty() ? value_view_ : working_view_;
+    if (sharding_) sharding_->before_read(*this);
+    return working_.empty() ? value_.view() : working_.view();
   }
   /// The gradient, in the compute precision.
-  [[nodiscard]] tensor_view grad() const noexcept { return grad_view_; }
-  [[nodiscard]] dtype compute_type() const noexcept { return grad_view_.type(); }
+  [[nodiscard]] tensor_view grad() const noexcept { return grad_.view(); }
+  [[nodiscard]] dtype compute_type() const noexcept { return grad_.view().type(); }
 
   /// True when the gradient is logically zero (zero_grad was called and nothing accumulated since).
   [[nodiscard]] bool grad_is_zero() const noexcept { return grad_zero_; }
@@ -100,16 +122,16 @@ class parameter {
   /// Marks the gradient zero without writing it.
   void zero_grad() noexcept {
     grad_zero_ = true;
-    shard_grad_zero_ = true;
     exact_holds_sum_ = false;
+    if (sharding_) sharding_->zero_grad();
   }
 
   /// For code about to accumulate into the gradient: returns the factor for the old contents (0 when the
   /// gradient is logically zero, so the accumulation overwrites; 1 otherwise) and marks it written. The
-  /// first-write hook (ZeRO-2) runs before a logically zero gradient is written.
+  /// sharding wrapper hears of it before a logically zero gradient is written.
   [[nodiscard]] float begin_accumulate() {
     if (!grad_zero_) return 1.0f;
-    if (first_write_) first_write_();
+    if (sharding_) sharding_->before_first_write();
     grad_zero_ = false;
     return 0.0f;
   }
@@ -117,8 +139,8 @@ class parameter {
   /// Writes zeros into what readers of the gradient read when it is logically zero: the gradient's memory (and
   /// its exact accumulator, when it has one), or under ZeRO-2 the gradient shard's own storage.
   void materialize_grad(stream_ref s) {
-    if (own_grad_shard_) {
-      if (std::exchange(shard_grad_zero_, false)) fill_zero(grad_shard_.view().bytes(), s);
+    if (is_sharded() && sharding_->keeps_gradient()) {
+      sharding_->materialize_gradient(s);
       return;
     }
     materialize_full_grad(s);
@@ -127,10 +149,10 @@ class parameter {
   /// Writes zeros into the whole gradient's memory when it is logically zero (running the first-write hook).
   void materialize_full_grad(stream_ref s) {
     if (!grad_zero_) return;
-    if (first_write_) first_write_();
-    fill_zero(grad_view_.bytes(), s);
-    if (!exact_view_.empty()) {
-      fill_zero(exact_view_.bytes(), s);
+    if (sharding_) sharding_->before_first_write();
+    fill_zero(grad_.view().bytes(), s);
+    if (!exact_.empty()) {
+      fill_zero(exact_.view().bytes(), s);
       exact_holds_sum_ = true;  // the sum of nothing
     }
     grad_zero_ = false;
@@ -140,11 +162,8 @@ class parameter {
   /// i64 words (kernels/exact.hpp), allocated on the device of `s` at the first call. Whether it holds
   /// anything follows the gradient: begin_accumulate() says whether to overwrite or add.
   tensor_view exact_grad(stream_ref s) {
-    if (exact_view_.empty()) {
-      exact_ = tensor(shape{exact_words()}, dtype::i64, s);
-      exact_view_ = exact_.view();
-    }
-    return exact_view_;
+    if (exact_.empty()) exact_.own(tensor(shape{exact_words()}, dtype::i64, s));
+    return exact_.view();
   }
   /// Whether the exact accumulator holds the gradient's exact sum since zero_grad, or (when a wrapper gathers
   /// partial gradients, exact_partials_target) the partials are in their slots (false after zero_grad, and after a
@@ -153,7 +172,7 @@ class parameter {
   [[nodiscard]] bool exact_grad_holds_sum() const noexcept { return exact_holds_sum_; }
   void set_exact_grad_holds_sum(bool holds) noexcept { exact_holds_sum_ = holds; }
   /// The exact accumulator, or an empty view when deterministic mode never ran.
-  [[nodiscard]] tensor_view exact_grad() const noexcept { return exact_view_; }
+  [[nodiscard]] tensor_view exact_grad() const noexcept { return exact_.view(); }
   /// The size of the exact accumulator, in i64 words.
   [[nodiscard]] std::int64_t exact_words() const noexcept {
     return static_cast<std::int64_t>(kernels::exact_words(static_cast<std::size_t>(numel())));
@@ -181,9 +200,7 @@ class parameter {
                      "parameter ", name_, ": shared exact storage must be ",
                      exact_words(), " i64 words on ", get_device().str(),
                      ", got ", storage.numel(), " of ", name_of(storage.type()), " on ", storage.get_device().str());
-    exact_ = tensor();
-    exact_owner_ = std::move(owner);
-    exact_view_ = storage;
+    exact_.borrow(storage, std::move(owner));
   }
 
   /// Moves the gradient into `storage` (this parameter's shape and compute type, on its device), which `owner`
@@ -197,13 +214,10 @@ class parameter {
                      name_of(compute_type()), " on ", get_device().str(), ", got ", storage.numel(), " of ",
                      name_of(storage.type()), " on ", storage.get_device().str());
     const tensor_view target = storage.reshaped(dims());
-    if (!grad_zero_ && target.data() != grad_view_.data()) {
-      copy(target.bytes(), device_span<const std::uint8_t>(grad_view_.bytes()), s);
-      grad_.set_stream(s);  // freed after the copy that reads it
-    }
-    grad_ = tensor();
-    grad_owner_ = std::move(owner);
-    grad_view_ = target;
+    const bool keep = !grad_zero_ && target.data() != grad_.view().data();
+    if (keep) copy(target.bytes(), device_span<const std::uint8_t>(grad_.view().bytes()), s);
+    // the old memory freed after the copy that reads it
+    grad_.borrow(target, std::move(owner), keep ? std::optional<stream_ref>(s) : std::nullopt);
   }
 
   /// Moves what forward reads (the working copy under f16/bf16, the master values under f32) into `storage`
@@ -211,135 +225,70 @@ class parameter {
   /// values are copied in stream order on `s`. Like share_grad_storage, for a wrapper that moves them in place.
   void share_compute_storage(const tensor_view& storage, std::shared_ptr<const void> owner, stream_ref s) {
     LOCKSTEP_EXPECTS(storage.type() == compute_type() && storage.numel() == numel() &&
-                         storage.get_device() == get_device() && !master_sharded_,
+                         storage.get_device() == get_device() && !(is_sharded() && sharding_->keeps_masters()),
                      "parameter ", name_, ": shared compute storage must be ", numel(), " elements of ",
                      name_of(compute_type()), " on ", get_device().str(), ", got ", storage.numel(), " of ",
                      name_of(storage.type()), " on ", storage.get_device().str());
     const tensor_view target = storage.reshaped(dims_);
-    if (working_view_.empty()) {
-      copy(target.bytes(), device_span<const std::uint8_t>(value_view_.bytes()), s);
-      value_.set_stream(s);
-      value_ = tensor();
-      value_owner_ = std::move(owner);
-      value_view_ = target;
-    } else {
-      copy(target.bytes(), device_span<const std::uint8_t>(working_view_.bytes()), s);
-      working_.set_stream(s);
-      working_ = tensor();
-      working_owner_ = std::move(owner);
-      working_view_ = target;
-    }
+    maybe_owned_tensor& moved = working_.empty() ? value_ : working_;
+    copy(target.bytes(), device_span<const std::uint8_t>(moved.view().bytes()), s);
+    moved.borrow(target, std::move(owner), s);  // the old memory freed after the copy
   }
 
-  // ---- ZeRO's shard (see the file comment) ----
+  // ---- sharding (see the file comment) ----
 
-  /// The elements whose update this rank owns: all of them unless ZeRO sharded the parameter.
-  [[nodiscard]] element_range shard() const noexcept { return sharded_ ? shard_ : element_range{0, numel()}; }
-  [[nodiscard]] bool is_sharded() const noexcept { return sharded_; }
+  /// The elements whose update this rank owns: all of them unless a wrapper shards the parameter.
+  [[nodiscard]] element_range shard() const noexcept { return is_sharded() ? sharding_->range() : element_range{0, numel()}; }
+  [[nodiscard]] bool is_sharded() const noexcept { return sharding_ && sharding_->active(); }
   /// The fp32 master values of shard(), flat.
   [[nodiscard]] tensor_view master_shard() const {
-    if (master_sharded_) return value_view_;
-    return flat_range(value_view_, shard());
+    if (is_sharded() && sharding_->keeps_masters()) return sharding_->masters();
+    return flat_range(value_.view(), shard());
   }
-  /// The gradient's elements of shard(), flat: a part of grad(), or under ZeRO-2 the shard's own storage.
+  /// The gradient's elements of shard(), flat: a part of grad(), or the gradient the wrapper keeps apart (ZeRO-2).
   [[nodiscard]] tensor_view grad_shard() const {
-    if (own_grad_shard_) return grad_shard_.view();
-    return flat_range(grad_view_, shard());
+    if (is_sharded() && sharding_->keeps_gradient()) return sharding_->gradient();
+    return flat_range(grad_.view(), shard());
   }
   /// The working copy's elements of shard(), flat; empty under f32.
   [[nodiscard]] tensor_view working_shard() const {
-    if (working_view_.empty()) return {};
-    return flat_range(working_view_, shard());
+    if (working_.empty()) return {};
+    return flat_range(working_.view(), shard());
   }
 
-  /// Makes `range` this rank's shard, in stream order on `s`. Under f16/bf16 the master values outside it are
-  /// freed; value() refuses while the parameter is sharded. With `own_grad_storage` (ZeRO-2) the gradient shard
-  /// gets storage of its own: what clear_shard kept aside for the same range (with what it holds), else new
-  /// storage marked zero.
-  void set_shard(element_range range, bool own_grad_storage, stream_ref s) {
-    LOCKSTEP_EXPECTS(!sharded_ && range.begin >= 0 && range.begin <= range.end && range.end <= numel(),
-                     "parameter ", name_, ": shard [", range.begin, ", ", range.end, ") of ", numel(),
-                     " elements", sharded_ ? " (it is sharded already)" : "");
-    if (range.empty()) range = element_range{};
-    if (!working_view_.empty()) {
-      tensor kept(shape{range.size()}, dtype::f32, s);
-      if (!range.empty()) copy(kept.span<float>(), flat_range(value_view_, range).span<const float>(), s);
-      value_.set_stream(s);
-      value_ = std::move(kept);
-      value_owner_.reset();
-      value_view_ = value_.view();
-      master_sharded_ = true;
-    }
-    if (own_grad_storage) {
-      if (parked_grad_shard_.has_value() && parked_grad_shard_->numel() == range.size()) {
-        grad_shard_ = std::move(*parked_grad_shard_);  // what it held before clear_shard (and its zero flag)
-      } else {
-        grad_shard_ = tensor(shape{range.size()}, compute_type(), s);
-        shard_grad_zero_ = true;
-      }
-      own_grad_shard_ = true;
-    }
-    parked_grad_shard_.reset();
-    shard_ = range;
-    sharded_ = true;
+  /// Attaches the wrapper's `sharding` (null: detaches). When it is active and keeps the master values, the
+  /// parameter's own are freed in stream order on `s` (the wrapper copied its range first, on `s`).
+  void set_sharding(std::shared_ptr<parameter_sharding> sharding, stream_ref s) {
+    sharding_ = std::move(sharding);
+    if (is_sharded() && sharding_->keeps_masters()) value_.reset(s);
+  }
+  /// A consolidation's whole master values (`full`: all numel() of them, flat fp32 on this device, copied in
+  /// stream order on `s`) replace those the wrapper kept for its range (which then deactivates its sharding).
+  void restore_values(const tensor_view& full, stream_ref s) {
+    LOCKSTEP_EXPECTS(full.type() == dtype::f32 && full.numel() == numel() && full.get_device() == get_device(),
+                     "parameter ", name_, ": restore_values needs its ", numel(), " fp32 master values on ",
+                     get_device().str());
+    tensor whole(dims_, dtype::f32, s);
+    copy(whole.span<float>(), full.span<const float>(), s);
+    value_.own(std::move(whole), s);
   }
 
-  /// Undoes set_shard: `full` holds all numel() master values (flat fp32 on this device; read under f16/bf16
-  /// only, copied in stream order on `s`). The gradient shard's own storage (ZeRO-2) is kept aside, with what it
-  /// holds, for the next set_shard of the same range.
-  void clear_shard(const tensor_view& full, stream_ref s) {
-    if (!sharded_) return;
-    if (master_sharded_) {
-      LOCKSTEP_EXPECTS(full.type() == dtype::f32 && full.numel() == numel() && full.get_device() == get_device(),
-                       "parameter ", name_, ": clear_shard needs its ", numel(), " fp32 master values on ",
-                       get_device().str());
-      tensor whole(dims_, dtype::f32, s);
-      copy(whole.span<float>(), full.span<const float>(), s);
-      value_.set_stream(s);
-      value_ = std::move(whole);
-      value_view_ = value_.view();
-      master_sharded_ = false;
-    }
-    if (own_grad_shard_) parked_grad_shard_ = std::move(grad_shard_);  // kept for set_shard with the same range
-    grad_shard_ = tensor();
-    own_grad_shard_ = false;
-    sharded_ = false;
-    shard_ = element_range{};
-  }
-
-  /// ZeRO-2: the factor for the gradient shard's old contents when adding a reduced gradient into it (0 when it
-  /// is logically zero), marking it written.
-  [[nodiscard]] float begin_shard_accumulate() noexcept { return std::exchange(shard_grad_zero_, false) ? 0.0f : 1.0f; }
-  /// ZeRO-2: the whole gradient's memory is about to be reused: the next write overwrites it.
+  /// The gradient's memory is about to be reused by the wrapper that owns it: the next write overwrites it.
   void release_full_grad() noexcept { grad_zero_ = true; }
-  /// Runs before a logically zero gradient's memory is first written (empty: nothing). ZeRO-2 orders that write
-  /// after the memory's previous use.
-  void set_first_write_hook(std::function<void()> hook) { first_write_ = std::move(hook); }
-  /// Marks the compute values stale (ZeRO, after backward) or current (after the gather).
-  void set_stale(bool stale) noexcept { stale_ = stale; }
-  /// Runs once, at the next compute_value() (empty: nothing). ZeRO orders the first read of gathered values after
-  /// their bucket's all-gather, so that forward starts before the last bucket arrives.
-  void set_read_hook(std::function<void()> hook) { read_hook_ = std::move(hook); }
 
   /// Switches the compute precision: allocates the gradient in `type` and, for f16/bf16, a working copy
   /// refreshed from the master values (in stream order on `s`). f32 drops the working copy.
   void set_compute_type(dtype type, stream_ref s) {
     LOCKSTEP_EXPECTS(is_floating(type), "parameter ", name_, ": compute type must be f32, f16 or bf16, got ",
                      name_of(type));
-    LOCKSTEP_EXPECTS(!sharded_ && !working_owner_ && !value_owner_, "parameter ", name_,
+    LOCKSTEP_EXPECTS(!is_sharded() && !working_.borrowed() && !value_.borrowed(), "parameter ", name_,
                      ": its compute type cannot change while a wrapper shards or holds its values");
-    if (grad_view_.empty() || grad_view_.type() != type) {
-      grad_ = tensor(dims_, type, s);
-      grad_owner_.reset();
-      grad_view_ = grad_.view();
-    }
+    if (grad_.empty() || grad_.view().type() != type) grad_.own(tensor(dims_, type, s));
     grad_zero_ = true;
     if (type == dtype::f32) {
-      working_ = tensor();
-      working_view_ = {};
+      working_.reset();
     } else {
       working_.ensure(dims_, type, s);
-      working_view_ = working_.view();
       refresh_working_copy(s);
     }
   }
@@ -347,7 +296,7 @@ class parameter {
   /// Rounds the master values into the working copy (after an optimizer step); under ZeRO, the shard's only.
   /// No-op under f32.
   void refresh_working_copy(stream_ref s) {
-    if (working_view_.empty()) return;
+    if (working_.empty()) return;
     const tensor_view to = working_shard();
     dispatch_floating(to.type(), "refresh_working_copy", [&]<class T>() {
       cast<T, float>(master_shard().span<const float>(), to.span<T>(), s);
@@ -355,13 +304,13 @@ class parameter {
   }
 
   /// The working copy, for a fused optimizer that writes it directly; empty under f32.
-  [[nodiscard]] tensor_view working() const noexcept { return working_view_; }
+  [[nodiscard]] tensor_view working() const noexcept { return working_.view(); }
 
   /// A copy of this parameter on the device of `s` (values copied in stream order on `s`; the caller makes
   /// `s` wait for the work that produced the source values). The gradient starts zero.
   [[nodiscard]] parameter clone(stream_ref s) const {
     parameter p(name_, dims_, s, compute_type());
-    copy(p.value_.span<float>(), value().span<const float>(), s);
+    copy(p.value_.view().span<float>(), value().span<const float>(), s);
     p.refresh_working_copy(s);
     return p;
   }
@@ -376,32 +325,14 @@ class parameter {
 
   std::string name_;
   shape dims_;
-  tensor value_;                             // the master values' memory (under ZeRO f16/bf16: the shard's), unless shared:
-  std::shared_ptr<const void> value_owner_;  // keeps shared master memory alive (f32 compute storage)
-  tensor_view value_view_;
-  tensor working_;                             // the working copy's memory, unless shared:
-  std::shared_ptr<const void> working_owner_;
-  tensor_view working_view_;
-  tensor grad_;                             // the gradient's memory, unless shared:
-  std::shared_ptr<const void> grad_owner_;  // keeps shared gradient memory alive
-  tensor_view grad_view_;                   // the gradient (in grad_ or in shared memory)
-  tensor exact_;                            // deterministic mode's accumulator, unless shared:
-  std::shared_ptr<const void> exact_owner_;
-  tensor_view exact_view_;
+  maybe_owned_tensor value_;    // the fp32 master values (under ZeRO f16/bf16: the shard's); f32: shared by ZeRO
+  maybe_owned_tensor working_;  // the working copy (f16/bf16; empty under f32), shared by ZeRO
+  maybe_owned_tensor grad_;     // the gradient, shared by DDP's buckets
+  maybe_owned_tensor exact_;    // deterministic mode's accumulator, shared by DDP's buckets
   bool exact_holds_sum_ = false;
   exact_partials partials_;
   bool grad_zero_ = true;
-  // ZeRO
-  bool sharded_ = false;
-  bool master_sharded_ = false;  // value_ holds the shard's master values only
-  element_range shard_;
-  tensor grad_shard_;            // ZeRO-2: the gradient shard's own storage
-  bool own_grad_shard_ = false;
-  std::optional<tensor> parked_grad_shard_;  // between clear_shard and set_shard
-  bool shard_grad_zero_ = true;
-  bool stale_ = false;
-  std::function<void()> first_write_;
-  mutable std::function<void()> read_hook_;
+  std::shared_ptr<parameter_sharding> sharding_;  // a wrapper's (ZeRO), or null
 };
 
 /// A parameter and its qualified name ("fc1.weight").

@@ -143,12 +143,7 @@ class distributed_data_parallel {
   distributed_data_parallel(const distributed_data_parallel&) = delete;
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
   /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
-  ~distributed_data_parallel() {
-    for (const auto& p : replica_.params) {
-      p.param->set_first_write_hook(nullptr);
-      p.param->set_read_hook(nullptr);
-    }
-  }
+  ~distributed_data_parallel() { shards_.detach_hooks(); }
 
   /// The ZeRO stage in effect: options.zero, or none on one rank (nothing to shard).
   [[nodiscard]] zero_stage zero() const noexcept { return replica_.sharded ? options_.zero : zero_stage::none; }
@@ -405,7 +400,9 @@ class distributed_data_parallel {
         }
         if (r.sharded) {
           shards_.place(bk, i);
-          if (r.reused_buffers) p.set_first_write_hook([this, b] { shards_.before_first_write(b, sync_.launched()); });
+          if (r.reused_buffers) {
+            shards_.set_first_write_hook(l.params[i], [this, b] { shards_.before_first_write(b, sync_.launched()); });
+          }
         }
       }
     }

@@ -4,12 +4,16 @@
 // tensors; they are defined by runtime types alone.
 //
 // `tensor_view` points at memory it does not own (a layer's output, a slice of a batch); `tensor` owns its
-// memory (a device_buffer of bytes). Both are dynamically typed: kernels dispatch on the dtype.
+// memory (a device_buffer of bytes); `maybe_owned_tensor` either owns one or borrows a view (kept alive by its
+// owner). All are dynamically typed: kernels dispatch on the dtype.
 #pragma once
 
 #include <cstddef>
 #include <cstdint>
+#include <memory>
+#include <optional>
 #include <type_traits>
+#include <utility>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/dtype.hpp"
@@ -132,6 +136,58 @@ class tensor {
   device_buffer<std::byte> storage_;
   dtype type_ = dtype::f32;
   shape shape_{};
+};
+
+/// A tensor that a holder either owns or borrows: the memory of a `tensor` it owns, or a view of memory that
+/// belongs to someone else, kept alive by a shared owner (a wrapper that places many tensors side by side in one
+/// buffer, as DDP's buckets). One type instead of a hand-kept triple of owned tensor, owner and view, so that
+/// the view cannot point at memory the holder let go of.
+class maybe_owned_tensor {
+ public:
+  maybe_owned_tensor() = default;
+  explicit maybe_owned_tensor(tensor t) noexcept : owned_(std::move(t)), view_(owned_.view()) {}
+
+  /// What the holder reads and writes.
+  [[nodiscard]] const tensor_view& view() const noexcept { return view_; }
+  [[nodiscard]] bool empty() const noexcept { return view_.empty(); }
+  /// Whether the memory is borrowed (someone else's, kept alive by an owner).
+  [[nodiscard]] bool borrowed() const noexcept { return owner_ != nullptr; }
+
+  /// Owns `t` from now on; memory owned before is freed in stream order on `s` (its stream when `s` is absent).
+  void own(tensor t, std::optional<stream_ref> s = std::nullopt) {
+    release(s);
+    owned_ = std::move(t);
+    view_ = owned_.view();
+  }
+  /// Owns `dims` of `type`, reusing owned memory when it is large enough (tensor::ensure).
+  void ensure(shape dims, dtype type, stream_ref s) {
+    if (borrowed()) release(s);
+    owned_.ensure(dims, type, s);
+    view_ = owned_.view();
+  }
+  /// Borrows `v`, which `owner` keeps alive; memory owned before is freed in stream order on `s` (after the
+  /// work queued there so far: a copy out of it, say), or on its own stream when `s` is absent.
+  void borrow(const tensor_view& v, std::shared_ptr<const void> owner, std::optional<stream_ref> s = std::nullopt) {
+    release(s);
+    owner_ = std::move(owner);
+    view_ = v;
+  }
+  /// Holds nothing; owned memory is freed in stream order on `s` (its own stream when absent).
+  void reset(std::optional<stream_ref> s = std::nullopt) {
+    release(s);
+    view_ = {};
+  }
+
+ private:
+  void release(std::optional<stream_ref> s) {
+    if (s) owned_.set_stream(*s);
+    owned_ = tensor();
+    owner_.reset();
+  }
+
+  tensor owned_;
+  std::shared_ptr<const void> owner_;
+  tensor_view view_;
 };
 
 /// Calls `f.template operator()<T>()` with T the C++ type of a floating dtype (float, half, bfloat16);

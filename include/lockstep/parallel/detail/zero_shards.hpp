@@ -10,6 +10,7 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <unordered_map>
 #include <utility>
@@ -24,9 +25,101 @@
 
 LOCKSTEP_DETAIL_BEGIN
 
+/// The elements `r` of `t`, flat.
+inline tensor_view flat_part(const tensor_view& t, element_range r) {
+  return tensor_view(static_cast<std::byte*>(t.data()) + static_cast<std::size_t>(r.begin) * size_of(t.type()), t.type(),
+                     shape{r.size()}, t.get_device());
+}
+
+/// One parameter's shard, as ZeRO keeps it (parameter_sharding): the range this rank updates, under f16/bf16
+/// the range's fp32 master values, under ZeRO-2 the range's gradient in storage of its own (kept, with what it
+/// holds, while a consolidation holds the parameter whole), and whether the values are stale.
+class zero_parameter_shard final : public parameter_sharding {
+ public:
+  explicit zero_parameter_shard(element_range range) noexcept : range_(range.empty() ? element_range{} : range) {}
+
+  [[nodiscard]] bool active() const noexcept override { return active_; }
+  [[nodiscard]] element_range range() const noexcept override { return range_; }
+  [[nodiscard]] bool keeps_masters() const noexcept override { return active_ && keeps_masters_; }
+  [[nodiscard]] tensor_view masters() const noexcept override { return masters_.view(); }
+  [[nodiscard]] bool keeps_gradient() const noexcept override { return active_ && keeps_gradient_; }
+  [[nodiscard]] tensor_view gradient() const noexcept override { return gradient_.view(); }
+
+  void before_read(const parameter& p) override {
+    if (stale_) {
+      throw precondition_error(concat(
+          "parameter ", p.name(), ": its values on this rank are stale (ZeRO updates a shard per rank; the others' "
+          "updates arrive with the next distributed_data_parallel::forward or gather_parameters()); call "
+          "ddp.gather_parameters() before using the model outside the wrapper"));
+    }
+    if (read_hook_) std::exchange(read_hook_, nullptr)();
+  }
+  void before_first_write() override {
+    if (first_write_) first_write_();
+  }
+  void zero_grad() noexcept override { gradient_zero_ = true; }
+  void materialize_gradient(stream_ref s) override {
+    if (std::exchange(gradient_zero_, false)) fill_zero(gradient_.view().bytes(), s);
+  }
+
+  /// Shards `p` (again), in stream order on `s`: under f16/bf16 the range's master values are copied apart and
+  /// the parameter's freed; with `keep_gradient` (ZeRO-2) the range's gradient gets storage of its own (what it
+  /// held before a consolidation, else new storage marked zero).
+  void activate(const std::shared_ptr<zero_parameter_shard>& self, parameter& p, bool keep_gradient, stream_ref s) {
+    LOCKSTEP_EXPECTS(!active_ && range_.end <= p.numel(), "parameter ", p.name(), ": shard [", range_.begin, ", ",
+                     range_.end, ") of ", p.numel(), " elements", active_ ? " (it is sharded already)" : "");
+    keeps_masters_ = !p.working().empty();
+    if (keeps_masters_) {
+      tensor kept(shape{range_.size()}, dtype::f32, s);
+      if (!range_.empty()) copy(kept.span<float>(), flat_part(p.value(), range_).span<const float>(), s);
+      masters_ = std::move(kept);
+    }
+    keeps_gradient_ = keep_gradient;
+    active_ = true;
+    p.set_sharding(self, s);  // frees the whole master values before the gradient shard is allocated
+    if (keep_gradient && (!has_gradient_ || gradient_.numel() != range_.size())) {
+      gradient_ = tensor(shape{range_.size()}, p.compute_type(), s);
+      gradient_zero_ = true;
+      has_gradient_ = true;
+    }
+  }
+  /// Holds `p` whole again: `whole` (its numel() fp32 master values) replaces the range's under f16/bf16, copied
+  /// in stream order on `s`; the range's gradient storage is kept for the next activate().
+  void deactivate(parameter& p, const tensor_view& whole, stream_ref s) {
+    if (keeps_masters()) {
+      p.restore_values(whole, s);  // checks `whole` before anything changes
+      masters_.set_stream(s);      // read by the gather that produced `whole`
+      masters_ = tensor();
+    }
+    active_ = false;
+  }
+
+  /// ZeRO-2: the factor for the gradient's old contents when adding a reduced gradient into it (0 when it is
+  /// logically zero), marking it written.
+  [[nodiscard]] float begin_accumulate() noexcept { return std::exchange(gradient_zero_, false) ? 0.0f : 1.0f; }
+  void set_stale(bool stale) noexcept { stale_ = stale; }
+  /// Runs once, at the next read of the values (empty: nothing).
+  void set_read_hook(std::function<void()> hook) { read_hook_ = std::move(hook); }
+  /// Runs before the whole gradient's memory, logically zero, is first written (empty: nothing).
+  void set_first_write_hook(std::function<void()> hook) { first_write_ = std::move(hook); }
+
+ private:
+  element_range range_;
+  bool active_ = false;
+  bool keeps_masters_ = false;
+  bool keeps_gradient_ = false;
+  tensor masters_;
+  tensor gradient_;
+  bool has_gradient_ = false;
+  bool gradient_zero_ = true;
+  bool stale_ = false;
+  std::function<void()> read_hook_;
+  std::function<void()> first_write_;
+};
+
 class zero_shards {
  public:
-  explicit zero_shards(ddp_replica& r) : r_(&r), ranges_(r.params.size()), gathered_(r.get_device()) {}
+  explicit zero_shards(ddp_replica& r) : r_(&r), parts_(r.params.size()), gathered_(r.get_device()) {}
   zero_shards(const zero_shards&) = delete;
   zero_shards& operator=(const zero_shards&) = delete;
   ~zero_shards() {
@@ -58,17 +151,27 @@ class zero_shards {
   void place(const ddp_bucket& b, std::size_t i) {
     parameter& p = r_->param(b, i);
     p.share_compute_storage(r_->value_slot(b, i, *b.values), b.values, r_->compute_stream());
-    ranges_[b.layout.params[i]] = b.layout.shard_of(i, p.numel(), r_->comm.rank());
+    parts_[b.layout.params[i]] = std::make_shared<zero_parameter_shard>(b.layout.shard_of(i, p.numel(), r_->comm.rank()));
+  }
+  /// ZeRO-2: `hook` runs before parameter k's whole gradient, logically zero, is first written.
+  void set_first_write_hook(std::size_t k, std::function<void()> hook) { parts_[k]->set_first_write_hook(std::move(hook)); }
+  /// The wrapper ends: its hooks go (the parameters keep their shards, stale or not).
+  void detach_hooks() {
+    for (const auto& part : parts_) {
+      if (!part) continue;
+      part->set_first_write_hook(nullptr);
+      part->set_read_hook(nullptr);
+    }
   }
   /// After placement: every parameter gets its range as its shard (freeing the master values outside it), and
   /// under ZeRO-2 in deterministic mode each gradient shard an exact sum kept across micro-batches.
   void shard_parameters() {
     const stream_ref s = r_->compute_stream();
-    for (std::size_t k = 0; k < r_->params.size(); ++k) r_->param(k).set_shard(ranges_[k], r_->reused_buffers, s);
+    activate_all();
     if (r_->reused_buffers && r_->deterministic) {
       exact_shards_.resize(r_->params.size());
       for (std::size_t k = 0; k < r_->params.size(); ++k) {
-        const auto m = static_cast<std::size_t>(ranges_[k].size());
+        const auto m = static_cast<std::size_t>(parts_[k]->range().size());
         exact_shards_[k] = tensor(shape{static_cast<std::int64_t>(kernels::exact_words(m))}, dtype::i64, s);
       }
     }
@@ -97,7 +200,7 @@ class zero_shards {
                           bk.values->data(), l.shard_elements, l.value_type, cs);
       bk.gathered->record(cs);
       for (const std::size_t k : l.params) {
-        r_->param(k).set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
+        parts_[k]->set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
       }
     }
     t.end(cs);
@@ -110,7 +213,7 @@ class zero_shards {
   void wait_for_gathers() {
     if (!pending_reads_) return;
     r_->compute_stream().wait(gathered_);
-    for (const auto& p : r_->params) p.param->set_read_hook(nullptr);
+    for (const auto& part : parts_) part->set_read_hook(nullptr);
     pending_reads_ = false;
   }
 
@@ -133,11 +236,12 @@ class zero_shards {
     const bucket_layout& l = b.layout;
     for (std::size_t i = 0; i < l.params.size(); ++i) {
       parameter& p = r_->param(b, i);
-      const element_range r = ranges_[l.params[i]];
+      zero_parameter_shard& part = *parts_[l.params[i]];
+      const element_range r = part.range();
       const tensor_view to = p.grad_shard();
       p.release_full_grad();
       if (r.empty()) continue;
-      const float keep = p.begin_shard_accumulate();
+      const float keep = part.begin_accumulate();
       if (r_->deterministic) {
         add_exact_shard(b, i, keep == 0.0f);
         continue;
@@ -183,10 +287,12 @@ class zero_shards {
                      opt.replace_state(where.at(k).first, where.at(k).second, which, std::move(t)).set_stream(s);
                    });
     }
-    gather_whole([&](std::size_t k) { return !r_->param(k).working().empty(); },  // f16/bf16: masters sharded
+    gather_whole([&](std::size_t k) { return parts_[k]->keeps_masters(); },  // f16/bf16: masters sharded
                  [&](std::size_t k) { return r_->param(k).master_shard(); },
-                 [&](std::size_t k, const tensor_view& whole) { r_->param(k).clear_shard(whole, s); });
-    for (const auto& p : r_->params) p.param->clear_shard(tensor_view{}, s);  // the f32 ones: nothing to gather
+                 [&](std::size_t k, const tensor_view& whole) { parts_[k]->deactivate(r_->param(k), whole, s); });
+    for (std::size_t k = 0; k < parts_.size(); ++k) {  // the f32 ones: nothing to gather
+      if (parts_[k]->active()) parts_[k]->deactivate(r_->param(k), tensor_view{}, s);
+    }
     r_->comm.synchronize(s);
   }
 
@@ -197,7 +303,7 @@ class zero_shards {
     const stream_ref s = r_->compute_stream();
     for (int which = 0; which < Optimizer::state_count; ++which) {
       for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) {
-        const element_range r = ranges_[k];
+        const element_range r = parts_[k]->range();
         tensor part(shape{r.size()}, dtype::f32, s);
         if (!r.empty()) {
           copy(part.span<float>(),
@@ -208,7 +314,7 @@ class zero_shards {
         opt.replace_state(g, i, which, std::move(part)).set_stream(s);  // the whole state, read above on `s`
       });
     }
-    for (std::size_t k = 0; k < r_->params.size(); ++k) r_->param(k).set_shard(ranges_[k], r_->reused_buffers, s);
+    activate_all();
     if (std::exchange(regather_, false)) set_stale(true);
   }
 
@@ -232,8 +338,14 @@ class zero_shards {
  private:
   // Every parameter's values stale (after backward) or current (after a gather).
   void set_stale(bool stale) {
-    for (const auto& p : r_->params) p.param->set_stale(stale);
+    for (const auto& part : parts_) part->set_stale(stale);
     stale_ = stale;
+  }
+  // Every parameter sharded (again), in stream order on the context's stream.
+  void activate_all() {
+    for (std::size_t k = 0; k < parts_.size(); ++k) {
+      parts_[k]->activate(parts_[k], r_->param(k), r_->reused_buffers, r_->compute_stream());
+    }
   }
 
   // ZeRO-2, deterministic mode: the all-reduced exact sums of the range of bucket b's i-th parameter written over
@@ -243,7 +355,7 @@ class zero_shards {
     const stream_ref cs = r_->comm_stream;
     const std::size_t k = b.layout.params[i];
     parameter& p = r_->param(k);
-    const element_range r = ranges_[k];
+    const element_range r = parts_[k]->range();
     const auto n = static_cast<std::size_t>(p.numel()), m = static_cast<std::size_t>(r.size());
     const std::int64_t* words = static_cast<const std::int64_t*>(b.flat->data()) + b.layout.offsets[i];
     std::int64_t* shard = exact_shards_[k].as<std::int64_t>();
@@ -276,9 +388,9 @@ class zero_shards {
       fill_zero(flat.span<float>(), s);
       for (std::size_t i = 0; i < l.params.size(); ++i) {
         const std::size_t k = l.params[i];
-        if (!wanted(k) || ranges_[k].empty()) continue;
-        copy(flat.span<float>().subspan(l.value_offsets[i] + static_cast<std::size_t>(ranges_[k].begin),
-                                        static_cast<std::size_t>(ranges_[k].size())),
+        const element_range r = parts_[k]->range();
+        if (!wanted(k) || r.empty()) continue;
+        copy(flat.span<float>().subspan(l.value_offsets[i] + static_cast<std::size_t>(r.begin), static_cast<std::size_t>(r.size())),
              piece(k).template span<const float>(), s);
       }
       r_->comm.all_gather(flat.span<float>().data() + l.rank_offset(r_->comm.rank()), flat.data(), l.shard_elements,
@@ -308,7 +420,7 @@ class zero_shards {
   }
 
   ddp_replica* r_;
-  std::vector<element_range> ranges_;      // each parameter's shard on this rank
+  std::vector<std::shared_ptr<zero_parameter_shard>> parts_;  // each parameter's shard on this rank
   std::shared_ptr<tensor> reused_[2];      // ZeRO-2: the buffers buckets take turns in
   std::vector<tensor> exact_shards_;       // ZeRO-2, deterministic mode: each gradient shard's exact sum
   event gathered_;                         // the last gather's (or gather_whole's) collectives
