@@ -345,6 +345,45 @@ TEST(checkpoint, a_file_given_for_a_checkpoint_and_a_directory_given_for_a_model
   EXPECT_EQ(origin.fingerprint(), before);
 }
 
+// An unwritable root is refused when the checkpointer is built, not at the first save after training (issue 27,
+// item 3; the read-only directory is checkpoint_faults' case, in a child that can drop root's rights).
+TEST(checkpoint, an_unwritable_root_is_refused_when_the_checkpointer_is_built) {
+  scratch dir;
+  const fs::path file = dir.path() / "a_file";
+  { std::ofstream(file) << "x"; }
+  const std::string m = message_of<io_error>([&] { checkpointer saver(file); });
+  EXPECT_CONTAINS(m, "checkpointer: " + file.string() + " exists and is not a directory");
+  const std::string under = message_of<io_error>([&] { checkpointer saver(file / "below"); });
+  EXPECT_CONTAINS(under, "cannot write checkpoints under " + (file / "below").string());
+  // a missing root is created, and the probe leaves nothing behind
+  checkpointer now(dir.path() / "now" / "deeper");
+  EXPECT_TRUE(fs::is_directory(dir.path() / "now" / "deeper"));
+  EXPECT_EQ(std::distance(fs::directory_iterator(dir.path() / "now" / "deeper"), fs::directory_iterator{}), 1)
+      << "the writer lock only";
+  // a rank that never writes does not touch its root
+  checkpointer later(dir.path() / "later", checkpoint_options{.check_root = root_check::at_first_save});
+  EXPECT_FALSE(fs::exists(dir.path() / "later"));
+}
+
+// One run writes a root at a time (issue 27, item 1): a second checkpointer on it is refused when it is built,
+// naming the holder; once the first ends (or its process dies: the kernel drops a flock), the root is free.
+TEST(checkpoint, a_second_writer_of_a_root_is_refused_naming_the_first) {
+  scratch dir;
+  std::optional<checkpointer> first(std::in_place, dir.path());
+  const std::string m = message_of<io_error>([&] { checkpointer second(dir.path()); });
+  EXPECT_CONTAINS(m, "checkpointer: " + dir.path().string() + " is being written by another run (process " +
+                         std::to_string(::getpid()) + " on ");
+  EXPECT_CONTAINS(m, "save this one under another directory");
+  first.reset();
+  checkpointer third(dir.path());
+  // readers need no lock: loading while a writer holds the root works
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  r.train(1);
+  auto st = r.state();
+  const fs::path saved = third.save(st, r.s);
+  load_checkpoint(saved, st, r.s);
+}
+
 // Each way a load can fail leaves the model, the optimizer (state, counts, rate) and the scaler bit for bit.
 TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
   scratch dir;
@@ -465,26 +504,30 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
 TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_complete) {
   scratch dir;
   run r(device{device_kind::host, 0}, dtype::f32, false);
-  checkpointer saver(dir.path(), {.keep_last = 2});
-  for (int i = 0; i < 4; ++i) {
-    r.train(1);
-    auto st = r.state();
-    saver.save(st, r.s);
-  }
+  {
+    checkpointer saver(dir.path(), {.keep_last = 2});
+    for (int i = 0; i < 4; ++i) {
+      r.train(1);
+      auto st = r.state();
+      saver.save(st, r.s);
+    }
+  }  // one writer at a time: the next checkpointer takes the root's lock
   std::vector<std::string> names;
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step-000000000003", "step-000000000004"}));
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000003", "step-000000000004"}));
   EXPECT_EQ(latest_checkpoint(dir.path()), dir.path() / "step-000000000004");
   // a save whose publication fails keeps the newest two as they were
-  checkpointer failing(dir.path(), {.keep_last = 1, .before_publish = [](const fs::path&) { throw io_error("injected"); }});
-  r.train(1);
-  auto st = r.state();
-  EXPECT_CONTAINS(message_of<io_error>([&] { failing.save(st, r.s); }), "injected");
+  {
+    checkpointer failing(dir.path(), {.keep_last = 1, .before_publish = [](const fs::path&) { throw io_error("injected"); }});
+    r.train(1);
+    auto st = r.state();
+    EXPECT_CONTAINS(message_of<io_error>([&] { failing.save(st, r.s); }), "injected");
+  }
   names.clear();
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step-000000000003", "step-000000000004"}));
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000003", "step-000000000004"}));
   // a new run from step 0 into the same root: its checkpoint stays (with keep_last 2: it and step 4, which
   // loading the root would still take, with a warning)
   run again(device{device_kind::host, 0}, dtype::f32, false);
@@ -495,7 +538,7 @@ TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_c
   names.clear();
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{"step-000000000001", "step-000000000004"}));
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000001", "step-000000000004"}));
 }
 
 TEST(checkpoint, an_asynchronous_save_stages_in_stream_order_while_training_goes_on) {
@@ -516,8 +559,8 @@ TEST(checkpoint, an_asynchronous_save_stages_in_stream_order_while_training_goes
   auto bs = back.state();
   load_checkpoint(*path, bs, back.s);
   EXPECT_EQ(back.fingerprint(), at_save);
-  // a second asynchronous save waits for the first; an error surfaces at wait()
-  checkpointer failing(dir.path(), {.before_publish = [](const fs::path&) { throw io_error("disk on fire"); }});
+  // an error of an asynchronous save surfaces at wait() (another root: `saver` still writes this one)
+  checkpointer failing(dir.path() / "other", {.before_publish = [](const fs::path&) { throw io_error("disk on fire"); }});
   auto st2 = r.state();
   failing.save_async(st2, r.s);
   EXPECT_CONTAINS(message_of<io_error>([&] { (void)failing.wait(); }), "disk on fire");
@@ -560,7 +603,7 @@ void expect_previous_checkpoint_survives(const std::string& fault, int expected_
   ASSERT_EQ(latest_checkpoint(dir.path()), dir.path() / "step-000000000001") << text;
   for (const auto& e : fs::directory_iterator(dir.path())) {
     const auto name = e.path().filename().string();
-    EXPECT_TRUE(name == "step-000000000001" || name.rfind(".step-", 0) == 0) << name;
+    EXPECT_TRUE(name == "step-000000000001" || name.rfind(".step-", 0) == 0 || name == ".lockstep-writer.lock") << name;
   }
   run r(device{device_kind::host, 0}, dtype::f32, false);
   r.train(1);  // the child trained one step before its first save
@@ -581,7 +624,8 @@ TEST(checkpoint_faults, a_full_disk_is_an_error_and_leaves_the_previous_checkpoi
 }
 
 TEST(checkpoint_faults, a_read_only_directory_is_an_error_and_leaves_the_previous_checkpoint) {
-  expect_previous_checkpoint_survives("readonly", 3, "Permission denied");
+  // found when the checkpointer is built, before anything is trained or written
+  expect_previous_checkpoint_survives("readonly", 3, "Permission denied); give a directory this process can write");
 }
 
 }  // namespace

@@ -130,6 +130,19 @@ class any_optimizer {
     if (!scaler_) return std::nullopt;
     return scaler_->read(s);
   }
+  /// f16/bf16: throws numeric_error when the scaler skipped more than --max-skipped-steps steps in a row (the
+  /// gradients are not finite even at the floor of the scale: the run diverged). Reads the scaler on `s`, the
+  /// stream it steps on. Every rank skips the same steps, so every rank decides alike.
+  void check_skips(const mlp_options& o, stream_ref s) const {
+    if (!scaler_) return;
+    const loss_scaler_telemetry t = scaler_->read(s);
+    if (t.consecutive_skipped_steps <= o.max_skipped_steps) return;
+    throw numeric_error(detail::concat(
+        "the loss scaler skipped the last ", static_cast<long long>(t.consecutive_skipped_steps), " steps in a row (",
+        static_cast<long long>(t.skipped_steps), " of ", static_cast<long long>(t.steps), " so far; the scale is down to ",
+        t.scale, "): the gradients are not finite at any scale, the run diverged. Lower --lr (now ", o.lr,
+        "), or give --max-skipped-steps N to allow N skips in a row"));
+  }
   /// The total gradient norm of the last step (before clipping), under --clip-grad-norm; synchronizes `s`.
   [[nodiscard]] std::optional<float> last_grad_norm(stream_ref s) const {
     if (!clipper_) return std::nullopt;
@@ -288,7 +301,10 @@ class run_checkpoints {
     state_.position.world_size = comm ? comm->size() : 1;
     state_.position.precision = o.precision;
     if (!o.save.empty()) {
-      saver_.emplace(o.save, checkpoint_options{.keep_last = static_cast<std::size_t>(o.keep_last)});
+      // rank 0 writes (and checks now, before any training, that it can); the others never write
+      saver_.emplace(o.save, checkpoint_options{.keep_last = static_cast<std::size_t>(o.keep_last),
+                                                .check_root = comm && comm->rank() != 0 ? root_check::at_first_save
+                                                                                        : root_check::at_construction});
     }
   }
 
@@ -540,6 +556,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
       },
       [&] {
         watch.check();
+        optimizer.check_skips(o, compute);
         return loss.read_loss(compute);
       },
       [&] { compute.synchronize(); },
@@ -592,6 +609,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
       },
       [&] {
         watch.check();
+        optimizer.check_skips(o, s0);
         return loss.read_loss(out.stream());
       },
       [&] {
@@ -679,6 +697,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
       [&] {
         // each rank's loss is its share of the global batch's mean: their sum is the global loss
         watch.check(comm);
+        optimizer.check_skips(o, compute);
         comm.all_reduce(loss.loss().data(), global_loss.data(), 1, dtype::f32, reduce_op::sum, compute);
         comm.synchronize(compute);
         return to_vector(device_span<const float>(global_loss.span()), compute)[0];

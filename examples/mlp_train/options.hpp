@@ -40,6 +40,7 @@ struct mlp_options {
   int print_every = 50;
   std::int64_t eval_batch = 1000;
   std::int64_t max_bad_steps = 0;  // f32 steps with a non-finite loss tolerated before the run stops
+  std::int64_t max_skipped_steps = 20;  // f16/bf16 steps skipped in a row before the run stops
   std::string save;             // checkpoint root; empty: no checkpoints
   std::int64_t save_every = 0;  // steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
   int keep_last = 3;
@@ -80,6 +81,9 @@ inline constexpr const char* usage_text =
     "  --eval-batch N        batch size of the test evaluation (default 1000)\n"
     "  --max-bad-steps N     f32: steps with a non-finite loss to tolerate before stopping with an error\n"
     "                        (default 0: the first one stops the run; f16/bf16 skip such steps instead)\n"
+    "  --max-skipped-steps N f16/bf16: steps the loss scaler may skip in a row (gradients not finite even as\n"
+    "                        the scale backs off) before stopping with an error (default 20: from the first\n"
+    "                        scale, 65536, 16 back-offs reach the floor of 1)\n"
     "  --save DIR            write checkpoints under DIR (DIR/step-N/: model.safetensors, training.safetensors,\n"
     "                        manifest.json) at the end of the run, every --save-every steps, and on SIGTERM or\n"
     "                        SIGINT (then the run stops after the current step; with several ranks within\n"
@@ -240,6 +244,9 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--eval-batch") {
       o.eval_batch = parse_number<std::int64_t>(flag, value());
       if (o.eval_batch < 1) throw usage_error("--eval-batch must be at least 1");
+    } else if (flag == "--max-skipped-steps") {
+      o.max_skipped_steps = parse_number<std::int64_t>(flag, value());
+      if (o.max_skipped_steps < 1) throw usage_error("--max-skipped-steps must be at least 1");
     } else if (flag == "--max-bad-steps") {
       o.max_bad_steps = parse_number<std::int64_t>(flag, value());
       if (o.max_bad_steps < 0) throw usage_error("--max-bad-steps must be >= 0");

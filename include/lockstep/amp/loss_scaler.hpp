@@ -28,7 +28,7 @@
 #include "lockstep/kernels/multi_tensor.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/parameter.hpp"
-#include "lockstep/optim/optimizer.hpp"
+#include "lockstep/kernels/optim.hpp"  // step_inputs: what the optimizer step reads
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/tensor.hpp"
 
@@ -64,6 +64,8 @@ struct loss_scaler_telemetry {
   std::int64_t skipped_steps = 0;
   std::int64_t last_overflow_step = -1;  // -1: never
   std::int32_t growth_tracker = 0;       // clean steps since the scale last changed
+  std::int64_t consecutive_skipped_steps = 0;  // skipped in a row, ending with the last step: a run whose gradients
+                                               // are not finite at any scale (diverged) only grows this
   std::uint64_t non_finite_values = 0;   // found by the last check on this rank
 };
 
@@ -142,8 +144,8 @@ class loss_scaler {
   }
 
   /// What the optimizer step reads: the inverse scale (unless unscale_ already applied it) and the skip flag.
-  [[nodiscard]] lockstep::step_inputs optimizer_inputs() const noexcept {
-    return lockstep::step_inputs{unscaled_ ? nullptr : &state()->inv_scale, &state()->found_inf};
+  [[nodiscard]] kernels::step_inputs optimizer_inputs() const noexcept {
+    return kernels::step_inputs{unscaled_ ? nullptr : &state()->inv_scale, &state()->found_inf};
   }
 
   /// Updates the scale after the optimizer step, in stream order on `s`.
@@ -164,8 +166,9 @@ class loss_scaler {
     const auto bytes = to_vector(device_span<const std::uint8_t>(state_.span()), s);
     kernels::scaler_state st{};
     std::memcpy(&st, bytes.data(), sizeof st);
-    return loss_scaler_telemetry{st.scale, st.steps, st.skipped_steps, st.last_overflow_step, st.growth_tracker,
-                                 st.non_finite};
+    return loss_scaler_telemetry{.scale = st.scale, .steps = st.steps, .skipped_steps = st.skipped_steps,
+                                 .last_overflow_step = st.last_overflow_step, .growth_tracker = st.growth_tracker,
+                                 .consecutive_skipped_steps = st.consecutive_skips, .non_finite_values = st.non_finite};
   }
 
  private:

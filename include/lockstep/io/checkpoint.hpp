@@ -96,6 +96,9 @@ enum class durability : std::uint8_t {
   page_cache,  ///< leave it to the page cache: survives a crash of the process, not of the machine
 };
 
+/// When a checkpointer checks that its root can be written (see checkpoint_options::check_root).
+enum class root_check : std::uint8_t { at_construction, at_first_save };
+
 struct checkpoint_options {
   /// Keep the newest `keep_last` checkpoints under the root and remove older ones once a new one is complete;
   /// 0 keeps every one.
@@ -104,6 +107,14 @@ struct checkpoint_options {
   /// Called with the temporary directory once its files are written and synced, before it is renamed into
   /// place. Tests use it to kill a process at the worst moment; it may throw to abandon the save.
   std::function<void(const std::filesystem::path&)> before_publish = {};
+  /// `at_construction`: the constructor creates the root when missing and checks that files can be created in it,
+  /// so that an unwritable root (a regular file, a read-only or forbidden directory) fails before any training
+  /// instead of at the first save; and it takes the root's writer lock (flock on .lockstep-writer.lock, held until
+  /// the checkpointer ends, dropped by the kernel if the process dies), so that a second run writing the same root
+  /// is refused, naming the holder, rather than mixing its checkpoints with the first's. `at_first_save` for a
+  /// rank that never writes (a distributed save writes on rank 0 only, whose root may not exist on the others'
+  /// machines): no check, no lock.
+  root_check check_root = root_check::at_construction;
 };
 
 LOCKSTEP_ABI_END
@@ -507,6 +518,7 @@ class checkpoint_state {
       const char* name;
       dtype type;
       std::size_t offset;
+      bool required = true;  // false: added later; older checkpoints lack it (it loads as 0)
     };
     static const field fields[] = {
         {"scaler.scale", dtype::f32, offsetof(kernels::scaler_state, scale)},
@@ -514,7 +526,8 @@ class checkpoint_state {
         {"scaler.growth_tracker", dtype::i32, offsetof(kernels::scaler_state, growth_tracker)},
         {"scaler.steps", dtype::i64, offsetof(kernels::scaler_state, steps)},
         {"scaler.skipped_steps", dtype::i64, offsetof(kernels::scaler_state, skipped_steps)},
-        {"scaler.last_overflow_step", dtype::i64, offsetof(kernels::scaler_state, last_overflow_step)}};
+        {"scaler.last_overflow_step", dtype::i64, offsetof(kernels::scaler_state, last_overflow_step)},
+        {"scaler.consecutive_skips", dtype::i64, offsetof(kernels::scaler_state, consecutive_skips), false}};
     detail::checkpoint_part part;
     part.save = [&sc](detail::file_writer& w, nlohmann::json& m, stream_ref s) {
       const auto raw = detail::read_device(sc.state_bytes(), s);
@@ -530,12 +543,17 @@ class checkpoint_state {
         throw data_error("the checkpoint holds no loss scaler, but one was given to load (an f32 checkpoint into an "
                          "f16/bf16 run?)");
       }
-      for (const field& x : fields) detail::expect_tensor(f, x.name, x.type, std::vector<std::int64_t>{}, false);
+      for (const field& x : fields) {
+        if (x.required || f.header.find(x.name) != nullptr) {
+          detail::expect_tensor(f, x.name, x.type, std::vector<std::int64_t>{}, false);
+        }
+      }
     };
     part.apply = [&sc](detail::loaded_file& f, const nlohmann::json&, stream_ref s) {
       kernels::scaler_state st{};  // found_inf and the per-step count start at zero
       for (const field& x : fields) {
-        std::memcpy(reinterpret_cast<std::byte*>(&st) + x.offset, f.data_of(*f.header.find(x.name)).data(), size_of(x.type));
+        const safetensors_tensor* t = f.header.find(x.name);
+        if (t != nullptr) std::memcpy(reinterpret_cast<std::byte*>(&st) + x.offset, f.data_of(*t).data(), size_of(x.type));
       }
       copy(sc.state_bytes(), std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(&st), sizeof st), s);
       s.synchronize();  // `st` is a local
@@ -833,8 +851,14 @@ LOCKSTEP_ABI_BEGIN
 /// Writes checkpoints of one run under a root directory, synchronously or in the background.
 class checkpointer {
  public:
+  /// Throws io_error when the root cannot be written (checkpoint_options::check_root).
   explicit checkpointer(std::filesystem::path root, checkpoint_options options = {})
-      : root_(std::move(root)), options_(std::move(options)) {}
+      : root_(std::move(root)), options_(std::move(options)) {
+    if (options_.check_root == root_check::at_construction) {
+      detail::expect_writable_directory(root_, "checkpointer");
+      lock_ = detail::directory_lock(root_, "checkpointer");
+    }
+  }
   checkpointer(const checkpointer&) = delete;
   checkpointer& operator=(const checkpointer&) = delete;
   /// Waits for a background write; its error, if any, is printed to std::clog (a destructor cannot throw:
@@ -921,6 +945,7 @@ class checkpointer {
 
   std::filesystem::path root_;
   checkpoint_options options_;
+  detail::directory_lock lock_;  // the root's writer lock (root_check::at_construction)
   std::optional<communicator_ref> ranks_;
   std::optional<stream_ref> stream_;
   bool pending_ = false;

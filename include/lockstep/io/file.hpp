@@ -4,6 +4,7 @@
 #pragma once
 
 #include <fcntl.h>
+#include <sys/file.h>
 #include <sys/mman.h>
 #include <sys/stat.h>
 #include <unistd.h>
@@ -13,12 +14,15 @@
 #include <cstdint>
 #include <cstring>
 #include <filesystem>
+#include <functional>
 #include <span>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <utility>
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/unique_handle.hpp"
 
 namespace lockstep::detail {
 
@@ -157,6 +161,75 @@ inline void make_directories(const std::filesystem::path& dir) {
   std::error_code ec;
   std::filesystem::create_directories(dir, ec);
   if (ec) throw io_error(concat("creating the directory ", dir.string(), ": ", ec.message()), ec.value());
+}
+
+/// A file descriptor as a unique_handle: closed when its owner ends.
+struct fd_traits {
+  using handle_type = int;
+  static constexpr int null() noexcept { return -1; }
+  static bool is_null(int fd) noexcept { return fd < 0; }
+  static void release(int fd) noexcept { ::close(fd); }
+};
+
+/// The name of the lock file a checkpoint root's writer holds.
+inline constexpr const char* writer_lock_name = ".lockstep-writer.lock";
+
+/// An exclusive flock(2) on `dir`/.lockstep-writer.lock, held while this object lives: one writer per directory.
+/// The kernel drops the lock when its holder ends, however it ends (kill -9 included), so a crashed writer leaves
+/// nothing held. The file names its holder (process, host), for the message of the writer refused.
+class directory_lock {
+ public:
+  directory_lock() = default;
+  /// Takes the lock, or throws io_error naming `dir` and its holder (`who` names the caller).
+  directory_lock(const std::filesystem::path& dir, std::string_view who) {
+    const std::filesystem::path path = dir / writer_lock_name;
+    int fd = -1;
+    do fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
+    while (fd < 0 && errno == EINTR);
+    if (fd < 0) throw_io(errno, "creating the lock file", path);
+    unique_handle<fd_traits> file(fd);
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      const int err = errno;
+      if (err != EWOULDBLOCK) throw_io(err, "locking", path);
+      char text[256] = {};
+      const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
+      const std::string holder = n > 0 ? std::string(text, static_cast<std::size_t>(n)) : "a run that has not said who";
+      throw io_error(concat(who, ": ", dir.string(), " is being written by another run (", holder, "): one run writes "
+                            "a checkpoint root at a time; save this one under another directory, or resume that "
+                            "run's checkpoints once it has ended"),
+                     err);
+    }
+    char host[256] = {};
+    (void)::gethostname(host, sizeof host - 1);
+    const std::string me = concat("process ", ::getpid(), " on ", host);
+    if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, me.data(), me.size(), 0);  // the name only helps a message
+    file_ = std::move(file);
+  }
+  [[nodiscard]] bool held() const noexcept { return static_cast<bool>(file_); }
+
+ private:
+  unique_handle<fd_traits> file_;
+};
+
+/// Checks that files can be created in `dir` (created with its parents when missing) by creating and removing a
+/// probe file there. io_error naming `dir` and the reason otherwise ("is a regular file", "Permission denied",
+/// "Read-only file system"). `who` names the caller.
+inline void expect_writable_directory(const std::filesystem::path& dir, std::string_view who) {
+  std::error_code ec;
+  if (std::filesystem::exists(dir, ec) && !std::filesystem::is_directory(dir, ec)) {
+    throw io_error(concat(who, ": ", dir.string(), " exists and is not a directory (a regular file?): give a "
+                          "directory for the checkpoints"), ENOTDIR);
+  }
+  try {
+    make_directories(dir);
+    const std::filesystem::path probe = dir / concat(".lockstep-write-check-", ::getpid(), "-",
+                                                     std::hash<std::thread::id>{}(std::this_thread::get_id()));
+    { posix_file f(probe, O_WRONLY | O_CREAT | O_EXCL, 0600); }
+    ::unlink(probe.c_str());
+  } catch (const io_error& e) {
+    throw io_error(concat(who, ": cannot write checkpoints under ", dir.string(), " (", e.what(),
+                          "); give a directory this process can write"), e.code());
+  }
 }
 
 }  // namespace lockstep::detail

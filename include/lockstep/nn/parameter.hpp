@@ -24,6 +24,7 @@
 
 #include <memory>
 #include <optional>
+#include <span>
 #include <string>
 #include <string_view>
 #include <vector>
@@ -392,3 +393,18 @@ class parameter_list {
 };
 
 LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// Under ZeRO each rank holds a shard of the gradients: a check or a norm over them needs the ranks (`what`
+/// names the call, `why` says what the ranks are for).
+inline void expect_ranks_for_shards(std::span<parameter* const> params, bool have_ranks, const char* what,
+                                    const char* why) {
+  if (have_ranks) return;
+  for (const parameter* p : params) {
+    LOCKSTEP_EXPECTS(!p->is_sharded(), what, ": parameter ", p->name(), " is sharded (ZeRO: this rank holds ",
+                     p->shard().size(), " of its ", p->numel(), " gradient elements); pass the communicator ", why);
+  }
+}
+
+LOCKSTEP_DETAIL_END

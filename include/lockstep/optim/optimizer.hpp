@@ -28,17 +28,6 @@ LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
-/// Under ZeRO each rank holds a shard of the gradients: a check or a norm over them needs the ranks (`what`
-/// names the call, `why` says what the ranks are for).
-inline void expect_ranks_for_shards(std::span<parameter* const> params, bool have_ranks, const char* what,
-                                    const char* why) {
-  if (have_ranks) return;
-  for (const parameter* p : params) {
-    LOCKSTEP_EXPECTS(!p->is_sharded(), what, ": parameter ", p->name(), " is sharded (ZeRO: this rank holds ",
-                     p->shard().size(), " of its ", p->numel(), " gradient elements); pass the communicator ", why);
-  }
-}
-
 /// Parameter groups with `State` fp32 state tensors per parameter (momentum; Adam's m and v).
 template <class Options, int State>
 class optimizer_core {

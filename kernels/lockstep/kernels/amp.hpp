@@ -21,6 +21,7 @@ struct scaler_state {
   std::int64_t steps;                // steps taken (skipped ones included)
   std::int64_t skipped_steps;        // steps skipped for non-finite gradients
   std::int64_t last_overflow_step;   // index of the last skipped step, -1 if none
+  std::int64_t consecutive_skips;    // steps skipped in a row, ending with the last step (0 after a clean step)
   unsigned long long non_finite;     // non-finite values counted this step (this rank)
 };
 
@@ -108,13 +109,17 @@ struct update_scale_op {
     scaler_state& s = *state;
     if (s.found_inf != 0.0f) {
       ++s.skipped_steps;
+      ++s.consecutive_skips;
       s.last_overflow_step = s.steps;
       s.growth_tracker = 0;
       if (dynamic) {
         const float backed = s.scale * backoff_factor;
         s.scale = backed < floor ? floor : backed;
       }
-    } else if (dynamic && ++s.growth_tracker >= interval) {
+    } else {
+      s.consecutive_skips = 0;
+    }
+    if (s.found_inf == 0.0f && dynamic && ++s.growth_tracker >= interval) {
       const float grown = s.scale * growth_factor;
       s.scale = grown > ceiling ? ceiling : grown;
       s.growth_tracker = 0;
