@@ -116,6 +116,50 @@ class any_optimizer {
   void visit(F&& f) {
     sgd_ ? f(*sgd_) : f(*adamw_);
   }
+  /// The rate (--lr: the schedule's base rate), momentum (SGD) and weight decay in effect.
+  struct hyperparameters {
+    float lr = 0;
+    std::optional<float> momentum;
+    float weight_decay = 0;
+  };
+  [[nodiscard]] hyperparameters in_effect() {
+    hyperparameters h;
+    visit([&](auto& opt) {
+      h.lr = opt.options(0).lr;
+      h.weight_decay = opt.options(0).weight_decay;
+      if constexpr (requires { opt.options(0).momentum; }) h.momentum = opt.options(0).momentum;
+    });
+    if (sgd_schedule_) h.lr = sgd_schedule_->base_lr(0);
+    if (adamw_schedule_) h.lr = adamw_schedule_->base_lr(0);
+    return h;
+  }
+  /// After a resume: --lr, --momentum and --weight-decay given on the command line replace what the checkpoint
+  /// restored (as a PyTorch user changing the rate after loading expects); returns a sentence per change.
+  std::vector<std::string> apply_given(const mlp_options& o) {
+    const hyperparameters was = in_effect();
+    std::vector<std::string> changes;
+    auto note = [&](const char* flag, float now, float before) {
+      changes.push_back(detail::concat(flag, " ", now, " (the checkpoint had ", before, ")"));
+    };
+    visit([&](auto& opt) {
+      for (std::size_t g = 0; g < opt.group_count(); ++g) {
+        if (o.weight_decay_given) opt.options(g).weight_decay = o.weight_decay;
+        if constexpr (requires { opt.options(g).momentum; }) {
+          if (o.momentum_given) opt.options(g).momentum = o.momentum;
+        }
+        if (o.lr_given && !sgd_schedule_ && !adamw_schedule_) opt.options(g).lr = o.lr;
+      }
+      if (o.lr_given) {
+        const std::vector<float> base(opt.group_count(), o.lr);
+        if (sgd_schedule_) sgd_schedule_->restore(sgd_schedule_->last_step(), base);
+        if (adamw_schedule_) adamw_schedule_->restore(adamw_schedule_->last_step(), base);
+      }
+    });
+    if (o.lr_given && o.lr != was.lr) note("--lr", o.lr, was.lr);
+    if (o.momentum_given && was.momentum && o.momentum != *was.momentum) note("--momentum", o.momentum, *was.momentum);
+    if (o.weight_decay_given && o.weight_decay != was.weight_decay) note("--weight-decay", o.weight_decay, was.weight_decay);
+    return changes;
+  }
   /// Under ZeRO the gradients are sharded over the ranks: clipping adds the ranks' parts.
   void set_sharded(bool sharded) { sharded_ = sharded; }
   [[nodiscard]] std::uint64_t state_bytes() const { return sgd_ ? sgd_->state_bytes() : adamw_->state_bytes(); }
@@ -223,6 +267,8 @@ struct run_result {
   std::string checkpoint;  // the last checkpoint written
   std::string stopped;     // why the run ended early ("SIGTERM", "--stop-after"), or empty
   std::int64_t resumed_at = -1;  // the step --resume continued from
+  float lr = 0;                  // the learning rate in effect (the schedule's base rate)
+  std::vector<std::string> changed_on_resume;  // hyperparameters the command line changed on --resume
   double train_seconds = 0;
   std::int64_t samples = 0;
   std::int64_t steps = 0;
@@ -294,7 +340,7 @@ class run_checkpoints {
  public:
   run_checkpoints(const mlp_options& o, graph& model, any_optimizer& optimizer, stream_ref s,
                   std::optional<communicator_ref> comm, const preemption_guard* preemption)
-      : o_(o), state_(parameters_of(model)), s_(s), comm_(comm), preemption_(preemption) {
+      : o_(o), state_(parameters_of(model)), s_(s), comm_(comm), preemption_(preemption), optimizer_(&optimizer) {
     optimizer.add_to(state_);
     state_.position.data_seed = o.seed;
     state_.position.dropout_seed = o.seed;
@@ -331,10 +377,13 @@ class run_checkpoints {
                                         options_json()[key].dump(), "; resume with the options of the run that saved it"));
       }
     }
+    changed_ = optimizer_->apply_given(o_);
     if (!o_.json && (!comm_ || comm_->rank() == 0)) {
       std::printf("resumed from %s at step %lld (epoch %llu, %llu samples into it)\n", dir.string().c_str(),
                   static_cast<long long>(state_.position.step), static_cast<unsigned long long>(state_.position.epoch + 1),
                   static_cast<unsigned long long>(state_.position.epoch_samples));
+      for (const std::string& c : changed_) std::printf("resumed with %s, from step %lld on\n", c.c_str(),
+                                                         static_cast<long long>(state_.position.step + 1));
     }
     return state_.position;
   }
@@ -351,6 +400,10 @@ class run_checkpoints {
     last_saved_ = at.step;
   }
   [[nodiscard]] bool saved_at(std::int64_t step) const { return last_saved_ == step; }
+  /// The learning rate in effect (--lr, or on --resume the checkpoint's unless --lr was given).
+  [[nodiscard]] float lr_in_effect() const { return optimizer_->in_effect().lr; }
+  /// The hyperparameters the command line changed on --resume (sentences), for the report.
+  [[nodiscard]] const std::vector<std::string>& changed_on_resume() const noexcept { return changed_; }
   [[nodiscard]] bool save_due(std::int64_t step) const { return saver_ && o_.save_every > 0 && step % o_.save_every == 0; }
 
   /// Whether SIGTERM or SIGINT asked the run to stop: checked after every step, or with several ranks every 10
@@ -372,9 +425,16 @@ class run_checkpoints {
 
  private:
   [[nodiscard]] nlohmann::json options_json() const {
-    return {{"hidden", o_.hidden}, {"optimizer", o_.optimizer}, {"precision", std::string(name_of(o_.precision))},
-            {"batch", o_.batch},   {"seed", o_.seed},           {"lr_schedule", o_.lr_schedule},
-            {"epochs", o_.epochs}, {"max_steps", o_.max_steps}, {"mode", o_.mode}};
+    nlohmann::json j = {{"hidden", o_.hidden}, {"optimizer", o_.optimizer}, {"precision", std::string(name_of(o_.precision))},
+                        {"batch", o_.batch},   {"seed", o_.seed},           {"lr_schedule", o_.lr_schedule},
+                        {"epochs", o_.epochs}, {"max_steps", o_.max_steps}, {"mode", o_.mode}};
+    // what the optimizer uses (changed on a resume when the command line says so): the manifest records it
+    const any_optimizer::hyperparameters h = optimizer_->in_effect();
+    j["lr"] = h.lr;
+    j["weight_decay"] = h.weight_decay;
+    if (h.momentum) j["momentum"] = *h.momentum;
+    if (!changed_.empty()) j["changed_on_resume"] = changed_;
+    return j;
   }
 
   const mlp_options& o_;
@@ -382,6 +442,8 @@ class run_checkpoints {
   stream_ref s_;
   std::optional<communicator_ref> comm_;
   const preemption_guard* preemption_;
+  any_optimizer* optimizer_;
+  std::vector<std::string> changed_;  // hyperparameters the command line changed on --resume
   std::optional<checkpointer> saver_;
   std::int64_t last_saved_ = -1;
   std::function<void(const std::function<void()>&)> whole_ = [](const std::function<void()>& body) { body(); };
@@ -475,6 +537,8 @@ template <class Loader, class Step, class ReadLoss, class Wait, class Memory>
 void run_epochs(const mlp_options& o, Loader& loader, progress& show, run_result& r, run_checkpoints& ck, Step&& step,
                 ReadLoss&& read_loss, Wait&& wait, Memory&& memory) {
   const run_position start = ck.start();
+  r.lr = ck.lr_in_effect();
+  r.changed_on_resume = ck.changed_on_resume();
   r.steps = start.step;
   if (!o.resume.empty()) r.resumed_at = start.step;
   run_position at = start;  // after the last step taken
@@ -920,7 +984,8 @@ int run(const mlp_options& o) {
   j["batch"] = o.batch;
   j["hidden"] = o.hidden;
   j["optimizer"] = o.optimizer;
-  j["lr"] = o.lr;
+  j["lr"] = r.lr;
+  if (!r.changed_on_resume.empty()) j["changed_on_resume"] = r.changed_on_resume;
   j["lr_schedule"] = o.lr_schedule;
   if (o.clip_grad_norm > 0.0f) j["clip_grad_norm"] = o.clip_grad_norm;
   if (o.deterministic) j["chunk_rows"] = o.chunk_rows;

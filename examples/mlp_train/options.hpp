@@ -41,6 +41,10 @@ struct mlp_options {
   std::int64_t eval_batch = 1000;
   std::int64_t max_bad_steps = 0;  // f32 steps with a non-finite loss tolerated before the run stops
   std::int64_t max_skipped_steps = 20;  // f16/bf16 steps skipped in a row before the run stops
+  // given on the command line (not defaults): on --resume these replace the checkpoint's values
+  bool lr_given = false;
+  bool momentum_given = false;
+  bool weight_decay_given = false;
   std::string save;             // checkpoint root; empty: no checkpoints
   std::int64_t save_every = 0;  // steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
   int keep_last = 3;
@@ -168,14 +172,17 @@ inline mlp_options parse_options(int argc, char** argv) {
       if (o.batch < 1) throw usage_error("--batch must be at least 1");
     } else if (flag == "--lr") {
       o.lr = parse_float(flag, value());
+      o.lr_given = true;
       if (!(o.lr > 0.0f)) throw usage_error("--lr must be a positive number, got " + std::string(argv[i]));
     } else if (flag == "--momentum") {
       o.momentum = parse_float(flag, value());
+      o.momentum_given = true;
       if (!(o.momentum >= 0.0f && o.momentum < 1.0f)) {
         throw usage_error("--momentum must be in [0, 1) (0.9 is usual), got " + std::string(argv[i]));
       }
     } else if (flag == "--weight-decay") {
       o.weight_decay = parse_float(flag, value());
+      o.weight_decay_given = true;
       if (!(o.weight_decay >= 0.0f)) throw usage_error("--weight-decay must be >= 0, got " + std::string(argv[i]));
     } else if (flag == "--clip-grad-norm") {
       o.clip_grad_norm = parse_float(flag, value());
