@@ -177,14 +177,14 @@ class any_optimizer {
   /// f16/bf16: throws numeric_error when the scaler skipped more than --max-skipped-steps steps in a row (the
   /// gradients are not finite even at the floor of the scale: the run diverged). Reads the scaler on `s`, the
   /// stream it steps on. Every rank skips the same steps, so every rank decides alike.
-  void check_skips(const mlp_options& o, stream_ref s) const {
+  void check_skips(const mlp_options& o, stream_ref s) {
     if (!scaler_) return;
     const loss_scaler_telemetry t = scaler_->read(s);
     if (t.consecutive_skipped_steps <= o.max_skipped_steps) return;
     throw numeric_error(detail::concat(
         "the loss scaler skipped the last ", static_cast<long long>(t.consecutive_skipped_steps), " steps in a row (",
         static_cast<long long>(t.skipped_steps), " of ", static_cast<long long>(t.steps), " so far; the scale is down to ",
-        t.scale, "): the gradients are not finite at any scale, the run diverged. Lower --lr (now ", o.lr,
+        t.scale, "): the gradients are not finite at any scale, the run diverged. Lower --lr (now ", in_effect().lr,
         "), or give --max-skipped-steps N to allow N skips in a row"));
   }
   /// The total gradient norm of the last step (before clipping), under --clip-grad-norm; synchronizes `s`.
@@ -243,8 +243,8 @@ class loss_watch {
     if (v[0] <= static_cast<float>(o_.max_bad_steps)) return;
     throw numeric_error(detail::concat(
         "the loss is not finite (NaN or infinity) from step ", static_cast<long long>(16777216.0f - v[1]), " on (",
-        static_cast<long long>(v[0]), " such steps so far): the run diverged. Lower --lr (now ", o_.lr,
-        "), or train in f16/bf16, which skip such steps, or give --max-bad-steps N to tolerate N of them"));
+        static_cast<long long>(v[0]), " such steps so far): the run diverged. Lower --lr, or train in f16/bf16, "
+        "which skip such steps, or give --max-bad-steps N to tolerate N of them"));
   }
 
  private:
@@ -351,6 +351,8 @@ class run_checkpoints {
       saver_.emplace(o.save, checkpoint_options{.keep_last = static_cast<std::size_t>(o.keep_last),
                                                 .check_root = comm && comm->rank() != 0 ? root_check::at_first_save
                                                                                         : root_check::at_construction});
+      // one run writes a root at a time: a root another run is writing is refused now, before training
+      if (!comm || comm->rank() == 0) saver_->lock();
     }
   }
 

@@ -30,36 +30,23 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
-#include <bit>
 #include <chrono>
 #include <condition_variable>
 #include <cstdint>
-#include <cstdlib>
 #include <cstring>
-#include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <vector>
 
-#if __has_include(<unistd.h>)
-#include <unistd.h>
-#endif
-
 #include "lockstep/comm/communicator.hpp"
-#include "lockstep/comm/detail/host_reduce.hpp"
-#include "lockstep/core/half.hpp"
+#include "lockstep/comm/detail/host_reduce.hpp"  // the reduction arithmetic, shared with comm/mpi.hpp
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/kernels/exact.hpp"
-#include "lockstep/kernels/host_loop.hpp"  // host_has_avx2
+#include "lockstep/kernels/host_loop.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/stream.hpp"
-#include "lockstep/runtime/tensor.hpp"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#endif
 
 LOCKSTEP_DETAIL_BEGIN
 

@@ -109,11 +109,9 @@ struct checkpoint_options {
   std::function<void(const std::filesystem::path&)> before_publish = {};
   /// `at_construction`: the constructor creates the root when missing and checks that files can be created in it,
   /// so that an unwritable root (a regular file, a read-only or forbidden directory) fails before any training
-  /// instead of at the first save; and it takes the root's writer lock (flock on .lockstep-writer.lock, held until
-  /// the checkpointer ends, dropped by the kernel if the process dies), so that a second run writing the same root
-  /// is refused, naming the holder, rather than mixing its checkpoints with the first's. `at_first_save` for a
-  /// rank that never writes (a distributed save writes on rank 0 only, whose root may not exist on the others'
-  /// machines): no check, no lock.
+  /// instead of at the first save. `at_first_save`: no check until the first save, for a rank that never writes
+  /// (a distributed save writes on rank 0 only, whose root may not exist on the others' machines). (The writer
+  /// lock is checkpointer::lock()'s, or the first save's.)
   root_check check_root = root_check::at_construction;
 };
 
@@ -854,10 +852,16 @@ class checkpointer {
   /// Throws io_error when the root cannot be written (checkpoint_options::check_root).
   explicit checkpointer(std::filesystem::path root, checkpoint_options options = {})
       : root_(std::move(root)), options_(std::move(options)) {
-    if (options_.check_root == root_check::at_construction) {
-      detail::expect_writable_directory(root_, "checkpointer");
-      lock_ = detail::directory_lock(root_, "checkpointer");
-    }
+    if (options_.check_root == root_check::at_construction) detail::expect_writable_directory(root_, "checkpointer");
+  }
+
+  /// Takes the root's writer lock now (flock on ROOT/.lockstep-writer.lock, held until the checkpointer ends;
+  /// the kernel drops it if the process dies): a root another run is writing is refused here, before any
+  /// training, naming its holder. The writing rank's first save takes it otherwise (and is refused the same way,
+  /// before it writes anything). Call it on the rank that writes (rank 0 of a distributed save); a second
+  /// checkpointer of the same root in this process is refused too. Throws io_error.
+  void lock() {
+    if (!lock_.held()) lock_ = detail::directory_lock(root_, "checkpointer");
   }
   checkpointer(const checkpointer&) = delete;
   checkpointer& operator=(const checkpointer&) = delete;
@@ -929,6 +933,7 @@ class checkpointer {
     pending_ = true;
     if (ranks_ && ranks_->rank() != 0) return;
     try {
+      lock();  // one writer per root: refused before anything is written (the other ranks hear of it)
       staged_ = detail::stage_checkpoint(state, s, how, std::move(spare_));
     } catch (...) {
       failure_ = std::current_exception();
@@ -945,7 +950,7 @@ class checkpointer {
 
   std::filesystem::path root_;
   checkpoint_options options_;
-  detail::directory_lock lock_;  // the root's writer lock (root_check::at_construction)
+  detail::directory_lock lock_;  // the root's writer lock (lock(), or the first save)
   std::optional<communicator_ref> ranks_;
   std::optional<stream_ref> stream_;
   bool pending_ = false;

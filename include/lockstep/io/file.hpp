@@ -12,6 +12,7 @@
 #include <cerrno>
 #include <cstddef>
 #include <cstdint>
+#include <cstdio>
 #include <cstring>
 #include <filesystem>
 #include <functional>
@@ -176,20 +177,33 @@ inline constexpr const char* writer_lock_name = ".lockstep-writer.lock";
 
 /// An exclusive flock(2) on `dir`/.lockstep-writer.lock, held while this object lives: one writer per directory.
 /// The kernel drops the lock when its holder ends, however it ends (kill -9 included), so a crashed writer leaves
-/// nothing held. The file names its holder (process, host), for the message of the writer refused.
+/// nothing held (on local file systems; NFS keeps a crashed client's lock until its lease ends). The file names its
+/// holder (process, host), for the message of the writer refused. A file system without flock (ENOLCK, ENOSYS,
+/// EOPNOTSUPP: NFSv3 without lockd, Lustre without flock) gets a warning and no lock: writing still works.
 class directory_lock {
  public:
   directory_lock() = default;
   /// Takes the lock, or throws io_error naming `dir` and its holder (`who` names the caller).
   directory_lock(const std::filesystem::path& dir, std::string_view who) {
     const std::filesystem::path path = dir / writer_lock_name;
-    int fd = -1;
-    do fd = ::open(path.c_str(), O_RDWR | O_CREAT | O_CLOEXEC, 0644);
-    while (fd < 0 && errno == EINTR);
+    auto open_lock = [&](int flags) {
+      int fd = -1;
+      do fd = ::open(path.c_str(), flags | O_CREAT | O_CLOEXEC | O_NOFOLLOW, 0666);
+      while (fd < 0 && errno == EINTR);
+      return fd;
+    };
+    int fd = open_lock(O_RDWR);
+    const bool named = fd >= 0;
+    if (fd < 0 && errno == EACCES) fd = open_lock(O_RDONLY);  // another user's lock file: lock it, name nobody
     if (fd < 0) throw_io(errno, "creating the lock file", path);
     unique_handle<fd_traits> file(fd);
     if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
       const int err = errno;
+      if (err == ENOLCK || err == ENOSYS || err == EOPNOTSUPP || err == EINVAL) {
+        std::fprintf(stderr, "lockstep: %s: %s does not support flock (%s): writing without the one-writer lock\n",
+                     std::string(who).c_str(), dir.c_str(), std::strerror(err));
+        return;
+      }
       if (err != EWOULDBLOCK) throw_io(err, "locking", path);
       char text[256] = {};
       const ssize_t n = ::pread(fd, text, sizeof text - 1, 0);
@@ -199,10 +213,12 @@ class directory_lock {
                             "run's checkpoints once it has ended"),
                      err);
     }
-    char host[256] = {};
-    (void)::gethostname(host, sizeof host - 1);
-    const std::string me = concat("process ", ::getpid(), " on ", host);
-    if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, me.data(), me.size(), 0);  // the name only helps a message
+    if (named) {
+      char host[256] = {};
+      (void)::gethostname(host, sizeof host - 1);
+      const std::string me = concat("process ", ::getpid(), " on ", host);
+      if (::ftruncate(fd, 0) == 0) (void)!::pwrite(fd, me.data(), me.size(), 0);  // the name only helps a message
+    }
     file_ = std::move(file);
   }
   [[nodiscard]] bool held() const noexcept { return static_cast<bool>(file_); }
