@@ -12,8 +12,12 @@
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/activation.hpp"
 #include "lockstep/nn/dropout.hpp"
+#include "lockstep/nn/flatten.hpp"
+#include "lockstep/nn/gradient_check.hpp"
+#include "lockstep/nn/graph.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/layer.hpp"
+#include "lockstep/nn/layer_norm.hpp"
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/sequential.hpp"
@@ -66,71 +70,16 @@ tensor make_labels(const std::vector<std::int32_t>& v, stream_ref s) {
   return t;
 }
 
-double dot(const std::vector<float>& a, const std::vector<float>& b) {
-  double s = 0;
-  for (std::size_t i = 0; i < a.size(); ++i) s += static_cast<double>(a[i]) * b[i];
-  return s;
-}
-
-// Checks a layer's backward against central differences of L(x, params) = sum(G * layer(x)).
+// Checks a layer's backward against central differences of L(x, params) = sum(G * layer(x)), with the public
+// checker (nn/gradient_check.hpp).
 template <layer L>
 void check_layer_gradients(L& l, context& ctx, const std::vector<float>& x_values, shape x_shape, double eps = 1e-2,
                            double tolerance = 2e-3) {
-  const stream_ref s = ctx.stream();
-  tensor x = make_tensor(x_values, x_shape, s);
-  tensor_view y = l.forward(x, ctx);
-  const auto g_values = random_values(static_cast<std::size_t>(y.numel()), 99);
-  tensor g = make_tensor(g_values, y.dims(), s);
-
-  auto objective = [&]() {
-    const tensor_view out = l.forward(x, ctx);
-    return dot(read(out, s), g_values);
-  };
-
-  for (const auto& p : parameters_of(l)) p.param->zero_grad();
-  (void)l.forward(x, ctx);
-  const tensor_view gx = l.backward(g, ctx, input_grad::required);
-  const auto analytic_x = read(gx, s);
-  std::vector<std::vector<float>> analytic_params;
-  for (const auto& p : parameters_of(l)) {
-    p.param->materialize_grad(s);
-    analytic_params.push_back(read(p.param->grad(), s));
-  }
-
-  auto check = [&](const char* what, std::size_t i, double numeric, double analytic) {
-    EXPECT_NEAR(analytic, numeric, tolerance * (1.0 + std::abs(numeric))) << what << "[" << i << "]";
-  };
-  // input
-  auto xv = x_values;
-  for (std::size_t i = 0; i < xv.size(); ++i) {
-    const float orig = xv[i];
-    xv[i] = static_cast<float>(orig + eps);
-    write(x, xv, s);
-    const double plus = objective();
-    xv[i] = static_cast<float>(orig - eps);
-    write(x, xv, s);
-    const double minus = objective();
-    xv[i] = orig;
-    write(x, xv, s);
-    check("dL/dx", i, (plus - minus) / (2 * eps), analytic_x[i]);
-  }
-  // parameters
-  std::size_t k = 0;
-  for (const auto& p : parameters_of(l)) {
-    auto pv = read(p.param->value(), s);
-    for (std::size_t i = 0; i < pv.size(); ++i) {
-      const float orig = pv[i];
-      pv[i] = static_cast<float>(orig + eps);
-      write(p.param->value(), pv, s);
-      const double plus = objective();
-      pv[i] = static_cast<float>(orig - eps);
-      write(p.param->value(), pv, s);
-      const double minus = objective();
-      pv[i] = orig;
-      write(p.param->value(), pv, s);
-      check(p.name.c_str(), i, (plus - minus) / (2 * eps), analytic_params[k][i]);
-    }
-    ++k;
+  const gradient_check_report r = check_gradients(l, ctx, x_values, x_shape, gradient_check_options{.step = eps});
+  ASSERT_FALSE(r.tensors.empty());
+  for (const auto& t : r.tensors) {
+    EXPECT_LE(t.worst_error, tolerance) << r.str();
+    EXPECT_GT(t.checked, 0) << t.name;
   }
 }
 
@@ -253,6 +202,186 @@ TEST_P(finite_differences_test, sequential_chain_with_a_users_layer) {
   EXPECT_EQ(ps[5].name, "3.bias");
   EXPECT_EQ(net.output_shape(shape{6}), shape{3});
   EXPECT_THROW((void)net.output_shape(shape{7}), precondition_error);
+}
+
+// ---- the public gradient check, layer_norm, flatten --------------------------------------------------------------
+
+namespace {
+// y = 3x with a backward that forgets the 3: what check_gradients exists to catch.
+class wrong_backward {
+ public:
+  tensor_view forward(const tensor_view& x, context& ctx) {
+    y_.ensure(x.dims(), x.type(), ctx.stream());
+    copy(y_.span<float>(), x.span<const float>(), ctx.stream());
+    scale<float>(y_.span<float>(), 3.0f, ctx.stream());
+    return y_.view();
+  }
+  tensor_view backward(const tensor_view& gy, context&, input_grad) { return gy; }
+  void parameters(parameter_list&) {}
+  [[nodiscard]] wrong_backward clone(context&) const { return {}; }
+  [[nodiscard]] shape output_shape(const shape& s) const { return s; }
+
+ private:
+  tensor y_;
+};
+
+// The relative norm of the difference, ||a - b|| / ||b||.
+double relative_norm(const std::vector<float>& a, const std::vector<float>& b) {
+  double d = 0, n = 0;
+  for (std::size_t i = 0; i < a.size(); ++i) {
+    d += (static_cast<double>(a[i]) - b[i]) * (static_cast<double>(a[i]) - b[i]);
+    n += static_cast<double>(b[i]) * b[i];
+  }
+  return a.size() == b.size() ? std::sqrt(d / n) : 1.0;
+}
+
+// A tensor of type `type` holding `v` (rounded), and a tensor read back as floats.
+tensor typed_tensor(const std::vector<float>& v, shape dims, dtype type, stream_ref s) {
+  tensor f = make_tensor(v, dims, s);
+  tensor t(dims, type, s);
+  dispatch_floating(type, "test", [&]<class T>() {
+    if constexpr (std::is_same_v<T, float>) {
+      copy(t.span<float>(), f.span<const float>(), s);
+    } else {
+      cast<T, float>(f.span<const float>(), t.span<T>(), s);
+    }
+  });
+  s.synchronize();
+  return t;
+}
+std::vector<float> read_as_float(const tensor_view& t, stream_ref s) {
+  tensor f(t.dims(), dtype::f32, s);
+  dispatch_floating(t.type(), "test", [&]<class T>() {
+    if constexpr (std::is_same_v<T, float>) {
+      copy(f.span<float>(), t.span<const float>(), s);
+    } else {
+      cast<float, T>(t.span<const T>(), f.span<float>(), s);
+    }
+  });
+  return read(f, s);
+}
+}  // namespace
+
+TEST_P(finite_differences_test, the_public_check_names_a_wrong_backward_and_a_context_not_in_f32) {
+  context ctx(default_stream(dev()));
+  wrong_backward w;
+  const gradient_check_report r = check_gradients(w, ctx, shape{2, 3});
+  ASSERT_EQ(r.tensors.size(), 1u);
+  EXPECT_EQ(r.tensors[0].name, "input");
+  EXPECT_EQ(r.tensors[0].checked, 6);
+  EXPECT_NEAR(r.at("input").worst_error, 2.0 / 3.0, 1e-3) << r.str();  // analytic 1 where 3 is right
+  EXPECT_CONTAINS(r.str(), "input: worst error");
+  // max_elements: evenly spaced elements only
+  initializer init(5);
+  linear l(8, 4, ctx, init);
+  const auto some = check_gradients(l, ctx, shape{3, 8}, gradient_check_options{.max_elements = 5});
+  EXPECT_EQ(some.at("weight").checked, 5);
+  EXPECT_EQ(some.at("bias").checked, 4);
+  EXPECT_LE(some.worst(), 2e-3) << some.str();
+  context half(default_stream(dev()), dtype::f16);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)check_gradients(w, half, shape{2, 3}); }),
+                  "check_gradients runs the layer in f32, but the context computes in f16");
+}
+
+TEST_P(finite_differences_test, layer_norm_with_and_without_affine_over_the_last_dimension) {
+  context ctx(default_stream(dev()));
+  layer_norm ln(5, ctx);
+  const auto ps = parameters_of(ln);
+  ASSERT_EQ(ps.size(), 2u);
+  EXPECT_EQ(ps[0].name, "weight");
+  EXPECT_EQ(ps[1].name, "bias");
+  EXPECT_EQ(read(ln.weight().value(), ctx.stream()), std::vector<float>(5, 1.0f));
+  EXPECT_EQ(read(ln.bias_parameter().value(), ctx.stream()), std::vector<float>(5, 0.0f));
+  // scale and shift away from 1 and 0, so that their gradients matter in the input's
+  write_values(ln.weight(), random_values(5, 21, 0.5f, 1.5f), ctx.stream());
+  write_values(ln.bias_parameter(), random_values(5, 22), ctx.stream());
+  check_layer_gradients(ln, ctx, random_values(15, 23, -2.0f, 2.0f), shape{3, 5});
+  check_layer_gradients(ln, ctx, random_values(30, 24, -2.0f, 2.0f), shape{2, 3, 5});  // [batch, tokens, features]
+  layer_norm plain(6, ctx, layer_norm_options{.eps = 1e-3f, .elementwise_affine = false});
+  EXPECT_TRUE(parameters_of(plain).empty());
+  check_layer_gradients(plain, ctx, random_values(24, 25, -2.0f, 2.0f), shape{4, 6});
+}
+
+TEST_P(finite_differences_test, layer_norm_rows_have_mean_0_and_variance_1_and_bad_shapes_are_named) {
+  context ctx(default_stream(dev()));
+  layer_norm ln(64, ctx);
+  auto x = random_values(3 * 64, 26, -5.0f, 9.0f);
+  for (std::size_t c = 0; c < 64; ++c) x[128 + c] = 1000.0f + 0.001f * static_cast<float>(c);  // large offset
+  tensor xt = make_tensor(x, shape{3, 64}, ctx.stream());
+  const auto y = read(ln.forward(xt, ctx), ctx.stream());
+  auto moments = [](const float* v) {  // mean and biased variance, in double
+    double mean = 0, var = 0;
+    for (int c = 0; c < 64; ++c) mean += v[c];
+    mean /= 64;
+    for (int c = 0; c < 64; ++c) var += (v[c] - mean) * (v[c] - mean);
+    return std::pair{mean, var / 64};
+  };
+  for (int r = 0; r < 3; ++r) {
+    const auto [mean, var] = moments(y.data() + r * 64);
+    const double var_x = moments(x.data() + r * 64).second;
+    EXPECT_NEAR(mean, 0.0, 1e-5) << "row " << r;
+    // var_x / (var_x + eps): the third row's variance (about 3.4e-4) is not far above eps = 1e-5
+    EXPECT_NEAR(var, var_x / (var_x + 1e-5), 2e-4) << "row " << r;
+  }
+  EXPECT_EQ(ln.output_shape(shape{7, 64}), (shape{7, 64}));
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)ln.output_shape(shape{63}); }),
+                  "layer_norm(64) normalizes a last dimension of 64 features, got samples of shape [63]");
+  tensor wrong = make_tensor(random_values(12, 27), shape{2, 6}, ctx.stream());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)ln.forward(wrong, ctx); }),
+                  "layer_norm(64): input of shape [2, 6] does not end in a dimension of 64 features");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { layer_norm bad(0, ctx); }), "feature count must be positive");
+  initializer init(1);
+  graph g(shape{10});
+  g.add("fc", linear(10, 8, ctx, init), "input").add("norm", layer_norm(9, ctx), "fc");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)parameters_of(g); }), "layer_norm(9)");
+}
+
+TEST_P(finite_differences_test, layer_norm_in_f16_and_bf16_follows_f32_within_the_types_precision) {
+  const stream_ref s = default_stream(dev());
+  const shape dims{6, 40};
+  const auto x = random_values(240, 28, -3.0f, 3.0f), g = random_values(240, 29), w = random_values(40, 30, 0.5f, 1.5f),
+             b = random_values(40, 31);
+  struct outcome {
+    std::vector<float> y, gx, gw, gb;
+  };
+  auto run = [&](dtype type) {
+    context ctx(s, type);
+    layer_norm ln(40, ctx);
+    write_values(ln.weight(), w, s);
+    write_values(ln.bias_parameter(), b, s);
+    tensor xt = typed_tensor(x, dims, type, s), gt = typed_tensor(g, dims, type, s);
+    outcome o;
+    o.y = read_as_float(ln.forward(xt, ctx), s);
+    o.gx = read_as_float(ln.backward(gt, ctx, input_grad::required), s);
+    o.gw = read_as_float(ln.weight().grad(), s);
+    o.gb = read_as_float(ln.bias_parameter().grad(), s);
+    return o;
+  };
+  const outcome ref = run(dtype::f32);
+  for (const dtype type : {dtype::f16, dtype::bf16}) {
+    const outcome o = run(type);
+    const double tol = type == dtype::f16 ? 4e-3 : 3e-2;  // a few units of the type's rounding (2^-11, 2^-8)
+    EXPECT_LE(relative_norm(o.y, ref.y), tol) << name_of(type);
+    EXPECT_LE(relative_norm(o.gx, ref.gx), tol) << name_of(type);
+    EXPECT_LE(relative_norm(o.gw, ref.gw), tol) << name_of(type);
+    EXPECT_LE(relative_norm(o.gb, ref.gb), tol) << name_of(type);
+  }
+}
+
+TEST_P(finite_differences_test, flatten_joins_the_inner_dimensions_and_gives_gradients_their_shape_back) {
+  context ctx(default_stream(dev()));
+  initializer init(6);
+  sequential net(flatten(), linear(12, 3, ctx, init));
+  EXPECT_EQ(net.output_shape(shape{3, 2, 2}), shape{3});
+  check_layer_gradients(net, ctx, random_values(24, 32), shape{2, 3, 2, 2});
+  flatten f;
+  tensor x = make_tensor(random_values(24, 33), shape{2, 3, 4}, ctx.stream());
+  const tensor_view y = f.forward(x, ctx);
+  EXPECT_EQ(y.dims(), (shape{2, 12}));
+  EXPECT_EQ(y.data(), x.view().data());  // a view, no copy
+  EXPECT_EQ(f.backward(y, ctx, input_grad::required).dims(), (shape{2, 3, 4}));
+  tensor none(shape{0, 3, 4}, dtype::f32, ctx.stream());
+  EXPECT_EQ(f.forward(none, ctx).dims(), (shape{0, 12}));
 }
 
 namespace {

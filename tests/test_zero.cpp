@@ -177,6 +177,32 @@ TEST_P(zero_test, deterministic_zero_1_and_2_give_the_bits_of_one_device_on_2_3_
   }
 }
 
+// A layer_norm's parameter gradients are sums over rows like a linear layer's: deterministic DDP and ZeRO give the
+// bits of one device with it too, in f32 and bf16, told the global batch (partials gathered) or not.
+TEST_P(zero_test, deterministic_mode_with_layer_norm_gives_the_bits_of_one_device_on_2_3_and_4_ranks) {
+  if (!require_devices(4)) return;
+  for (const dtype precision : {dtype::f32, dtype::bf16}) {
+    recipe r{.precision = precision, .adamw = true, .deterministic = deterministic_options{.chunk_rows = 16},
+             .normalized = true};
+    const auto one = train_recipe_threads(devices(1), 100, r);
+    for (int zero : {0, 1, 2}) {
+      r.zero = zero;
+      for (const global_batch global : {global_batch::not_told, global_batch::told}) {
+        if (zero != 0 && global == global_batch::told) continue;
+        r.global = global;
+        for (int k = 2; k <= 4; ++k) {
+          const auto ranks = train_recipe_threads(devices(k), 100, r);
+          for (int rank = 0; rank < k; ++rank) {
+            EXPECT_EQ(ranks[static_cast<std::size_t>(rank)].parameters, one[0].parameters)
+                << name_of(precision) << " ZeRO-" << zero << " told " << (global == global_batch::told) << ", rank "
+                << rank << " of " << k;
+          }
+        }
+      }
+    }
+  }
+}
+
 TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
   if (!require_devices(2)) return;
   std::vector<std::string> messages(8);

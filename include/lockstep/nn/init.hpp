@@ -15,6 +15,21 @@
 
 LOCKSTEP_ABI_BEGIN
 
+/// Sets `p`'s fp32 values (p.numel() of them), copied to the device in stream order on `s`, and refreshes its
+/// working copy.
+inline void write_values(parameter& p, const std::vector<float>& values, stream_ref s) {
+  LOCKSTEP_EXPECTS(values.size() == static_cast<std::size_t>(p.numel()), "write_values: ", values.size(),
+                   " values for parameter ", p.name(), " of shape ", p.dims().str());
+  auto staged = to_device(values, s);
+  copy(p.value().span<float>(), device_span<const float>(staged.span()), s);
+  p.refresh_working_copy(s);
+}
+
+/// Sets every value of `p` to `value` (a normalization layer's ones and zeros), in stream order on `s`.
+inline void fill_values(parameter& p, float value, stream_ref s) {
+  write_values(p, std::vector<float>(static_cast<std::size_t>(p.numel()), value), s);
+}
+
 class initializer {
  public:
   explicit initializer(std::uint64_t seed = 0) noexcept : seed_(seed) {}
@@ -30,7 +45,7 @@ class initializer {
     write(p, values, s);
   }
 
-  /// Fills `p`'s values with a constant.
+  /// Fills `p`'s values with a constant (and uses up a random stream, so later parameters keep theirs).
   void constant(parameter& p, float value, stream_ref s) {
     (void)next_stream();
     write(p, std::vector<float>(static_cast<std::size_t>(p.numel()), value), s);
@@ -42,11 +57,7 @@ class initializer {
   [[nodiscard]] std::uint64_t next_stream() noexcept { return next_stream_++; }
 
  private:
-  static void write(parameter& p, const std::vector<float>& values, stream_ref s) {
-    auto staged = to_device(values, s);
-    copy(p.value().span<float>(), device_span<const float>(staged.span()), s);
-    p.refresh_working_copy(s);
-  }
+  static void write(parameter& p, const std::vector<float>& values, stream_ref s) { write_values(p, values, s); }
 
   std::uint64_t seed_;
   std::uint64_t next_stream_ = 0;
