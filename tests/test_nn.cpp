@@ -5,10 +5,17 @@
 
 #include <cmath>
 #include <cstdint>
+#include <cstdlib>
+#include <cstring>
+#include <filesystem>
+#include <fstream>
 #include <functional>
+#include <iostream>
+#include <optional>
 #include <random>
 #include <vector>
 
+#include "lockstep/io/safetensors.hpp"
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/activation.hpp"
 #include "lockstep/nn/dropout.hpp"
@@ -382,6 +389,103 @@ TEST_P(finite_differences_test, flatten_joins_the_inner_dimensions_and_gives_gra
   EXPECT_EQ(f.backward(y, ctx, input_grad::required).dims(), (shape{2, 3, 4}));
   tensor none(shape{0, 3, 4}, dtype::f32, ctx.stream());
   EXPECT_EQ(f.forward(none, ctx).dims(), (shape{0, 12}));
+}
+
+// ---- against PyTorch: tests/torch_layers.py writes PyTorch's results and runs these (CTest nn.layers_against_pytorch) --
+
+namespace {
+// The reference file LOCKSTEP_TORCH_REFERENCE names: f32 tensors "<case>.<what>", the cases' options in metadata.
+struct torch_reference {
+  std::string path;
+  std::vector<std::byte> bytes;
+  safetensors_header header;
+
+  [[nodiscard]] const safetensors_tensor& find(const std::string& name) const {
+    const safetensors_tensor* t = header.find(name);
+    if (t == nullptr) throw std::runtime_error(path + ": no tensor " + name);
+    return *t;
+  }
+  [[nodiscard]] std::vector<float> values(const std::string& name) const {
+    const safetensors_tensor& t = find(name);
+    std::vector<float> v(static_cast<std::size_t>(t.numel()));
+    std::memcpy(v.data(), bytes.data() + header.data_offset + t.begin, t.size_bytes());
+    return v;
+  }
+  [[nodiscard]] shape dims(const std::string& name) const {
+    const auto& d = find(name).shape;
+    switch (d.size()) {
+      case 1: return shape{d[0]};
+      case 2: return shape{d[0], d[1]};
+      case 3: return shape{d[0], d[1], d[2]};
+      default: return shape{d.at(0), d.at(1), d.at(2), d.at(3)};
+    }
+  }
+  [[nodiscard]] std::string option(const std::string& key) const { return header.metadata.at(key); }
+  [[nodiscard]] std::vector<std::string> cases() const {
+    std::vector<std::string> out;
+    for (const auto& [key, value] : header.metadata)
+      if (key.ends_with(".layer")) out.push_back(key.substr(0, key.size() - 6));
+    return out;
+  }
+};
+
+std::optional<torch_reference> load_torch_reference() {
+  const char* path = std::getenv("LOCKSTEP_TORCH_REFERENCE");
+  if (path == nullptr || *path == 0) return std::nullopt;
+  torch_reference r{path, {}, {}};
+  r.bytes.resize(static_cast<std::size_t>(std::filesystem::file_size(path)));
+  std::ifstream in(path, std::ios::binary);
+  in.read(reinterpret_cast<char*>(r.bytes.data()), static_cast<std::streamsize>(r.bytes.size()));
+  if (!in) throw std::runtime_error(std::string("cannot read ") + path);
+  r.header = parse_safetensors_header(r.bytes, r.bytes.size(), path);
+  return r;
+}
+
+// A case's tolerance on the relative norm of a difference from PyTorch's result: f32 1e-5; f16 and bf16 four units of
+// their rounding (2^-11, 2^-8), their inputs being rounded too.
+double torch_tolerance(dtype type) { return type == dtype::f32 ? 1e-5 : type == dtype::f16 ? 2e-3 : 1.6e-2; }
+
+class torch_reference_test : public backend_test {};
+}  // namespace
+
+INSTANTIATE_TEST_SUITE_P(all, torch_reference_test, all_backends(), backend_name);
+
+TEST_P(torch_reference_test, layers_match_pytorch_in_f32_f16_and_bf16) {
+  const auto ref = load_torch_reference();
+  if (!ref) {
+    GTEST_SKIP() << "LOCKSTEP_TORCH_REFERENCE is not set: CTest's nn.layers_against_pytorch runs this test with the "
+                    "file tests/torch_layers.py writes (PyTorch's results)";
+  }
+  const stream_ref s = default_stream(dev());
+  ASSERT_FALSE(ref->cases().empty()) << ref->path;
+  for (const std::string& c : ref->cases()) {
+    for (const dtype type : {dtype::f32, dtype::f16, dtype::bf16}) {
+      if (type != dtype::f32 && ref->option(c + ".f32_only") == "1") continue;
+      context ctx(s, type);
+      auto compare = [&](const char* what, const tensor_view& got) {
+        const double d = relative_norm(read_as_float(got, s), ref->values(c + "." + what));
+        std::cout << "  " << c << " " << name_of(type) << " " << what << ": relative difference " << d << "\n";
+        EXPECT_LE(d, torch_tolerance(type)) << c << " " << name_of(type) << " " << what;
+      };
+      const std::string layer_name = ref->option(c + ".layer");
+      ASSERT_EQ(layer_name, "layer_norm") << c;
+      const shape dims = ref->dims(c + ".x");
+      const bool affine = ref->option(c + ".affine") == "1";
+      layer_norm l(dims[dims.rank() - 1], ctx,
+                   layer_norm_options{.eps = std::stof(ref->option(c + ".eps")), .elementwise_affine = affine});
+      if (affine) {
+        write_values(l.weight(), ref->values(c + ".weight"), s);
+        write_values(l.bias_parameter(), ref->values(c + ".bias"), s);
+      }
+      tensor x = typed_tensor(ref->values(c + ".x"), dims, type, s), gy = typed_tensor(ref->values(c + ".gy"), dims, type, s);
+      compare("y", l.forward(x, ctx));
+      compare("gx", l.backward(gy, ctx, input_grad::required));
+      if (affine) {
+        compare("gweight", l.weight().grad());
+        compare("gbias", l.bias_parameter().grad());
+      }
+    }
+  }
 }
 
 namespace {

@@ -1,0 +1,94 @@
+#!/usr/bin/env python3
+"""lockstep's layers against PyTorch's: fixed inputs through torch.nn.functional, the same through lockstep.
+
+This script computes with PyTorch (in float64, from float32 inputs: the reference is the exact result, rounded
+once to float32 when stored) each case's outputs, input gradient and parameter
+gradients for a fixed output gradient, writes inputs and results to WORKDIR/torch_layers.safetensors (case
+parameters in its metadata), and runs the C++ side: `TEST-BINARY --gtest_filter=torch_reference*` with
+LOCKSTEP_TORCH_REFERENCE naming the file. The C++ test (tests/test_nn.cpp) runs every case in f32, f16 and bf16 on
+each backend and compares per tensor the relative norm of the difference (f32 within 1e-5; f16 and bf16 within
+their types' tolerance, against the f32 reference).
+
+Cases (the metadata's "<case>.layer" names the layer, the other keys its options):
+  layer_norm_affine  x [4, 3, 16], random weight and bias, eps 1e-5
+  layer_norm_plain   x [5, 33], no affine transform, eps 1e-3
+  layer_norm_offset  x [3, 64] around 1000 with a spread of 0.01 (the shifted two-pass statistics), eps 1e-5;
+                     f32 only (f16 rounds such inputs to steps of 0.5)
+
+Usage: tests/torch_layers.py --test-binary build/tests/test_nn --workdir DIR
+Exit status: 0 pass, 1 mismatch or error, 77 skipped (no PyTorch; CTest's skip code).
+"""
+import argparse
+import json
+import os
+import struct
+import subprocess
+import sys
+
+TORCH_PYTHON = "/usr/bin/python3"  # Debian's python3-torch lives there, whatever python3 is first on PATH
+
+
+def write_f32_safetensors(tensors, metadata, path):
+    header, chunks, offset = {"__metadata__": metadata}, [], 0
+    for name, t in tensors.items():
+        chunks.append(t.detach().contiguous().numpy().astype("<f4").tobytes())
+        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(chunks[-1])]}
+        offset += len(chunks[-1])
+    text = json.dumps(header, separators=(",", ":"))
+    text += " " * (-len(text) % 8)
+    with open(path, "wb") as f:
+        f.write(struct.pack("<Q", len(text)) + text.encode("ascii") + b"".join(chunks))
+
+
+def leaf(t):
+    """A float64 leaf holding exactly the float32 values of t."""
+    return t.float().double().requires_grad_(True)
+
+
+def layer_norm_case(torch, name, dims, eps, affine, tensors, metadata, offset=0.0, spread=1.0):
+    g = torch.Generator().manual_seed(len(tensors) + 1)
+    x = leaf(torch.randn(dims, generator=g) * spread + offset)
+    features = dims[-1]
+    w = leaf(torch.randn(features, generator=g) * 0.5 + 1.0) if affine else None
+    b = leaf(torch.randn(features, generator=g) * 0.3) if affine else None
+    gy = torch.randn(dims, generator=g).float().double()
+    y = torch.nn.functional.layer_norm(x, (features,), w, b, eps)
+    y.backward(gy)
+    out = {"x": x, "gy": gy, "y": y, "gx": x.grad}
+    if affine:
+        out.update({"weight": w, "bias": b, "gweight": w.grad, "gbias": b.grad})
+    for k, v in out.items():
+        tensors[f"{name}.{k}"] = v.detach().float()
+    metadata.update({f"{name}.layer": "layer_norm", f"{name}.eps": repr(eps), f"{name}.affine": str(int(affine)),
+                     f"{name}.f32_only": str(int(offset != 0.0))})
+
+
+def main():
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--test-binary", required=True)
+    p.add_argument("--workdir", required=True)
+    a = p.parse_args()
+    try:
+        import torch
+    except ImportError:
+        if os.path.exists(TORCH_PYTHON) and os.path.realpath(sys.executable) != os.path.realpath(TORCH_PYTHON):
+            os.execv(TORCH_PYTHON, [TORCH_PYTHON] + sys.argv)
+        print("torch_layers: PyTorch is not installed (Debian python3-torch; scripts/setup.sh --torch installs it): "
+              "skipped")
+        return 77
+    torch.set_num_threads(1)
+    tensors, metadata = {}, {}
+    layer_norm_case(torch, "layer_norm_affine", [4, 3, 16], 1e-5, True, tensors, metadata)
+    layer_norm_case(torch, "layer_norm_plain", [5, 33], 1e-3, False, tensors, metadata)
+    layer_norm_case(torch, "layer_norm_offset", [3, 64], 1e-5, True, tensors, metadata, offset=1000.0, spread=0.01)
+    os.makedirs(a.workdir, exist_ok=True)
+    path = os.path.join(a.workdir, "torch_layers.safetensors")
+    write_f32_safetensors(tensors, metadata, path)
+    cases = sum(k.endswith(".layer") for k in metadata)
+    print(f"torch_layers: PyTorch {torch.__version__}, {cases} cases in {path}", flush=True)
+    env = dict(os.environ, LOCKSTEP_TORCH_REFERENCE=path)
+    return subprocess.run([a.test_binary, "--gtest_filter=*torch_reference*"], env=env).returncode
+
+
+if __name__ == "__main__":
+    sys.exit(main())
