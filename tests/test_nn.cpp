@@ -18,6 +18,7 @@
 #include "lockstep/io/safetensors.hpp"
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/dropout.hpp"
 #include "lockstep/nn/flatten.hpp"
 #include "lockstep/nn/gradient_check.hpp"
@@ -391,6 +392,112 @@ TEST_P(finite_differences_test, flatten_joins_the_inner_dimensions_and_gives_gra
   EXPECT_EQ(f.forward(none, ctx).dims(), (shape{0, 12}));
 }
 
+TEST_P(finite_differences_test, batch_norm_in_training_and_evaluation_over_features_and_channels) {
+  context ctx(default_stream(dev()));
+  const stream_ref s = ctx.stream();
+  batch_norm bn(3, ctx);
+  write_values(bn.weight(), random_values(3, 40, 0.5f, 1.5f), s);
+  write_values(bn.bias_parameter(), random_values(3, 41), s);
+  check_layer_gradients(bn, ctx, random_values(15, 42, -2.0f, 2.0f), shape{5, 3});          // [N, F]
+  check_layer_gradients(bn, ctx, random_values(36, 43, -2.0f, 2.0f), shape{3, 3, 2, 2});    // [N, C, H, W]
+  batch_norm plain(2, ctx, batch_norm_options{.affine = false});
+  check_layer_gradients(plain, ctx, random_values(24, 44, -2.0f, 2.0f), shape{2, 2, 6});    // [N, C, L]
+  ctx.set_mode(run_mode::eval);  // the running statistics: constants
+  check_layer_gradients(bn, ctx, random_values(36, 45, -2.0f, 2.0f), shape{3, 3, 2, 2});
+  batch_norm untracked(3, ctx, batch_norm_options{.track_running_stats = false});  // batch statistics in eval too
+  check_layer_gradients(untracked, ctx, random_values(15, 46, -2.0f, 2.0f), shape{5, 3});
+}
+
+TEST_P(finite_differences_test, batch_norm_running_statistics_follow_pytorchs_momentum_and_are_named_buffers) {
+  context ctx(default_stream(dev()));
+  const stream_ref s = ctx.stream();
+  initializer init(7);
+  sequential net(linear(4, 2, ctx, init), batch_norm(2, ctx, batch_norm_options{.momentum = 0.25f}));
+  const parameter_list ps = parameters_of(net);
+  ASSERT_EQ(ps.size(), 4u);
+  EXPECT_EQ(ps[2].name, "1.weight");
+  ASSERT_EQ(ps.buffers().size(), 3u);
+  EXPECT_EQ(ps.buffers()[0].name, "1.running_mean");
+  EXPECT_EQ(ps.buffers()[1].name, "1.running_var");
+  EXPECT_EQ(ps.buffers()[2].name, "1.num_batches_tracked");
+  EXPECT_EQ(ps.buffers()[2].buffer->type(), dtype::i64);
+  batch_norm& bn = net.get<1>();
+  // three training steps: the statistics of each batch, by hand in double
+  std::vector<double> rm(2, 0.0), rv(2, 1.0);
+  for (int step = 0; step < 3; ++step) {
+    const auto x = random_values(12, 50 + static_cast<std::uint32_t>(step), -3.0f, 5.0f);
+    tensor xt = make_tensor(x, shape{6, 2}, s);
+    (void)bn.forward(xt, ctx);
+    for (int c = 0; c < 2; ++c) {
+      double mean = 0, var = 0;
+      for (int r = 0; r < 6; ++r) mean += x[static_cast<std::size_t>(r * 2 + c)];
+      mean /= 6;
+      for (int r = 0; r < 6; ++r) var += std::pow(x[static_cast<std::size_t>(r * 2 + c)] - mean, 2);
+      rm[static_cast<std::size_t>(c)] = 0.75 * rm[static_cast<std::size_t>(c)] + 0.25 * mean;
+      rv[static_cast<std::size_t>(c)] = 0.75 * rv[static_cast<std::size_t>(c)] + 0.25 * var / 5;  // unbiased
+    }
+  }
+  const auto got_mean = read(bn.running_mean(), s), got_var = read(bn.running_var(), s);
+  for (int c = 0; c < 2; ++c) {
+    EXPECT_NEAR(got_mean[static_cast<std::size_t>(c)], rm[static_cast<std::size_t>(c)], 1e-6);
+    EXPECT_NEAR(got_var[static_cast<std::size_t>(c)], rv[static_cast<std::size_t>(c)], 1e-5);
+  }
+  EXPECT_EQ(to_vector(bn.num_batches_tracked().span<const std::int64_t>(), s), std::vector<std::int64_t>{3});
+  // evaluation normalizes with them and leaves them alone
+  ctx.set_mode(run_mode::eval);
+  tensor xt = make_tensor({1.0f, -2.0f}, shape{1, 2}, s);
+  const auto y = read(bn.forward(xt, ctx), s);
+  EXPECT_NEAR(y[0], (1.0 - rm[0]) / std::sqrt(rv[0] + 1e-5), 1e-5);
+  EXPECT_NEAR(y[1], (-2.0 - rm[1]) / std::sqrt(rv[1] + 1e-5), 1e-5);
+  EXPECT_EQ(to_vector(bn.num_batches_tracked().span<const std::int64_t>(), s), std::vector<std::int64_t>{3});
+  // a clone carries the buffers
+  batch_norm copy_of = bn.clone(ctx);
+  EXPECT_EQ(read(copy_of.running_var(), s), got_var);
+}
+
+TEST_P(finite_differences_test, batch_norm_refuses_one_value_per_channel_in_training_and_wrong_channels) {
+  context ctx(default_stream(dev()));
+  batch_norm bn(4, ctx);
+  tensor one = make_tensor(random_values(4, 60), shape{1, 4}, ctx.stream());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)bn.forward(one, ctx); }),
+                  "batch_norm(4): training needs more than 1 value per channel, got an input of shape [1, 4]");
+  ctx.set_mode(run_mode::eval);
+  EXPECT_NO_THROW((void)bn.forward(one, ctx));  // evaluation: the running statistics
+  tensor wrong = make_tensor(random_values(12, 61), shape{2, 3, 2}, ctx.stream());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)bn.forward(wrong, ctx); }),
+                  "batch_norm(4): input of shape [2, 3, 2] does not have 4 channels in its second dimension");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)bn.output_shape(shape{3, 5, 5}); }),
+                  "batch_norm(4) expects samples of 4 channels");
+  EXPECT_EQ(bn.output_shape(shape{4, 7, 7}), (shape{4, 7, 7}));
+}
+
+TEST_P(finite_differences_test, batch_norm_in_f16_and_bf16_follows_f32_within_the_types_precision) {
+  const stream_ref s = default_stream(dev());
+  const shape dims{6, 5, 3, 3};
+  const auto x = random_values(270, 62, -3.0f, 3.0f), g = random_values(270, 63), w = random_values(5, 64, 0.5f, 1.5f),
+             b = random_values(5, 65);
+  auto run = [&](dtype type) {
+    context ctx(s, type);
+    batch_norm bn(5, ctx);
+    write_values(bn.weight(), w, s);
+    write_values(bn.bias_parameter(), b, s);
+    tensor xt = typed_tensor(x, dims, type, s), gt = typed_tensor(g, dims, type, s);
+    std::vector<std::vector<float>> o;
+    o.push_back(read_as_float(bn.forward(xt, ctx), s));
+    o.push_back(read_as_float(bn.backward(gt, ctx, input_grad::required), s));
+    o.push_back(read_as_float(bn.weight().grad(), s));
+    o.push_back(read_as_float(bn.bias_parameter().grad(), s));
+    o.push_back(read(bn.running_var(), s));
+    return o;
+  };
+  const auto ref = run(dtype::f32);
+  for (const dtype type : {dtype::f16, dtype::bf16}) {
+    const auto o = run(type);
+    const double tol = type == dtype::f16 ? 4e-3 : 3e-2;
+    for (std::size_t i = 0; i < ref.size(); ++i) EXPECT_LE(relative_norm(o[i], ref[i]), tol) << name_of(type) << " " << i;
+  }
+}
+
 // ---- against PyTorch: tests/torch_layers.py writes PyTorch's results and runs these (CTest nn.layers_against_pytorch) --
 
 namespace {
@@ -468,21 +575,54 @@ TEST_P(torch_reference_test, layers_match_pytorch_in_f32_f16_and_bf16) {
         EXPECT_LE(d, torch_tolerance(type)) << c << " " << name_of(type) << " " << what;
       };
       const std::string layer_name = ref->option(c + ".layer");
-      ASSERT_EQ(layer_name, "layer_norm") << c;
-      const shape dims = ref->dims(c + ".x");
       const bool affine = ref->option(c + ".affine") == "1";
-      layer_norm l(dims[dims.rank() - 1], ctx,
-                   layer_norm_options{.eps = std::stof(ref->option(c + ".eps")), .elementwise_affine = affine});
-      if (affine) {
+      const float eps = std::stof(ref->option(c + ".eps"));
+      auto input = [&](const std::string& what) {
+        return typed_tensor(ref->values(c + "." + what), ref->dims(c + "." + what), type, s);
+      };
+      auto set_affine = [&](auto& l) {
+        if (!affine) return;
         write_values(l.weight(), ref->values(c + ".weight"), s);
         write_values(l.bias_parameter(), ref->values(c + ".bias"), s);
-      }
-      tensor x = typed_tensor(ref->values(c + ".x"), dims, type, s), gy = typed_tensor(ref->values(c + ".gy"), dims, type, s);
-      compare("y", l.forward(x, ctx));
-      compare("gx", l.backward(gy, ctx, input_grad::required));
-      if (affine) {
-        compare("gweight", l.weight().grad());
-        compare("gbias", l.bias_parameter().grad());
+      };
+      auto compare_affine = [&](auto& l, const std::string& suffix) {
+        if (!affine) return;
+        compare(("gweight" + suffix).c_str(), l.weight().grad());
+        compare(("gbias" + suffix).c_str(), l.bias_parameter().grad());
+      };
+      if (layer_name == "layer_norm") {
+        const shape dims = ref->dims(c + ".x");
+        layer_norm l(dims[dims.rank() - 1], ctx, layer_norm_options{.eps = eps, .elementwise_affine = affine});
+        set_affine(l);
+        tensor x = input("x"), gy = input("gy");
+        compare("y", l.forward(x, ctx));
+        compare("gx", l.backward(gy, ctx, input_grad::required));
+        compare_affine(l, "");
+      } else if (layer_name == "batch_norm") {
+        // three training steps, the last one backward; the running statistics; then evaluation
+        batch_norm l(ref->dims(c + ".x0")[1], ctx,
+                     batch_norm_options{.eps = eps, .momentum = std::stof(ref->option(c + ".momentum")), .affine = affine});
+        set_affine(l);
+        std::vector<tensor> xs;
+        tensor_view y;
+        for (int step = 0; step < 3; ++step) {
+          xs.push_back(input("x" + std::to_string(step)));
+          y = l.forward(xs.back(), ctx);
+        }
+        compare("y", y);
+        tensor gy = input("gy");
+        compare("gx", l.backward(gy, ctx, input_grad::required));
+        compare_affine(l, "");
+        compare("running_mean", l.running_mean());
+        compare("running_var", l.running_var());
+        ctx.set_mode(run_mode::eval);
+        if (affine) zero_grad(l);
+        tensor xe = input("xe"), gye = input("gye");
+        compare("ye", l.forward(xe, ctx));
+        compare("gxe", l.backward(gye, ctx, input_grad::required));
+        compare_affine(l, "_e");
+      } else {
+        FAIL() << c << ": unknown layer " << layer_name;
       }
     }
   }

@@ -14,6 +14,9 @@ Cases (the metadata's "<case>.layer" names the layer, the other keys its options
   layer_norm_plain   x [5, 33], no affine transform, eps 1e-3
   layer_norm_offset  x [3, 64] around 1000 with a spread of 0.01 (the shifted two-pass statistics), eps 1e-5;
                      f32 only (f16 rounds such inputs to steps of 0.5)
+  batch_norm_channels  x [6, 4, 3, 3] (BatchNorm2d), momentum 0.1: three training steps (x0, x1, x2; the last one
+                       backward with gy), the running statistics after them, then evaluation (xe, gye)
+  batch_norm_features  x [8, 5] (BatchNorm1d), no affine transform, momentum 0.3, eps 1e-3: the same
 
 Usage: tests/torch_layers.py --test-binary build/tests/test_nn --workdir DIR
 Exit status: 0 pass, 1 mismatch or error, 77 skipped (no PyTorch; CTest's skip code).
@@ -63,6 +66,37 @@ def layer_norm_case(torch, name, dims, eps, affine, tensors, metadata, offset=0.
                      f"{name}.f32_only": str(int(offset != 0.0))})
 
 
+def batch_norm_case(torch, name, dims, eps, momentum, affine, tensors, metadata):
+    g = torch.Generator().manual_seed(len(tensors) + 1)
+    channels = dims[1]
+    w = leaf(torch.randn(channels, generator=g) * 0.5 + 1.0) if affine else None
+    b = leaf(torch.randn(channels, generator=g) * 0.3) if affine else None
+    running_mean = torch.zeros(channels, dtype=torch.float64)
+    running_var = torch.ones(channels, dtype=torch.float64)
+    out = {}
+    for step in range(3):
+        x = leaf(torch.randn(dims, generator=g) * 2.0 + 0.5)
+        y = torch.nn.functional.batch_norm(x, running_mean, running_var, w, b, True, momentum, eps)
+        out[f"x{step}"] = x
+    gy = torch.randn(dims, generator=g).float().double()
+    y.backward(gy)
+    out.update({"gy": gy, "y": y, "gx": x.grad, "running_mean": running_mean, "running_var": running_var})
+    if affine:
+        out.update({"weight": w, "bias": b, "gweight": w.grad, "gbias": b.grad})
+        w.grad, b.grad = None, None
+    xe = leaf(torch.randn(dims, generator=g))
+    gye = torch.randn(dims, generator=g).float().double()
+    ye = torch.nn.functional.batch_norm(xe, running_mean, running_var, w, b, False, momentum, eps)
+    ye.backward(gye)
+    out.update({"xe": xe, "gye": gye, "ye": ye, "gxe": xe.grad})
+    if affine:
+        out.update({"gweight_e": w.grad, "gbias_e": b.grad})
+    for k, v in out.items():
+        tensors[f"{name}.{k}"] = v.detach().float()
+    metadata.update({f"{name}.layer": "batch_norm", f"{name}.eps": repr(eps), f"{name}.momentum": repr(momentum),
+                     f"{name}.affine": str(int(affine)), f"{name}.f32_only": "0"})
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--test-binary", required=True)
@@ -81,6 +115,8 @@ def main():
     layer_norm_case(torch, "layer_norm_affine", [4, 3, 16], 1e-5, True, tensors, metadata)
     layer_norm_case(torch, "layer_norm_plain", [5, 33], 1e-3, False, tensors, metadata)
     layer_norm_case(torch, "layer_norm_offset", [3, 64], 1e-5, True, tensors, metadata, offset=1000.0, spread=0.01)
+    batch_norm_case(torch, "batch_norm_channels", [6, 4, 3, 3], 1e-5, 0.1, True, tensors, metadata)
+    batch_norm_case(torch, "batch_norm_features", [8, 5], 1e-3, 0.3, False, tensors, metadata)
     os.makedirs(a.workdir, exist_ok=True)
     path = os.path.join(a.workdir, "torch_layers.safetensors")
     write_f32_safetensors(tensors, metadata, path)

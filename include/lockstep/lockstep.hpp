@@ -37,6 +37,7 @@
 #include "lockstep/blas/gemm.hpp"
 
 #include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/dropout.hpp"

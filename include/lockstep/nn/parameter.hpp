@@ -342,12 +342,26 @@ struct named_parameter {
   parameter* param;
 };
 
+/// A buffer (a layer's state that training changes without a gradient: batch norm's running statistics) and its
+/// qualified name ("bn1.running_mean").
+struct named_buffer {
+  std::string name;
+  tensor* buffer;
+};
+
 /// The parameters of a model in a stable order (the order layers add them: creation order within a layer,
-/// layer order within a container). Containers open a scope per child so names are qualified.
+/// layer order within a container), and its buffers, in the same way. Containers open a scope per child so names
+/// are qualified. Iterating the list, size() and pointers() see the parameters only (what optimizers and gradient
+/// wrappers take); buffers() lists the buffers, which checkpoints save after the parameters (PyTorch's state_dict
+/// names) and the data-parallel wrappers keep equal on every replica (rank 0's, as PyTorch's broadcast_buffers).
 class parameter_list {
  public:
   /// Appends `p` under the current scope.
   void add(parameter& p) { items_.push_back(named_parameter{prefix_ + p.name(), &p}); }
+  /// Appends buffer `t`, named `name` in its layer ("running_mean"), under the current scope.
+  void add_buffer(std::string_view name, tensor& t) {
+    buffers_.push_back(named_buffer{prefix_ + std::string(name), &t});
+  }
 
   /// Names the parameters added until the returned guard ends with `scope` + ".".
   [[nodiscard]] auto scope(std::string_view name) {
@@ -371,6 +385,7 @@ class parameter_list {
   [[nodiscard]] auto begin() const noexcept { return items_.begin(); }
   [[nodiscard]] auto end() const noexcept { return items_.end(); }
   [[nodiscard]] const named_parameter& operator[](std::size_t i) const { return items_.at(i); }
+  [[nodiscard]] const std::vector<named_buffer>& buffers() const noexcept { return buffers_; }
 
   /// The parameters alone, in order.
   [[nodiscard]] std::vector<parameter*> pointers() const {
@@ -389,6 +404,7 @@ class parameter_list {
 
  private:
   std::vector<named_parameter> items_;
+  std::vector<named_buffer> buffers_;
   std::string prefix_;
 };
 

@@ -1,5 +1,7 @@
-// lockstep/kernels/norm.hpp — kernel bodies of layer normalization (nn/layer_norm.hpp).
+// lockstep/kernels/norm.hpp — kernel bodies of layer normalization (nn/layer_norm.hpp) and batch normalization
+// (nn/batch_norm.hpp).
 //
+// Layer normalization:
 // A row is normalized over its `cols` values with a shifted two-pass algorithm in f32, whatever the storage type T:
 // with K the row's first value, the first pass gives delta = mean(x - K), the second var = mean(((x - K) - delta)^2)
 // (the biased variance PyTorch's layer_norm uses); rstd = 1 / sqrt(var + eps). x - K is exact for values within a
@@ -143,6 +145,213 @@ struct layer_norm_param_grad_op {
       }
       for (std::size_t j = 0; j < m; ++j) finish(c0 + j, ag[j], ab[j]);
     }
+  }
+};
+
+// ---- batch normalization -----------------------------------------------------------------------------------------
+//
+// The input is seen as [n, channels, inner] (inner = 1 for [n, features], H * W for [n, C, H, W]); channel c's
+// statistics run over its n * inner values. Every kernel below is run by launch_rows with one row per channel: a warp
+// per channel on a GPU (its lanes take the channel's values lane, lane + 32, ...), the serial loop over (n, inner) on
+// a host stream. Statistics in f32 whatever T, by two compensated (Kahan) passes: the mean, then the sum of squared
+// deviations from it. The sums are written to memory between the passes so that a synchronized batch norm can add
+// them over the replicas before the next pass reads them.
+
+/// A float sum with Kahan's compensation (no multiplication inside: a GPU compiler cannot contract it).
+struct compensated_sum {
+  float sum = 0.0f;
+  float carry = 0.0f;
+  LOCKSTEP_HD void add(float v) {
+    const float y = v - carry;
+    const float t = sum + y;
+    carry = (t - sum) - y;
+    sum = t;
+  }
+  [[nodiscard]] LOCKSTEP_HD float value() const { return sum - carry; }
+};
+
+/// f(i) for the flat index i of every value of channel `c` this lane takes.
+template <class Lanes, class F>
+LOCKSTEP_HD void for_channel_values(std::size_t n, std::size_t channels, std::size_t inner, std::size_t c,
+                                    const Lanes& lanes, F&& f) {
+  if (lanes.count == 1) {  // the host's serial loop: contiguous runs of `inner` values
+    for (std::size_t i = 0; i < n; ++i) {
+      const std::size_t base = (i * channels + c) * inner;
+      for (std::size_t s = 0; s < inner; ++s) f(base + s);
+    }
+    return;
+  }
+  const std::size_t m = n * inner;
+  for (std::size_t j = lanes.index; j < m; j += lanes.count) {
+    const std::size_t i = j / inner, s = j - i * inner;
+    f((i * channels + c) * inner + s);
+  }
+}
+
+/// Pass 1: sums[c] = the sum of channel c's values; sums[channels] = their count (n * inner), so that the sums of
+/// several replicas added element-wise hold the global sums and count.
+template <class T>
+struct batch_norm_sum_op {
+  const T* x;
+  float* sums;  // [channels + 1]
+  std::size_t n, channels, inner;
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    compensated_sum acc;
+    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) { acc.add(to_float(x[i])); });
+    const float total = lanes.sum(acc.value());
+    if (lanes.index == 0) {
+      sums[c] = total;
+      if (c == 0) sums[channels] = static_cast<float>(n * inner);
+    }
+  }
+};
+
+/// Pass 2: squares[c] = the sum of (x - mean_c)^2 over channel c, mean_c = sums[c] / sums[channels].
+template <class T>
+struct batch_norm_square_op {
+  const T* x;
+  const float* sums;
+  float* squares;  // [channels]
+  std::size_t n, channels, inner;
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    const float mean = sums[c] / sums[channels];
+    compensated_sum acc;
+    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
+      const float d = to_float(x[i]) - mean;
+      acc.add(d * d);
+    });
+    const float total = lanes.sum(acc.value());
+    if (lanes.index == 0) squares[c] = total;
+  }
+};
+
+/// What normalizes channel c: y = (x - mean[c]) * rstd[c] * gamma[c] + beta[c] (gamma, beta null: no affine).
+///   - batch statistics (sums non-null): mean = sums[c] / count, var = squares[c] / count (count = sums[channels]),
+///     rstd = 1 / sqrt(var + eps), kept in mean[c] and rstd[c] for backward; with running statistics (non-null)
+///     running_mean = (1 - momentum) running_mean + momentum mean and running_var likewise with the unbiased
+///     variance var * count / (count - 1); *tracked += 1 (channel 0);
+///   - running statistics (sums null): mean = running_mean[c], rstd = 1 / sqrt(running_var[c] + eps), kept too.
+template <class T>
+struct batch_norm_normalize_op {
+  const T* x;
+  const T* gamma;
+  const T* beta;
+  T* y;
+  const float* sums;     // [channels + 1], or null: normalize with the running statistics
+  const float* squares;  // [channels]
+  float* mean;           // [channels]
+  float* rstd;
+  float* running_mean;   // [channels], or null
+  float* running_var;
+  std::int64_t* tracked;  // num_batches_tracked, or null
+  std::size_t n, channels, inner;
+  float eps;
+  float momentum;
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    float m = 0.0f, rs = 0.0f;
+    if (sums != nullptr) {
+      const float count = sums[channels];
+      m = sums[c] / count;
+      const float var = squares[c] / count;
+      rs = 1.0f / ::sqrtf(var + eps);
+      if (lanes.index == 0 && running_mean != nullptr) {
+        running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * m;
+        running_var[c] = (1.0f - momentum) * running_var[c] + momentum * (var * (count / (count - 1.0f)));
+        if (c == 0 && tracked != nullptr) ++*tracked;
+      }
+    } else {
+      m = running_mean[c];
+      rs = 1.0f / ::sqrtf(running_var[c] + eps);
+    }
+    const float g = gamma != nullptr ? to_float(gamma[c]) : 1.0f, b = gamma != nullptr ? to_float(beta[c]) : 0.0f;
+    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
+      y[i] = convert<T>((to_float(x[i]) - m) * rs * g + b);
+    });
+    if (lanes.index == 0) {
+      mean[c] = m;
+      rstd[c] = rs;
+    }
+  }
+};
+
+/// Backward's sums over channel c: sg[c] = the sum of gy and sgx[c] = the sum of gy * xhat, xhat = (x - mean[c]) *
+/// rstd[c] (either array may be null); and, for deterministic mode's per-chunk partial gradients, the same rounded to
+/// T into dbeta_out[c] and dgamma_out[c] (either may be null).
+template <class T>
+struct batch_norm_grad_sums_op {
+  const T* gy;
+  const T* x;
+  const float* mean;
+  const float* rstd;
+  float* sg;
+  float* sgx;
+  T* dbeta_out;
+  T* dgamma_out;
+  std::size_t n, channels, inner;
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    const float m = mean[c], rs = rstd[c];
+    compensated_sum a, b;
+    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
+      const float g = to_float(gy[i]);
+      a.add(g);
+      b.add(g * ((to_float(x[i]) - m) * rs));
+    });
+    const float sum_g = lanes.sum(a.value()), sum_gx = lanes.sum(b.value());
+    if (lanes.index != 0) return;
+    if (sg != nullptr) sg[c] = sum_g;
+    if (sgx != nullptr) sgx[c] = sum_gx;
+    if (dbeta_out != nullptr) dbeta_out[c] = convert<T>(sum_g);
+    if (dgamma_out != nullptr) dgamma_out[c] = convert<T>(sum_gx);
+  }
+};
+
+/// dgamma[c] = gamma_beta * dgamma[c] + sgx[c] and dbeta[c] = beta_beta * dbeta[c] + sg[c]: the affine parameters'
+/// gradients from backward's sums. One index per channel.
+template <class T>
+struct batch_norm_param_grad_op {
+  const float* sg;
+  const float* sgx;
+  T* dgamma;
+  T* dbeta;
+  float gamma_beta;
+  float beta_beta;
+  LOCKSTEP_HD void operator()(std::size_t c) const {
+    dgamma[c] = convert<T>(gamma_beta == 0.0f ? sgx[c] : gamma_beta * to_float(dgamma[c]) + sgx[c]);
+    dbeta[c] = convert<T>(beta_beta == 0.0f ? sg[c] : beta_beta * to_float(dbeta[c]) + sg[c]);
+  }
+};
+
+/// dx = gamma rstd (gy - sg / count - xhat sgx / count) with batch statistics (sg non-null; count = sums[channels],
+/// the sums as the forward's, over every replica of a synchronized batch norm), or gamma rstd gy with running ones.
+template <class T>
+struct batch_norm_input_grad_op {
+  const T* gy;
+  const T* x;
+  const T* gamma;
+  const float* mean;
+  const float* rstd;
+  const float* sg;    // null: the statistics were the running ones (constants)
+  const float* sgx;
+  const float* sums;  // the forward's: its count
+  T* dx;
+  std::size_t n, channels, inner;
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    const float m = mean[c], rs = rstd[c], g = gamma != nullptr ? to_float(gamma[c]) : 1.0f;
+    if (sg == nullptr) {
+      for_channel_values(n, channels, inner, c, lanes,
+                         [&](std::size_t i) { dx[i] = convert<T>(to_float(gy[i]) * (g * rs)); });
+      return;
+    }
+    const float count = sums[channels], a = sg[c] / count, b = sgx[c] / count;
+    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
+      const float xhat = (to_float(x[i]) - m) * rs;
+      dx[i] = convert<T>(g * rs * (to_float(gy[i]) - a - xhat * b));
+    });
   }
 };
 

@@ -1,0 +1,282 @@
+// lockstep/nn/batch_norm.hpp — batch normalization over the features of [N, F] or the channels of [N, C, ...]
+// (PyTorch's nn.BatchNorm1d / BatchNorm2d / BatchNorm3d in one layer).
+#pragma once
+
+#include <cstdint>
+
+#include "lockstep/config.hpp"
+#include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/launch.hpp"
+#include "lockstep/kernels/norm.hpp"
+#include "lockstep/nn/context.hpp"
+#include "lockstep/nn/deterministic.hpp"
+#include "lockstep/nn/init.hpp"
+#include "lockstep/nn/layer.hpp"
+#include "lockstep/runtime/copy.hpp"
+
+LOCKSTEP_ABI_BEGIN
+
+/// What a batch_norm is built with (PyTorch's defaults).
+struct batch_norm_options {
+  float eps = 1e-5f;             ///< added to the variance under the square root
+  float momentum = 0.1f;         ///< running = (1 - momentum) running + momentum batch (PyTorch's convention)
+  bool affine = true;            ///< a learned scale "weight" (ones) and shift "bias" (zeros) per channel
+  bool track_running_stats = true;  ///< buffers running_mean, running_var, num_batches_tracked; used in evaluation
+};
+
+/// Normalizes each channel c of x ([N, C] or [N, C, d2, ...]) over its N * d2 * ... values:
+///   training (context::training()):  y = (x - mean_B) / sqrt(var_B + eps) * weight[c] + bias[c], with the batch's
+///     mean and biased variance (f32, two compensated passes: kernels/norm.hpp), and the running statistics updated
+///     with PyTorch's momentum and the unbiased variance var_B * m / (m - 1) (m values per channel);
+///   evaluation: the same with running_mean and running_var (the batch's statistics without track_running_stats).
+/// Parameters "weight" and "bias" [C]; buffers "running_mean" [C] (zeros), "running_var" [C] (ones), f32, and
+/// "num_batches_tracked" (i64 scalar), named as PyTorch's, so checkpoints load into torch.nn.BatchNorm2d.
+///
+/// Data parallelism: each replica normalizes with its own rows' statistics (what PyTorch's BatchNorm does under
+/// DDP); the wrappers keep the buffers equal on every replica, rank 0's (see parameter_list). Deterministic mode:
+/// the parameter gradients are exact sums of per-chunk partials (nn/deterministic.hpp), so a given split gives the
+/// same bits every run; the statistics, and so the results, depend on how the batch is split, by definition.
+class batch_norm {
+ public:
+  /// A layer on ctx's device for `channels` channels. Throws precondition_error for a non-positive channel count,
+  /// a non-positive eps or a momentum outside [0, 1].
+  batch_norm(std::int64_t channels, context& ctx, batch_norm_options o = {}) : channels_(channels), options_(o) {
+    LOCKSTEP_EXPECTS(channels > 0, "batch_norm(", channels, "): the channel count must be positive");
+    LOCKSTEP_EXPECTS(o.eps > 0.0f, "batch_norm(", channels, "): eps must be positive, got ", o.eps);
+    LOCKSTEP_EXPECTS(o.momentum >= 0.0f && o.momentum <= 1.0f, "batch_norm(", channels,
+                     "): momentum must be in [0, 1], got ", o.momentum);
+    const stream_ref s = ctx.stream();
+    if (o.affine) {
+      weight_ = parameter("weight", shape{channels}, s, ctx.compute_type());
+      bias_ = parameter("bias", shape{channels}, s, ctx.compute_type());
+      fill_values(weight_, 1.0f, s);
+      fill_values(bias_, 0.0f, s);
+    }
+    if (o.track_running_stats) {
+      running_mean_ = tensor(shape{channels}, dtype::f32, s);
+      running_var_ = tensor(shape{channels}, dtype::f32, s);
+      tracked_ = tensor(shape{}, dtype::i64, s);
+      fill_zero(running_mean_.view().bytes(), s);
+      fill_zero(tracked_.view().bytes(), s);
+      launch_elementwise(static_cast<std::size_t>(channels), kernels::fill_op<float>{running_var_.as<float>(), 1.0f}, s,
+                         "batch_norm running_var");
+    }
+  }
+
+  [[nodiscard]] std::int64_t channels() const noexcept { return channels_; }
+  [[nodiscard]] const batch_norm_options& options() const noexcept { return options_; }
+  [[nodiscard]] parameter& weight() noexcept { return weight_; }
+  [[nodiscard]] parameter& bias_parameter() noexcept { return bias_; }
+  [[nodiscard]] tensor& running_mean() noexcept { return running_mean_; }
+  [[nodiscard]] tensor& running_var() noexcept { return running_var_; }
+  [[nodiscard]] tensor& num_batches_tracked() noexcept { return tracked_; }
+
+  tensor_view forward(const tensor_view& x, context& ctx) {
+    check_input(x, ctx);
+    x_ = x;
+    forwarded_ = true;
+    batch_stats_ = ctx.training() || !options_.track_running_stats;
+    const stream_ref s = ctx.stream();
+    const geometry g = geometry_of(x);
+    LOCKSTEP_EXPECTS(!batch_stats_ || g.n * g.inner != 1, "batch_norm(", channels_,
+                     "): training needs more than 1 value per channel, got an input of shape ", x.dims().str());
+    y_.ensure(x.dims(), x.type(), s);
+    if (g.n == 0) return y_.view();
+    const auto c = static_cast<std::size_t>(channels_);
+    mean_.ensure(shape{channels_}, dtype::f32, s);
+    rstd_.ensure(shape{channels_}, dtype::f32, s);
+    if (batch_stats_) {
+      sums_.ensure(shape{channels_ + 1}, dtype::f32, s);
+      squares_.ensure(shape{channels_}, dtype::f32, s);
+    }
+    const bool track = options_.track_running_stats && ctx.training();
+    dispatch_floating(x.type(), "batch_norm", [&]<class T>() {
+      if (batch_stats_) {
+        launch_rows(c, kernels::batch_norm_sum_op<T>{x.as<T>(), sums_.as<float>(), g.n, c, g.inner}, s,
+                    "batch_norm mean");
+        launch_rows(c, kernels::batch_norm_square_op<T>{x.as<T>(), sums_.as<float>(), squares_.as<float>(), g.n, c, g.inner},
+                    s, "batch_norm variance");
+      }
+      launch_rows(c,
+                  kernels::batch_norm_normalize_op<T>{
+                      x.as<T>(), affine() ? weight_.compute_value().as<T>() : nullptr,
+                      affine() ? bias_.compute_value().as<T>() : nullptr, y_.as<T>(),
+                      batch_stats_ ? sums_.as<float>() : nullptr, batch_stats_ ? squares_.as<float>() : nullptr,
+                      mean_.as<float>(), rstd_.as<float>(),
+                      track || !batch_stats_ ? running_mean_.as<float>() : nullptr,
+                      track || !batch_stats_ ? running_var_.as<float>() : nullptr,
+                      track ? tracked_.as<std::int64_t>() : nullptr, g.n, c, g.inner, options_.eps, options_.momentum},
+                  s, "batch_norm normalize");
+    });
+    return y_.view();
+  }
+
+  tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) {
+    LOCKSTEP_EXPECTS(forwarded_, "batch_norm::backward without a forward");
+    LOCKSTEP_EXPECTS(gy.dims() == x_.dims() && gy.type() == x_.type(), "batch_norm::backward: gradient of shape ",
+                     gy.dims().str(), " (", name_of(gy.type()), ") for an output of shape ", x_.dims().str(), " (",
+                     name_of(x_.type()), ")");
+    const stream_ref s = ctx.stream();
+    const geometry g = geometry_of(gy);
+    const auto c = static_cast<std::size_t>(channels_);
+    if (need == input_grad::required) gx_.ensure(gy.dims(), gy.type(), s);
+    if (g.n == 0) {
+      if (affine() && !ctx.deterministic()) zero_parameter_gradients(s);
+      if (affine() && ctx.deterministic()) exact_partials(gy, g, ctx);
+      return need == input_grad::required ? gx_.view() : tensor_view();
+    }
+    // the sums over the rows: for the input gradient under batch statistics, and for the parameters' gradients
+    // outside deterministic mode (which sums per chunk)
+    const bool sums = (batch_stats_ && need == input_grad::required) || (affine() && !ctx.deterministic());
+    if (sums) grad_sums_.ensure(shape{2 * channels_}, dtype::f32, s);
+    float* sg = sums ? grad_sums_.as<float>() : nullptr;
+    float* sgx = sums ? sg + channels_ : nullptr;
+    dispatch_floating(gy.type(), "batch_norm", [&]<class T>() {
+      if (sg != nullptr) {
+        launch_rows(c,
+                    kernels::batch_norm_grad_sums_op<T>{gy.as<T>(), x_.as<T>(), mean_.as<float>(), rstd_.as<float>(), sg,
+                                                        sgx, nullptr, nullptr, g.n, c, g.inner},
+                    s, "batch_norm gradient sums");
+      }
+      if (affine()) {
+        if (ctx.deterministic()) {
+          exact_partials(gy, g, ctx);
+        } else {
+          const float wbeta = weight_.begin_accumulate(), bbeta = bias_.begin_accumulate();
+          launch_elementwise(c,
+                             kernels::batch_norm_param_grad_op<T>{sg, sgx, weight_.grad().as<T>(), bias_.grad().as<T>(),
+                                                                  wbeta, bbeta},
+                             s, "batch_norm parameter gradients");
+        }
+      }
+      if (need == input_grad::required) {
+        launch_rows(c,
+                    kernels::batch_norm_input_grad_op<T>{
+                        gy.as<T>(), x_.as<T>(), affine() ? weight_.compute_value().as<T>() : nullptr, mean_.as<float>(),
+                        rstd_.as<float>(), batch_stats_ ? sg : nullptr, batch_stats_ ? sgx : nullptr,
+                        batch_stats_ ? sums_.as<float>() : nullptr, gx_.as<T>(), g.n, c, g.inner},
+                    s, "batch_norm input gradient");
+      }
+    });
+    return need == input_grad::required ? gx_.view() : tensor_view();
+  }
+
+  void parameters(parameter_list& out) {
+    if (affine()) {
+      out.add(weight_);
+      out.add(bias_);
+    }
+    if (options_.track_running_stats) {
+      out.add_buffer("running_mean", running_mean_);
+      out.add_buffer("running_var", running_var_);
+      out.add_buffer("num_batches_tracked", tracked_);
+    }
+  }
+
+  [[nodiscard]] batch_norm clone(context& ctx) const {
+    batch_norm l(channels_, options_);
+    const stream_ref s = ctx.stream();
+    if (affine()) {
+      l.weight_ = weight_.clone(s);
+      l.bias_ = bias_.clone(s);
+    }
+    if (options_.track_running_stats) {
+      for (auto [from, to] : {std::pair{&running_mean_, &l.running_mean_}, std::pair{&running_var_, &l.running_var_},
+                              std::pair{&tracked_, &l.tracked_}}) {
+        *to = tensor(from->dims(), from->type(), s);
+        copy(to->view().bytes(), device_span<const std::uint8_t>(from->view().bytes()), s);
+      }
+    }
+    return l;
+  }
+
+  [[nodiscard]] shape output_shape(const shape& sample) const {
+    LOCKSTEP_EXPECTS(sample.rank() >= 1 && sample[0] == channels_, "batch_norm(", channels_, ") expects samples of ",
+                     channels_, " channels ([", channels_, "] or [", channels_, ", ...]), got shape ", sample.str());
+    return sample;
+  }
+
+ private:
+  batch_norm(std::int64_t channels, batch_norm_options o) : channels_(channels), options_(o) {}
+
+  struct geometry {
+    std::size_t n;      // rows
+    std::size_t inner;  // values per channel per row
+  };
+  [[nodiscard]] geometry geometry_of(const tensor_view& x) const {
+    return {static_cast<std::size_t>(x.rows()), static_cast<std::size_t>(x.rows() == 0 ? 0 : x.cols() / channels_)};
+  }
+
+  [[nodiscard]] bool affine() const noexcept { return options_.affine; }
+
+  // Deterministic mode: each chunk's sums rounded to T, added exactly into the parameters' accumulators.
+  void exact_partials(const tensor_view& gy, const geometry& g, context& ctx) {
+    const auto c = static_cast<std::size_t>(channels_);
+    const std::size_t row_values = c * g.inner;
+    dispatch_floating(gy.type(), "batch_norm", [&]<class T>() {
+      auto partial = [&](bool gamma) {
+        return [&, gamma](std::int64_t b, std::int64_t r, T* out) {
+          const auto first = static_cast<std::size_t>(b) * row_values;
+          launch_rows(c,
+                      kernels::batch_norm_grad_sums_op<T>{gy.as<T>() + first, x_.as<T>() + first, mean_.as<float>(),
+                                                          rstd_.as<float>(), nullptr, nullptr, gamma ? nullptr : out,
+                                                          gamma ? out : nullptr, static_cast<std::size_t>(r), c, g.inner},
+                      ctx.stream(), "batch_norm parameter gradients");
+        };
+      };
+      exact_.accumulate<T>(weight_, gy.rows(), ctx, partial(true));
+      exact_.accumulate<T>(bias_, gy.rows(), ctx, partial(false));
+    });
+  }
+
+  // A replica without rows: its share of the parameters' gradients is zero.
+  void zero_parameter_gradients(stream_ref s) {
+    for (parameter* p : {&weight_, &bias_}) {
+      if (p->begin_accumulate() == 0.0f) fill_zero(p->grad().bytes(), s);
+    }
+  }
+
+  void check_input(const tensor_view& x, const context& ctx) const {
+    const shape& d = x.dims();
+    LOCKSTEP_EXPECTS(d.rank() >= 2 && d[1] == channels_, "batch_norm(", channels_, "): input of shape ", d.str(),
+                     " does not have ", channels_, " channels in its second dimension (expected [rows, ", channels_,
+                     "] or [rows, ", channels_, ", ...])");
+    LOCKSTEP_EXPECTS(x.type() == ctx.compute_type(), "batch_norm: input is ", name_of(x.type()),
+                     " but the context computes in ", name_of(ctx.compute_type()),
+                     " (cast the input, or load it in that type)");
+    LOCKSTEP_EXPECTS(x.get_device() == ctx.get_device(), "batch_norm: input on ", x.get_device().str(),
+                     " but the layer runs on ", ctx.get_device().str());
+    if (affine()) {
+      LOCKSTEP_EXPECTS(weight_.get_device() == ctx.get_device(), "batch_norm: parameters on ",
+                       weight_.get_device().str(), " but the context is on ", ctx.get_device().str());
+      LOCKSTEP_EXPECTS(weight_.compute_type() == ctx.compute_type(), "batch_norm: parameters are set up for ",
+                       name_of(weight_.compute_type()), " but the context computes in ", name_of(ctx.compute_type()));
+    }
+    if (options_.track_running_stats) {
+      LOCKSTEP_EXPECTS(running_mean_.get_device() == ctx.get_device(), "batch_norm: buffers on ",
+                       running_mean_.get_device().str(), " but the context is on ", ctx.get_device().str());
+    }
+  }
+
+  std::int64_t channels_;
+  batch_norm_options options_;
+  parameter weight_;
+  parameter bias_;
+  tensor running_mean_;  // buffers (f32, f32, i64 scalar)
+  tensor running_var_;
+  tensor tracked_;
+  tensor_view x_;
+  tensor y_;
+  tensor gx_;
+  tensor mean_;       // [C] f32: the statistics this forward normalized with
+  tensor rstd_;
+  tensor sums_;       // [C + 1] f32: the batch's sums and count
+  tensor squares_;    // [C] f32
+  tensor grad_sums_;  // [2C] f32: backward's sums of gy and gy * xhat
+  exact_gradient exact_;
+  bool batch_stats_ = false;
+  bool forwarded_ = false;
+};
+static_assert(layer<batch_norm>);
+
+LOCKSTEP_ABI_END
