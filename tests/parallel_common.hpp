@@ -12,6 +12,7 @@
 #include "lockstep/comm/coalesced.hpp"
 #include "lockstep/core/random.hpp"
 #include "lockstep/nn/activation.hpp"
+#include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/graph.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/layer_norm.hpp"
@@ -34,18 +35,18 @@ constexpr int steps = 20;
 constexpr std::uint64_t seed = 7;
 const sgd_options optimizer_options{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 1e-4f};
 
+/// A normalization between make_model's fc1 and its ReLU.
+enum class norm_kind : std::uint8_t { none, layer, batch };
+
 /// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU, initialized from `init_seed`; with
-/// `normalized`, a layer_norm between fc1 and its ReLU.
-inline graph make_model(context& ctx, std::uint64_t init_seed = seed, bool normalized = false) {
+/// `norm`, a layer_norm or batch_norm ("norm1") between fc1 and its ReLU.
+inline graph make_model(context& ctx, std::uint64_t init_seed = seed, norm_kind norm = norm_kind::none) {
   initializer init(init_seed);
   graph g(shape{features});
   g.add("fc1", linear(features, 32, ctx, init), "input");
-  if (normalized) {
-    g.add("norm1", layer_norm(32, ctx), "fc1");
-    g.add("relu1", relu(), "norm1");
-  } else {
-    g.add("relu1", relu(), "fc1");
-  }
+  if (norm == norm_kind::layer) g.add("norm1", layer_norm(32, ctx), "fc1");
+  if (norm == norm_kind::batch) g.add("norm1", batch_norm(32, ctx), "fc1");
+  g.add("relu1", relu(), norm == norm_kind::none ? "fc1" : "norm1");
   g.add("fc2", linear(32, 16, ctx, init), "relu1");
   g.add("relu2", relu(), "fc2");
   g.add("out", linear(16, classes, ctx, init), "relu2");
@@ -196,7 +197,7 @@ struct recipe {
   float initial_scale = 0.0f;  // f16's loss scale to start from (0: 2^10)
   std::optional<deterministic_options> deterministic = std::nullopt;  // each rank on its deterministic_shard
   global_batch global = global_batch::not_told;  // deterministic mode: told, DDP may gather partial gradients
-  bool normalized = false;  // make_model's layer_norm
+  norm_kind norm = norm_kind::none;  // make_model's normalization
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -215,7 +216,7 @@ struct recipe_result {
 inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stream_ref comm_stream, std::int64_t batch,
                                        const recipe& r) {
   context ctx(s, r.precision);
-  graph model = make_model(ctx, seed, r.normalized);
+  graph model = make_model(ctx, seed, r.norm);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,
                                 ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
                                             .deterministic = r.deterministic, .zero = to_zero_stage(r.zero)});

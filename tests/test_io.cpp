@@ -17,6 +17,7 @@
 
 #include "lockstep/amp/loss_scaler.hpp"
 #include "io_common.hpp"
+#include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/sequential.hpp"
 #include "test_support.hpp"
 
@@ -234,6 +235,41 @@ TEST(model_io, a_sequential_uses_pytorch_indices_and_a_module_prefix_is_accepted
   sequential m2(linear(4, 3, ctx, other), relu(), linear(3, 2, ctx, other));
   load_model(dir.path() / "module.safetensors", parameters_of(m2), s);
   EXPECT_EQ(weights_sha256(parameters_of(m), s), weights_sha256(parameters_of(m2), s));
+}
+
+TEST(model_io, buffers_follow_the_parameters_with_pytorchs_names_and_count_in_weights_sha256) {
+  scratch dir;
+  stream s(device{device_kind::host, 0});
+  context ctx(s);
+  initializer init(1);
+  sequential m(linear(4, 3, ctx, init), batch_norm(3, ctx));
+  const std::string untrained = weights_sha256(parameters_of(m), s);
+  tensor x(shape{5, 4}, dtype::f32, s);
+  fill_zero(x.bytes(), s);
+  (void)m.forward(x, ctx);  // the running statistics and num_batches_tracked move; the parameters do not
+  EXPECT_NE(weights_sha256(parameters_of(m), s), untrained);
+  const auto file = dir.path() / "bn.safetensors";
+  save_model(file, parameters_of(m), s);
+  const auto bytes = file_bytes(file);
+  const auto h = parse_safetensors_header(bytes, bytes.size(), "bn");
+  std::vector<std::string> names;
+  for (const auto& t : h.tensors) names.push_back(t.name);
+  EXPECT_EQ(names, (std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
+                                             "1.running_var", "1.num_batches_tracked"}));
+  EXPECT_EQ(h.find("1.num_batches_tracked")->type, dtype::i64);
+  EXPECT_TRUE(h.find("1.num_batches_tracked")->shape.empty());  // a scalar, as PyTorch's
+  initializer other(2);
+  sequential m2(linear(4, 3, ctx, other), batch_norm(3, ctx));
+  load_model(file, parameters_of(m2), s);
+  EXPECT_EQ(weights_sha256(parameters_of(m2), s), weights_sha256(parameters_of(m), s));
+  EXPECT_EQ(to_vector(m2.get<1>().running_var().span<const float>(), s),
+            to_vector(m.get<1>().running_var().span<const float>(), s));
+  // a file without the buffers (a model saved without its batch norm's state) is refused, naming the first
+  sequential plain(linear(4, 3, ctx, init));
+  save_model(dir.path() / "plain.safetensors", parameters_of(plain), s);
+  sequential with_bn(linear(4, 3, ctx, init), batch_norm(3, ctx, batch_norm_options{.affine = false}));
+  EXPECT_CONTAINS(message_of<data_error>([&] { load_model(dir.path() / "plain.safetensors", parameters_of(with_bn), s); }),
+                  "tensor '1.running_mean' is missing");
 }
 
 TEST(model_io, a_mismatched_file_throws_and_changes_nothing) {

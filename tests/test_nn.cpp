@@ -15,6 +15,7 @@
 #include <random>
 #include <vector>
 
+#include "lockstep/io/checkpoint.hpp"
 #include "lockstep/io/safetensors.hpp"
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/activation.hpp"
@@ -626,6 +627,37 @@ TEST_P(torch_reference_test, layers_match_pytorch_in_f32_f16_and_bf16) {
       }
     }
   }
+}
+
+// A model with a batch norm, trained two steps and saved with save_model for tests/torch_layers.py, which loads it into
+// the same torch.nn.Sequential with load_state_dict(strict=True) and compares its evaluation output with lockstep's
+// (written beside it, with the input).
+TEST_P(torch_reference_test, a_model_with_batch_norm_is_saved_for_pytorchs_strict_load) {
+  const auto ref = load_torch_reference();
+  if (!ref) GTEST_SKIP() << "LOCKSTEP_TORCH_REFERENCE is not set (CTest's nn.layers_against_pytorch sets it)";
+  const std::filesystem::path dir = std::filesystem::path(ref->path).parent_path();
+  const std::string tag = std::string(name_of(kind()));
+  context ctx(default_stream(dev()));
+  const stream_ref s = ctx.stream();
+  initializer init(11);
+  sequential model(flatten(), linear(12, 6, ctx, init), batch_norm(6, ctx), relu(), linear(6, 3, ctx, init));
+  for (std::uint32_t step = 0; step < 2; ++step) {  // the running statistics move away from 0 and 1
+    tensor x = make_tensor(random_values(8 * 12, 70 + step, -2.0f, 3.0f), shape{8, 3, 4}, s);
+    (void)model.forward(x, ctx);
+  }
+  save_model(dir / ("bn_model." + tag + ".safetensors"), parameters_of(model), s);
+  ctx.set_mode(run_mode::eval);
+  const auto input = random_values(5 * 12, 72);
+  tensor x = make_tensor(input, shape{5, 3, 4}, s);
+  const auto output = read(model.forward(x, ctx), s);
+  const std::vector<safetensors_source> io{{"input", dtype::f32, {5, 3, 4}, reinterpret_cast<const std::byte*>(input.data())},
+                                           {"output", dtype::f32, {5, 3}, reinterpret_cast<const std::byte*>(output.data())}};
+  const std::string header = safetensors_header_bytes(io);
+  std::ofstream out(dir / ("bn_model_io." + tag + ".safetensors"), std::ios::binary | std::ios::trunc);
+  out.write(header.data(), static_cast<std::streamsize>(header.size()));
+  out.write(reinterpret_cast<const char*>(input.data()), static_cast<std::streamsize>(input.size() * sizeof(float)));
+  out.write(reinterpret_cast<const char*>(output.data()), static_cast<std::streamsize>(output.size() * sizeof(float)));
+  ASSERT_TRUE(out.good());
 }
 
 namespace {

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "lockstep/comm/run_on_devices.hpp"
+#include "lockstep/nn/sequential.hpp"
 #include "lockstep/parallel/data_parallel.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "parallel_common.hpp"
@@ -420,6 +421,85 @@ TEST(deterministic_linear, the_weight_gradient_is_the_exact_sum_of_its_chunks_fm
     for (std::size_t e = 0; e < got.size(); ++e) {
       ASSERT_EQ(std::bit_cast<std::uint32_t>(got[e]), std::bit_cast<std::uint32_t>(expected[e]))
           << "element " << e << ", " << (how == accumulation::per_backward ? "one pass" : "accumulator");
+    }
+  }
+}
+
+// ---- buffers (batch norm's running statistics) ---------------------------------------------------------------------
+
+// Each rank updates its running statistics with its own rows; before each forward (or, for a rank without rows, in its
+// backward) rank 0's reach every rank, so that evaluation normalizes alike everywhere (PyTorch's broadcast_buffers).
+TEST_P(ddp_test, rank_0s_buffers_reach_every_rank_before_each_forward_also_through_a_rank_without_rows) {
+  if (!require_devices(3)) return;
+  std::vector<std::vector<float>> own(3), seen(3);
+  std::vector<std::int64_t> tracked(3);
+  run_on_devices(devices(3), [&](rank_context& rc) {
+    const auto r = static_cast<std::size_t>(rc.rank());
+    context ctx(rc.compute_stream());
+    const stream_ref s = ctx.stream();
+    graph model = make_model(ctx, seed, norm_kind::batch);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    const auto x = inputs();
+    const auto y = labels();
+    batch_norm& bn = *model.find<batch_norm>("norm1");
+    // 3 steps of 9 rows (3 per rank), then 1 of 4 rows (2, 2 and none: rank 2 takes part from backward)
+    for (const std::int64_t batch : {9, 9, 9, 4}) {
+      opt.zero_grad();
+      const auto chunks = chunk_rows(batch, 3);
+      if (r < chunks.size()) {
+        const row_range mine = chunks[r];
+        tensor xb = device_tensor(slice(x, mine.begin + 40 * static_cast<std::int64_t>(r), mine.rows, features),
+                                  shape{mine.rows, features}, s);
+        tensor yb = device_labels(slice(y, mine.begin, mine.rows, 1), s);
+        loss.forward(ddp.forward(xb), yb, ctx, batch);
+        ddp.backward(loss.backward(ctx));
+      } else {
+        ddp.backward(tensor_view());
+      }
+      opt.step(s);
+    }
+    own[r] = to_vector(bn.running_mean().span<const float>(), s);
+    ctx.set_mode(run_mode::eval);
+    tensor xb = device_tensor(slice(x, 0, 2, features), shape{2, features}, s);
+    (void)ddp.forward(xb);
+    seen[r] = to_vector(bn.running_mean().span<const float>(), s);
+    tracked[r] = to_vector(bn.num_batches_tracked().span<const std::int64_t>(), s)[0];
+  });
+  EXPECT_NE(own[1], own[0]) << "the ranks' own statistics differ (different rows)";
+  for (std::size_t r = 0; r < 3; ++r) {
+    EXPECT_EQ(seen[r], own[0]) << "rank " << r << " evaluates with rank 0's running statistics";
+    EXPECT_EQ(tracked[r], 4) << "rank " << r;
+  }
+}
+
+TEST_P(data_parallel_test, replicas_normalize_with_device_0s_running_statistics_which_keep_its_chunk) {
+  if (!require_devices(2)) return;
+  const device d0 = dev(0);
+  stream setup(d0);
+  context build(setup);
+  sequential model(batch_norm(3, build));
+  data_parallel dp(model, data_parallel_options{.device_ids = devices(2)});
+  std::vector<float> x(24);
+  for (std::size_t i = 0; i < x.size(); ++i) x[i] = 4.0f * philox_uniform(seed, 5, i) - 1.0f;
+  tensor xt = device_tensor(x, shape{8, 3}, dp.replica_context(0).stream());
+  (void)dp.forward(xt);  // device 0 normalizes rows 0-3, device 1 rows 4-7
+  const stream_ref s0 = dp.replica_context(0).stream();
+  const auto rm = to_vector(model.get<0>().running_mean().span<const float>(), s0);
+  const auto rv = to_vector(model.get<0>().running_var().span<const float>(), s0);
+  for (std::size_t c = 0; c < 3; ++c) {
+    double mean = 0, var = 0;
+    for (std::size_t r = 0; r < 4; ++r) mean += x[r * 3 + c] / 4.0;
+    for (std::size_t r = 0; r < 4; ++r) var += (x[r * 3 + c] - mean) * (x[r * 3 + c] - mean) / 3.0;
+    EXPECT_NEAR(rm[c], 0.1 * mean, 1e-6) << "channel " << c << ": device 0's chunk";
+    EXPECT_NEAR(rv[c], 0.9 + 0.1 * var, 1e-5) << "channel " << c;
+  }
+  for (context* c : {&dp.replica_context(0), &dp.replica_context(1), &dp.output_context()}) c->set_mode(run_mode::eval);
+  const auto y = to_vector(dp.forward(xt).span<const float>(), dp.output_context().stream());
+  for (std::size_t r = 4; r < 8; ++r) {  // device 1's rows, normalized with device 0's statistics
+    for (std::size_t c = 0; c < 3; ++c) {
+      EXPECT_NEAR(y[r * 3 + c], (x[r * 3 + c] - rm[c]) / std::sqrt(rv[c] + 1e-5), 1e-5) << "row " << r;
     }
   }
 }

@@ -183,7 +183,7 @@ TEST_P(zero_test, deterministic_mode_with_layer_norm_gives_the_bits_of_one_devic
   if (!require_devices(4)) return;
   for (const dtype precision : {dtype::f32, dtype::bf16}) {
     recipe r{.precision = precision, .adamw = true, .deterministic = deterministic_options{.chunk_rows = 16},
-             .normalized = true};
+             .norm = norm_kind::layer};
     const auto one = train_recipe_threads(devices(1), 100, r);
     for (int zero : {0, 1, 2}) {
       r.zero = zero;

@@ -18,6 +18,10 @@ Cases (the metadata's "<case>.layer" names the layer, the other keys its options
                        backward with gy), the running statistics after them, then evaluation (xe, gye)
   batch_norm_features  x [8, 5] (BatchNorm1d), no affine transform, momentum 0.3, eps 1e-3: the same
 
+Then the other way: test_nn saves a model with a batch norm (flatten, linear, batch_norm, relu, linear; two training
+steps) with save_model; this script loads it into the same torch.nn.Sequential with load_state_dict(strict=True)
+and checks that PyTorch's evaluation output for lockstep's input is lockstep's (relative norm within 1e-5).
+
 Usage: tests/torch_layers.py --test-binary build/tests/test_nn --workdir DIR
 Exit status: 0 pass, 1 mismatch or error, 77 skipped (no PyTorch; CTest's skip code).
 """
@@ -97,6 +101,51 @@ def batch_norm_case(torch, name, dims, eps, momentum, affine, tensors, metadata)
                      f"{name}.affine": str(int(affine)), f"{name}.f32_only": "0"})
 
 
+SAFETENSORS_TYPES = {"F32": "<f4", "I64": "<i8"}
+
+
+def read_safetensors(torch, path):
+    import numpy as np
+    with open(path, "rb") as f:
+        blob = f.read()
+    n = struct.unpack("<Q", blob[:8])[0]
+    out = {}
+    for name, t in json.loads(blob[8:8 + n]).items():
+        if name == "__metadata__":
+            continue
+        begin, end = t["data_offsets"]
+        a = np.frombuffer(blob[8 + n + begin:8 + n + end], dtype=SAFETENSORS_TYPES[t["dtype"]])
+        out[name] = torch.from_numpy(a.astype(a.dtype.newbyteorder("="), copy=True).reshape(t["shape"]))
+    return out
+
+
+def check_saved_models(torch, workdir):
+    """PyTorch loads each bn_model.<backend>.safetensors test_nn wrote, strictly, and evaluates as lockstep did."""
+    checked = 0
+    for backend in ("host", "cuda"):
+        model_file = os.path.join(workdir, f"bn_model.{backend}.safetensors")
+        if not os.path.exists(model_file):
+            continue
+        model = torch.nn.Sequential(torch.nn.Flatten(), torch.nn.Linear(12, 6), torch.nn.BatchNorm1d(6),
+                                    torch.nn.ReLU(), torch.nn.Linear(6, 3))
+        model.load_state_dict(read_safetensors(torch, model_file), strict=True)
+        model.eval()
+        io = read_safetensors(torch, os.path.join(workdir, f"bn_model_io.{backend}.safetensors"))
+        with torch.no_grad():
+            got = model(io["input"].double().reshape(5, 3, 4).float())
+        diff = float((got - io["output"]).norm() / io["output"].norm())
+        print(f"torch_layers: {backend}: PyTorch loaded {model_file} strictly (num_batches_tracked "
+              f"{int(model[2].num_batches_tracked)}); its output differs from lockstep's by {diff:.3g}")
+        if diff > 1e-5 or int(model[2].num_batches_tracked) != 2:
+            print("torch_layers: FAIL: the saved model does not evaluate as it did in lockstep")
+            return False
+        checked += 1
+    if checked == 0:
+        print("torch_layers: FAIL: test_nn wrote no model")
+        return False
+    return True
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--test-binary", required=True)
@@ -123,7 +172,13 @@ def main():
     cases = sum(k.endswith(".layer") for k in metadata)
     print(f"torch_layers: PyTorch {torch.__version__}, {cases} cases in {path}", flush=True)
     env = dict(os.environ, LOCKSTEP_TORCH_REFERENCE=path)
-    return subprocess.run([a.test_binary, "--gtest_filter=*torch_reference*"], env=env).returncode
+    for stale in os.listdir(a.workdir):
+        if stale.startswith("bn_model"):
+            os.remove(os.path.join(a.workdir, stale))
+    rc = subprocess.run([a.test_binary, "--gtest_filter=*torch_reference*"], env=env).returncode
+    if rc != 0:
+        return rc
+    return 0 if check_saved_models(torch, a.workdir) else 1
 
 
 if __name__ == "__main__":

@@ -1,7 +1,8 @@
 // lockstep/io/checkpoint.hpp — saving and loading models and whole training runs.
 //
-//   save_model(file, parameters_of(model), s)        one safetensors file of the fp32 master values, with
-//   load_model(file, parameters_of(model), s)        PyTorch's names ("0.weight", "fc1.bias"): torch reads it
+//   save_model(file, parameters_of(model), s)        one safetensors file of the fp32 master values and the
+//   load_model(file, parameters_of(model), s)        buffers, with PyTorch's names ("0.weight", "bn1.running_mean"):
+//                                                    torch's load_state_dict(strict=True) reads it
 //
 //   checkpoint_state st(parameters_of(model));       what a run needs to continue exactly: the model, and
 //   st.optimizer(opt).scaler(scaler).schedule(sched); the optimizer, loss scaler and schedule it names
@@ -290,7 +291,8 @@ inline const safetensors_tensor& expect_tensor(loaded_file& f, const std::string
 }
 
 /// Checks that `f` holds exactly the master values of `params` (F32, their shapes; "module." prefixes accepted)
-/// and returns each parameter's tensor, in order. Throws data_error naming the first fault.
+/// and its buffers (their dtypes and shapes), and returns each parameter's tensor, in order, then each buffer's.
+/// Throws data_error naming the first fault.
 inline std::vector<const safetensors_tensor*> expect_model(loaded_file& f, const parameter_list& params);
 
 /// Writes validated master values into `params` (refreshing working copies) in stream order on `s`.
@@ -316,6 +318,9 @@ inline void copy_to_device(const loaded_file& f, const safetensors_tensor& t, co
 inline std::vector<const safetensors_tensor*> expect_model(loaded_file& f, const parameter_list& params) {
   std::vector<const safetensors_tensor*> out;
   for (const auto& p : params) out.push_back(&expect_tensor(f, p.name, dtype::f32, dims_of(p.param->dims()), true));
+  for (const auto& b : params.buffers()) {
+    out.push_back(&expect_tensor(f, b.name, b.buffer->type(), dims_of(b.buffer->dims()), true));
+  }
   expect_no_extra_tensors(f);
   if (f.module_prefix_stripped) {
     std::clog << "lockstep: " << f.path.string() << ": tensor names carry DataParallel's 'module.' prefix; "
@@ -330,6 +335,15 @@ inline void apply_model(const loaded_file& f, const std::vector<const safetensor
     copy_to_device(f, *tensors[i], params[i].param->value(), s);
     params[i].param->refresh_working_copy(s);
   }
+  for (std::size_t i = 0; i < params.buffers().size(); ++i) {
+    copy_to_device(f, *tensors[params.size() + i], params.buffers()[i].buffer->view(), s);
+  }
+}
+
+/// Adds what a model file holds to `w`: the parameters' master values, then the buffers, with their names.
+inline void add_model_tensors(file_writer& w, const parameter_list& params) {
+  for (const auto& p : params) w.add_device(p.name, p.param->value());
+  for (const auto& b : params.buffers()) w.add_device(b.name, b.buffer->view());
 }
 
 /// A small host tensor's bytes.
@@ -400,6 +414,10 @@ class checkpoint_state {
     std::set<std::string> names;
     for (const auto& p : model_) {
       LOCKSTEP_EXPECTS(names.insert(p.name).second, "checkpoint_state: two parameters are named '", p.name, "'");
+    }
+    for (const auto& b : model_.buffers()) {
+      LOCKSTEP_EXPECTS(names.insert(b.name).second, "checkpoint_state: two parameters or buffers are named '", b.name,
+                       "'");
     }
   }
 
@@ -668,7 +686,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
                                                            pinned_buffer<std::byte> reuse) {
   auto out = std::make_unique<staged_checkpoint>();
   out->step = st.position.step;
-  for (const auto& p : st.model()) out->model.add_device(p.name, p.param->value());
+  add_model_tensors(out->model, st.model());
   nlohmann::json manifest;
   for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s);
   const bool direct = how == staging::direct && s.get_device().is_host();
@@ -1051,13 +1069,13 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
   return dir;
 }
 
-/// Writes the fp32 master values of `params` to `file` (safetensors, PyTorch's names) atomically: a temporary
+/// Writes the fp32 master values of `params` and its buffers to `file` (safetensors, PyTorch's names) atomically: a temporary
 /// file beside it, synced, then renamed. Copies through host staging in stream order on `s`, a stream of the
 /// parameters' device, and synchronizes it.
 inline void save_model(const std::filesystem::path& file, const parameter_list& params, stream_ref s,
                        durability d = durability::fsync) {
   detail::file_writer w;
-  for (const auto& p : params) w.add_device(p.name, p.param->value());
+  detail::add_model_tensors(w, params);
   pinned_buffer<std::byte> staging(s.get_device().is_host() ? 0 : w.device_bytes(), s.get_device());
   w.stage(staging.data(), detail::staging::direct, s, {});
   s.synchronize();
@@ -1086,14 +1104,17 @@ inline void load_model(const std::filesystem::path& file, const parameter_list& 
   s.synchronize();
 }
 
-/// SHA-256 of the fp32 master values of `params`, in order, as 64 hex digits: the bytes of the model file's
-/// data section, so `weights_sha256` of two runs is equal exactly when their weights are. Synchronizes `s`.
+/// SHA-256 of the fp32 master values of `params`, in order, then of its buffers, as 64 hex digits: the bytes of the
+/// model file's data section, so `weights_sha256` of two runs is equal exactly when their weights (and running
+/// statistics) are. Synchronizes `s`.
 inline std::string weights_sha256(const parameter_list& params, stream_ref s) {
   sha256 h;
-  for (const auto& p : params) {
-    const auto bytes = to_vector(device_span<const std::uint8_t>(p.param->value().bytes()), s);
+  auto add = [&](const tensor_view& t) {
+    const auto bytes = to_vector(device_span<const std::uint8_t>(t.bytes()), s);
     h.update(std::as_bytes(std::span(bytes)));
-  }
+  };
+  for (const auto& p : params) add(p.param->value());
+  for (const auto& b : params.buffers()) add(b.buffer->view());
   return h.hex_digest();
 }
 

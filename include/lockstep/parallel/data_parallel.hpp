@@ -2,7 +2,7 @@
 //
 // The model lives on device_ids[0]; replicas of it on the other devices. Each step:
 //
-//   forward(input):  parameters of device_ids[0] broadcast to the replicas (one copy per device);
+//   forward(input):  parameters and buffers of device_ids[0] broadcast to the replicas (one copy per device);
 //                    the batch scattered in chunks of ceil(n/k) rows (torch.chunk); replicas run forward in
 //                    parallel, one thread per device; outputs gathered on output_device.
 //   (the caller computes the loss on output_device, with the labels there, and its gradient)
@@ -11,6 +11,10 @@
 //
 // With a loss that is a mean over the global batch (or a sum), the summed gradients are those of one device
 // training on the whole batch: the same update, up to the order of floating-point additions.
+//
+// Buffers (batch norm's running statistics) are device_ids[0]'s: each forward gives them to the replicas, and
+// the statistics of the replica on device_ids[0] (its chunk of the batch) are the ones kept, as PyTorch's
+// DataParallel keeps the in-place updates of device[0]'s replica only.
 //
 // Device_ids[0] does more than the others — it holds the optimizer state, receives every gradient and, by
 // default, the gathered outputs and the loss — which is why DistributedDataParallel is preferred; report()
@@ -258,14 +262,19 @@ class data_parallel {
   void broadcast_parameters(std::size_t used) {
     for (std::size_t i = 0; i < used; ++i) contexts_[i]->stream().wait(*input_ready_);
     if (used < 2) return;
-    std::vector<tensor_view> sources;
-    for (const auto& p : parameters_of(*model_)) sources.push_back(p.param->compute_value());
+    // the values forward reads, and the buffers: the replicas use device 0's running statistics
+    auto state_of = [](Model& m) {
+      std::vector<tensor_view> out;
+      const parameter_list ps = parameters_of(m);
+      for (const auto& p : ps) out.push_back(p.param->compute_value());
+      for (const auto& b : ps.buffers()) out.push_back(b.buffer->view());
+      return out;
+    };
+    const std::vector<tensor_view> sources = state_of(*model_);
     std::vector<std::vector<tensor_view>> destinations;
     std::vector<stream_ref> streams;
     for (std::size_t i = 1; i < used; ++i) {
-      std::vector<tensor_view> d;
-      for (const auto& p : parameters_of(replicas_[i - 1])) d.push_back(p.param->compute_value());
-      destinations.push_back(std::move(d));
+      destinations.push_back(state_of(replicas_[i - 1]));
       streams.push_back(contexts_[i]->stream());
     }
     const stream_ref s0 = contexts_[0]->stream();

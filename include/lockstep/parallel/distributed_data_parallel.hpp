@@ -22,6 +22,9 @@
 // them, and the all-reduce leaves the result in place: no copy either way, and no second copy of the
 // gradients in memory. Gradients that change type on the wire are packed (cast) into the bucket and unpacked.
 //
+// Buffers (batch norm's running statistics: parameter_list::buffers()) are rank 0's on every rank: broadcast at
+// construction and before each forward outside no_sync() (ddp_options::broadcast_buffers, PyTorch's default).
+//
 // A rank whose shard of a step is empty (a batch smaller than the world) calls backward with an empty
 // gradient: it contributes zeros and takes part in every all-reduce, as the others expect.
 //
@@ -107,6 +110,10 @@ struct ddp_options {
   std::optional<deterministic_options> deterministic = std::nullopt;
   /// What ZeRO shards (see the file comment).
   zero_stage zero = zero_stage::none;
+  /// Before each forward outside no_sync(), rank 0's buffers (batch norm's running statistics) to every rank, as
+  /// PyTorch's broadcast_buffers: every replica normalizes evaluation batches alike and checkpoints (written by rank
+  /// 0) hold what every rank uses. Off: each rank keeps its own.
+  bool broadcast_buffers = true;
 };
 
 template <layer Model>
@@ -137,6 +144,8 @@ class distributed_data_parallel {
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
     detail::check_same_parameters(replica_.params, comm, comm_stream);
     detail::broadcast_parameters(replica_.params, comm, comm_stream);
+    detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);  // (the device was synchronized)
+    comm.synchronize(comm_stream);
     build_buckets();
   }
 
@@ -166,6 +175,7 @@ class distributed_data_parallel {
   /// backward (gather_parameters()).
   tensor_view forward(const tensor_view& x) {
     gather_parameters();
+    if (syncing_) sync_buffers();
     context& ctx = *replica_.ctx;
     compute_timeline_.begin(phase::compute, ctx.stream());
     tensor_view y = model_->forward(x, ctx);
@@ -181,6 +191,7 @@ class distributed_data_parallel {
     const stream_ref s = ctx.stream();
     replica_.check_communication();
     gather_parameters();  // a rank without rows this step calls backward without forward: it gathers here
+    if (syncing_) sync_buffers();  // and takes part in the buffers' broadcast
     shards_.wait_for_gathers();  // backward and the step after it: after every all-gather (which reads the shards)
     LOCKSTEP_EXPECTS(ctx.deterministic().has_value() == replica_.deterministic,
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
@@ -214,6 +225,7 @@ class distributed_data_parallel {
     sync_.finish();
     partials_.end_backward();
     accumulated_ = false;
+    buffers_stale_ = true;  // the next forward's batch statistics update them again
     if (replica_.sharded) shards_.mark_updated();
   }
 
@@ -222,6 +234,18 @@ class distributed_data_parallel {
   /// gather, and without ZeRO.
   void gather_parameters() {
     if (replica_.sharded) shards_.gather(comm_timeline_);
+  }
+
+  /// Rank 0's buffers to every rank on the communication stream, after the compute stream's last update of them
+  /// and before the forward that reads them: once per synchronized step (in forward, or in the backward of a rank
+  /// without rows), so every rank issues the same collectives.
+  void sync_buffers() {
+    if (!buffers_stale_) return;
+    buffers_stale_ = false;
+    if (!options_.broadcast_buffers || replica_.params.buffers().empty() || replica_.comm.size() == 1) return;
+    replica_.after(replica_.comm_stream, replica_.compute_stream());
+    detail::broadcast_buffers(replica_.params, replica_.comm, replica_.comm_stream, buffers_flat_);
+    replica_.after(replica_.compute_stream(), replica_.comm_stream);
   }
 
   /// ZeRO: while the returned guard lives, every rank holds whole parameters (their fp32 master values) and the
@@ -440,6 +464,8 @@ class distributed_data_parallel {
   detail::zero_shards shards_;
   detail::gradient_sync sync_;
   bool syncing_ = true;             // outside no_sync()
+  tensor buffers_flat_;             // the buffers packed for their broadcast
+  bool buffers_stale_ = false;      // a synchronized backward ran since their last broadcast
   bool accumulated_ = false;        // no_sync() backward calls since the last synchronized one
   bool gathered_partials_ = false;  // deterministic mode: the last backward gathered partial gradients
 };

@@ -1,6 +1,7 @@
 // lockstep/parallel/detail/replica_agreement.hpp — before DDP trains, every rank must wrap the same model and
-// start from the same values: the parameters' names, shapes and compute types are compared across ranks (a
-// mismatch names the rank and the parameter), then rank 0's values are broadcast.
+// start from the same values: the parameters' and buffers' names, shapes and types are compared across ranks (a
+// mismatch names the rank and the parameter), then rank 0's values are broadcast; before each forward, rank 0's
+// buffers are.
 #pragma once
 
 #include <algorithm>
@@ -13,41 +14,57 @@
 #include "lockstep/config.hpp"
 #include "lockstep/nn/parameter.hpp"
 #include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/tensor.hpp"
 
 LOCKSTEP_DETAIL_BEGIN
 
-/// Every rank must have the same parameters in the same order: names (first 56 bytes), shapes and compute types
-/// are gathered and compared on `s`. Throws precondition_error naming the first rank and parameter that differ.
+/// Every rank must have the same parameters and buffers in the same order: names (first 56 bytes), shapes and types
+/// (a parameter's compute type, a buffer's dtype) are gathered and compared on `s`. Throws precondition_error naming
+/// the first rank and parameter (or buffer) that differ.
 inline void check_same_parameters(const parameter_list& params, communicator_ref comm, stream_ref s) {
   const int world = comm.size();
+  struct entry {
+    const std::string* name;
+    shape dims;
+    dtype type;
+    const char* kind;
+  };
+  std::vector<entry> entries;
+  for (const auto& p : params) entries.push_back({&p.name, p.param->dims(), p.param->compute_type(), "parameter"});
+  for (const auto& b : params.buffers()) entries.push_back({&b.name, b.buffer->dims(), b.buffer->type(), "buffer"});
   constexpr std::size_t name_bytes = 56;
-  constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8 + 8;  // name, rank and dims, compute type
+  constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8 + 8;  // name, rank and dims, type
   // 1. the counts
-  auto count = to_device(std::vector<std::int64_t>{static_cast<std::int64_t>(params.size())}, s);
-  device_buffer<std::int64_t> counts(static_cast<std::size_t>(world), s);
+  auto count = to_device(std::vector<std::int64_t>{static_cast<std::int64_t>(params.size()),
+                                                   static_cast<std::int64_t>(params.buffers().size())},
+                         s);
+  device_buffer<std::int64_t> counts(2 * static_cast<std::size_t>(world), s);
   comm.all_gather(device_span<const std::int64_t>(count.span()), counts.span(), s);
   comm.synchronize(s);
   const auto all_counts = to_vector(device_span<const std::int64_t>(counts.span()), s);
   for (int r = 0; r < world; ++r) {
-    if (all_counts[static_cast<std::size_t>(r)] != all_counts[0]) {
-      throw precondition_error(concat("distributed_data_parallel: rank ", r, " has ",
-                                      all_counts[static_cast<std::size_t>(r)], " parameters but rank 0 has ",
-                                      all_counts[0], ": every rank must wrap the same model"));
+    for (std::size_t k = 0; k < 2; ++k) {
+      if (all_counts[2 * static_cast<std::size_t>(r) + k] != all_counts[k]) {
+        throw precondition_error(concat("distributed_data_parallel: rank ", r, " has ",
+                                        all_counts[2 * static_cast<std::size_t>(r) + k],
+                                        k == 0 ? " parameters" : " buffers", " but rank 0 has ", all_counts[k],
+                                        ": every rank must wrap the same model"));
+      }
     }
   }
-  if (params.empty()) return;
-  // 2. name and shape of every parameter
-  std::vector<std::uint8_t> mine(params.size() * record, 0);
-  for (std::size_t i = 0; i < params.size(); ++i) {
+  if (entries.empty()) return;
+  // 2. name and shape of every parameter and buffer
+  std::vector<std::uint8_t> mine(entries.size() * record, 0);
+  for (std::size_t i = 0; i < entries.size(); ++i) {
     std::uint8_t* rec = mine.data() + i * record;
-    const std::string& name = params[i].name;
+    const std::string& name = *entries[i].name;
     std::memcpy(rec, name.data(), std::min(name.size(), name_bytes));
-    const shape& dims = params[i].param->dims();
+    const shape& dims = entries[i].dims;
     std::int64_t fields[shape::max_rank + 1] = {dims.rank()};
     for (int d = 0; d < dims.rank(); ++d) fields[d + 1] = dims[d];
     std::memcpy(rec + name_bytes, fields, sizeof fields);
     // the compute type too: it decides the buckets' layout (under ZeRO, the type gradients travel in)
-    const auto type = static_cast<std::int64_t>(params[i].param->compute_type());
+    const auto type = static_cast<std::int64_t>(entries[i].type);
     std::memcpy(rec + name_bytes + sizeof fields, &type, sizeof type);
   }
   auto mine_dev = to_device(mine, s);
@@ -67,12 +84,13 @@ inline void check_same_parameters(const parameter_list& params, communicator_ref
     return "'" + name + "' " + dims + "] " + std::string(name_of(static_cast<dtype>(type)));
   };
   for (int r = 1; r < world; ++r) {
-    for (std::size_t i = 0; i < params.size(); ++i) {
-      const std::uint8_t* theirs = everyone.data() + (static_cast<std::size_t>(r) * params.size() + i) * record;
+    for (std::size_t i = 0; i < entries.size(); ++i) {
+      const std::uint8_t* theirs = everyone.data() + (static_cast<std::size_t>(r) * entries.size() + i) * record;
       const std::uint8_t* first = everyone.data() + i * record;
       if (std::memcmp(theirs, first, record) != 0) {
-        throw precondition_error(concat("distributed_data_parallel: parameter ", i, " of rank ", r, " is ",
-                                        describe(theirs), " but rank 0's is ", describe(first),
+        const std::size_t index = i < params.size() ? i : i - params.size();
+        throw precondition_error(concat("distributed_data_parallel: ", entries[i].kind, " ", index, " of rank ", r,
+                                        " is ", describe(theirs), " but rank 0's is ", describe(first),
                                         ": every rank must wrap the same model"));
       }
     }
@@ -102,6 +120,30 @@ inline void broadcast_parameters(const parameter_list& params, communicator_ref 
     offset += n;
   }
   comm.synchronize(s);
+}
+
+/// Rank 0's buffers (running statistics) to every rank, packed into `flat` (bytes, grown on first use), in stream
+/// order on `s`: what PyTorch's DDP does before each forward with broadcast_buffers.
+inline void broadcast_buffers(const parameter_list& params, communicator_ref comm, stream_ref s, tensor& flat) {
+  if (comm.size() == 1 || params.buffers().empty()) return;
+  std::size_t total = 0;
+  for (const auto& b : params.buffers()) total += b.buffer->view().size_bytes();
+  flat.ensure(shape{static_cast<std::int64_t>(total)}, dtype::u8, s);
+  auto each = [&](auto&& f) {
+    std::size_t offset = 0;
+    for (const auto& b : params.buffers()) {
+      const device_span<std::uint8_t> bytes = b.buffer->view().bytes();
+      f(bytes, flat.view().bytes().subspan(offset, bytes.size()));
+      offset += bytes.size();
+    }
+  };
+  each([&](device_span<std::uint8_t> buffer, device_span<std::uint8_t> packed) {
+    copy(packed, device_span<const std::uint8_t>(buffer), s);
+  });
+  comm.broadcast(flat.view().data(), flat.view().data(), total, dtype::u8, 0, s);
+  each([&](device_span<std::uint8_t> buffer, device_span<std::uint8_t> packed) {
+    copy(buffer, device_span<const std::uint8_t>(packed), s);
+  });
 }
 
 LOCKSTEP_DETAIL_END
