@@ -35,8 +35,8 @@ constexpr int steps = 20;
 constexpr std::uint64_t seed = 7;
 const sgd_options optimizer_options{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 1e-4f};
 
-/// A normalization between make_model's fc1 and its ReLU.
-enum class norm_kind : std::uint8_t { none, layer, batch };
+/// A normalization between make_model's fc1 and its ReLU: none, layer_norm, batch_norm, synchronized batch_norm.
+enum class norm_kind : std::uint8_t { none, layer, batch, sync_batch };
 
 /// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU, initialized from `init_seed`; with
 /// `norm`, a layer_norm or batch_norm ("norm1") between fc1 and its ReLU.
@@ -45,7 +45,9 @@ inline graph make_model(context& ctx, std::uint64_t init_seed = seed, norm_kind 
   graph g(shape{features});
   g.add("fc1", linear(features, 32, ctx, init), "input");
   if (norm == norm_kind::layer) g.add("norm1", layer_norm(32, ctx), "fc1");
-  if (norm == norm_kind::batch) g.add("norm1", batch_norm(32, ctx), "fc1");
+  if (norm == norm_kind::batch || norm == norm_kind::sync_batch) {
+    g.add("norm1", batch_norm(32, ctx, batch_norm_options{.sync = norm == norm_kind::sync_batch}), "fc1");
+  }
   g.add("relu1", relu(), norm == norm_kind::none ? "fc1" : "norm1");
   g.add("fc2", linear(32, 16, ctx, init), "relu1");
   g.add("relu2", relu(), "fc2");
@@ -112,11 +114,12 @@ inline std::vector<float> initial_parameters(device d) {
 /// `steps` steps of single-device training with global batch `batch` on `d` (in deterministic mode with
 /// `deterministic`); the final parameters.
 inline std::vector<float> train_single(device d, std::int64_t batch,
-                                       std::optional<deterministic_options> deterministic = std::nullopt) {
+                                       std::optional<deterministic_options> deterministic = std::nullopt,
+                                       norm_kind norm = norm_kind::none) {
   stream s(d);
   context ctx(s);
   ctx.set_deterministic(deterministic);
-  graph model = make_model(ctx);
+  graph model = make_model(ctx, seed, norm);
   auto params = parameters_of(model).pointers();
   sgd opt(params, optimizer_options);
   softmax_cross_entropy loss(reduction::mean);
@@ -144,9 +147,10 @@ enum class global_batch : std::uint8_t { not_told, told };
 inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, stream_ref comm_stream,
                                          std::int64_t batch, ddp_options options = {},
                                          std::optional<deterministic_options> deterministic = std::nullopt,
-                                         global_batch global = global_batch::not_told, bool* gathered = nullptr) {
+                                         global_batch global = global_batch::not_told, bool* gathered = nullptr,
+                                         norm_kind norm = norm_kind::none) {
   const stream_ref s = ctx.stream();
-  graph model = make_model(ctx);
+  graph model = make_model(ctx, seed, norm);
   options.deterministic = deterministic;  // the wrapper sets the mode on the context
   distributed_data_parallel ddp(model, ctx, comm, comm_stream, options);
   auto params = parameters_of(model).pointers();

@@ -27,11 +27,12 @@ namespace {
 // data_parallel over `devices` for `steps` steps of global batch `batch`; the final parameters.
 std::vector<float> train_data_parallel(const device_set& devices, std::int64_t batch,
                                        std::vector<device_report>* report = nullptr,
-                                       std::optional<deterministic_options> deterministic = std::nullopt) {
+                                       std::optional<deterministic_options> deterministic = std::nullopt,
+                                       norm_kind norm = norm_kind::none) {
   const device d0 = devices[0];
   stream setup(d0);
   context build_ctx(setup);
-  graph model = make_model(build_ctx);
+  graph model = make_model(build_ctx, seed, norm);
   data_parallel dp(model, data_parallel_options{.device_ids = devices, .deterministic = deterministic});
   auto params = parameters_of(model).pointers();
   sgd opt(params, optimizer_options);
@@ -59,14 +60,15 @@ std::vector<std::vector<float>> train_ddp_threads(const device_set& devices, std
                                                   ddp_options options = {},
                                                   std::optional<deterministic_options> deterministic = std::nullopt,
                                                   global_batch global = global_batch::not_told,
-                                                  std::vector<char>* gathered = nullptr) {
+                                                  std::vector<char>* gathered = nullptr,
+                                                  norm_kind norm = norm_kind::none) {
   std::vector<std::vector<float>> result(devices.size());
   if (gathered != nullptr) gathered->assign(devices.size(), 0);
   run_on_devices(devices, [&](rank_context& rc) {
     context ctx(rc.compute_stream());
     bool mine = false;
     result[static_cast<std::size_t>(rc.rank())] =
-        train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options, deterministic, global, &mine);
+        train_ddp_rank(ctx, rc.comm(), rc.comm_stream(), batch, options, deterministic, global, &mine, norm);
     if (gathered != nullptr) (*gathered)[static_cast<std::size_t>(rc.rank())] = mine;
   });
   return result;
@@ -502,6 +504,74 @@ TEST_P(data_parallel_test, replicas_normalize_with_device_0s_running_statistics_
       EXPECT_NEAR(y[r * 3 + c], (x[r * 3 + c] - rm[c]) / std::sqrt(rv[c] + 1e-5), 1e-5) << "row " << r;
     }
   }
+}
+
+// A synchronized batch norm normalizes with the statistics of the whole global batch: DDP and data_parallel train as
+// one device does on it (f32: up to the order of additions; deterministic mode: the same bits, rank counts 1 to 4,
+// also with a rank whose shard is empty); without synchronization each replica's statistics are its own.
+TEST_P(ddp_test, synchronized_batch_norm_trains_as_one_device_on_the_global_batch) {
+  if (!require_devices(4)) return;
+  const auto single = train_single(dev(0), 64, std::nullopt, norm_kind::sync_batch);
+  EXPECT_EQ(single, train_single(dev(0), 64, std::nullopt, norm_kind::batch)) << "alone, sync changes nothing";
+  for (int k = 2; k <= 4; ++k) {
+    const auto ranks = train_ddp_threads(devices(k), 64, {}, std::nullopt, global_batch::not_told, nullptr,
+                                         norm_kind::sync_batch);
+    for (int r = 0; r < k; ++r) {
+      EXPECT_LE(relative_difference(ranks[static_cast<std::size_t>(r)], single), 1e-5) << "rank " << r << " of " << k;
+    }
+    EXPECT_LE(relative_difference(train_data_parallel(devices(k), 64, nullptr, std::nullopt, norm_kind::sync_batch),
+                                  single),
+              1e-5)
+        << "data_parallel on " << k;
+  }
+  const auto unsynced = train_ddp_threads(devices(4), 64, {}, std::nullopt, global_batch::not_told, nullptr,
+                                          norm_kind::batch);
+  EXPECT_GT(relative_difference(unsynced[0], single), 1e-3) << "per-rank statistics train differently";
+  // deterministic mode: the bits of one device, whatever the ranks (batch 100, chunks of 16: 7 chunks)
+  const deterministic_options det{.chunk_rows = 16};
+  const auto exact = train_single(dev(0), 100, det, norm_kind::sync_batch);
+  EXPECT_LE(relative_difference(exact, train_single(dev(0), 100, std::nullopt, norm_kind::sync_batch)), 1e-5);
+  for (int k = 2; k <= 4; ++k) {
+    for (const global_batch global : {global_batch::not_told, global_batch::told}) {
+      const auto ranks = train_ddp_threads(devices(k), 100, {}, det, global, nullptr, norm_kind::sync_batch);
+      for (int r = 0; r < k; ++r) EXPECT_EQ(ranks[static_cast<std::size_t>(r)], exact) << "rank " << r << " of " << k;
+    }
+    EXPECT_EQ(train_data_parallel(devices(k), 100, nullptr, det, norm_kind::sync_batch), exact)
+        << "data_parallel on " << k;
+  }
+  // 3 rows in chunks of 1 on 4 ranks: rank 3 has none, and runs forward and backward on no rows
+  const deterministic_options one_row{.chunk_rows = 1};
+  const auto tiny = train_single(dev(0), 3, one_row, norm_kind::sync_batch);
+  for (const auto& rank : train_ddp_threads(devices(4), 3, {}, one_row, global_batch::not_told, nullptr,
+                                            norm_kind::sync_batch)) {
+    EXPECT_EQ(rank, tiny);
+  }
+}
+
+namespace {
+// The identity, except on `fails_on`, where forward throws.
+struct failing_on_a_device {
+  device fails_on;
+  tensor_view forward(const tensor_view& x, context& ctx) {
+    if (ctx.get_device() == fails_on) throw error("injected failure on " + fails_on.str());
+    return x;
+  }
+  tensor_view backward(const tensor_view& gy, context&, input_grad) { return gy; }
+  void parameters(parameter_list&) {}
+  [[nodiscard]] failing_on_a_device clone(context&) const { return *this; }
+  [[nodiscard]] shape output_shape(const shape& s) const { return s; }
+};
+}  // namespace
+
+// A replica that fails before its synchronized batch norm: the others stop waiting for it, and forward throws.
+TEST_P(data_parallel_test, a_replica_failing_before_a_synchronized_batch_norm_fails_the_step_instead_of_hanging) {
+  if (!require_devices(2)) return;
+  stream setup(dev(0));
+  context build(setup);
+  sequential model(failing_on_a_device{dev(1)}, batch_norm(3, build, batch_norm_options{.sync = true}));
+  data_parallel dp(model, data_parallel_options{.device_ids = devices(2)});
+  tensor x = device_tensor(std::vector<float>(24, 1.0f), shape{8, 3}, dp.replica_context(0).stream());
+  EXPECT_CONTAINS(message_of<error>([&] { (void)dp.forward(x); }), "injected failure on " + dev(1).str());
 }
 
 TEST_P(ddp_test, deterministic_micro_batches_on_one_device_give_the_bits_of_one_batch) {

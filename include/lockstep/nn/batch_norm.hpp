@@ -2,10 +2,12 @@
 // (PyTorch's nn.BatchNorm1d / BatchNorm2d / BatchNorm3d in one layer).
 #pragma once
 
+#include <algorithm>
 #include <cstdint>
 
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/elementwise.hpp"
+#include "lockstep/kernels/exact.hpp"
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/kernels/norm.hpp"
 #include "lockstep/nn/context.hpp"
@@ -22,6 +24,9 @@ struct batch_norm_options {
   float momentum = 0.1f;         ///< running = (1 - momentum) running + momentum batch (PyTorch's convention)
   bool affine = true;            ///< a learned scale "weight" (ones) and shift "bias" (zeros) per channel
   bool track_running_stats = true;  ///< buffers running_mean, running_var, num_batches_tracked; used in evaluation
+  /// Synchronized batch norm (PyTorch's SyncBatchNorm): training statistics over every replica's rows, the global
+  /// batch of data_parallel or distributed_data_parallel (context::replicas()); alone, the replica's own.
+  bool sync = false;
 };
 
 /// Normalizes each channel c of x ([N, C] or [N, C, d2, ...]) over its N * d2 * ... values:
@@ -33,9 +38,19 @@ struct batch_norm_options {
 /// "num_batches_tracked" (i64 scalar), named as PyTorch's, so checkpoints load into torch.nn.BatchNorm2d.
 ///
 /// Data parallelism: each replica normalizes with its own rows' statistics (what PyTorch's BatchNorm does under
-/// DDP); the wrappers keep the buffers equal on every replica, rank 0's (see parameter_list). Deterministic mode:
-/// the parameter gradients are exact sums of per-chunk partials (nn/deterministic.hpp), so a given split gives the
-/// same bits every run; the statistics, and so the results, depend on how the batch is split, by definition.
+/// DDP), or with `sync` with those of the whole global batch: the forward adds the replicas' per-channel sums and
+/// count, then their sums of squared deviations from the global mean (two small all-reduces), and the backward
+/// their sums of gy and gy * xhat (one), through context::replicas(); so the outputs and gradients are those of
+/// one device with the whole batch. With sync every replica runs forward and backward each step, on no rows when it
+/// has none (distributed_data_parallel then runs backward on no rows for a rank given an empty gradient). The
+/// wrappers keep the buffers equal on every replica, rank 0's (see parameter_list).
+///
+/// Deterministic mode: the statistics' sums are taken per chunk of global rows (f32, compensated), the chunks added
+/// exactly (kernels/exact.hpp) and, with sync, the replicas' exact sums added as integers, then rounded once; the
+/// parameter gradients are exact sums of per-chunk partials (nn/deterministic.hpp). With sync the results are then
+/// the same bits on any number of replicas; without it the statistics depend on how the batch is split (by
+/// definition), and a given split gives the same bits every run. (Terms of the exact sums must stay below 2^32: a
+/// chunk whose squared deviations sum beyond it makes the statistics NaN, as a diverging gradient would.)
 class batch_norm {
  public:
   /// A layer on ctx's device for `channels` channels. Throws precondition_error for a non-positive channel count,
@@ -76,12 +91,13 @@ class batch_norm {
     x_ = x;
     forwarded_ = true;
     batch_stats_ = ctx.training() || !options_.track_running_stats;
+    group_ = options_.sync && batch_stats_ ? ctx.replicas() : nullptr;
     const stream_ref s = ctx.stream();
     const geometry g = geometry_of(x);
-    LOCKSTEP_EXPECTS(!batch_stats_ || g.n * g.inner != 1, "batch_norm(", channels_,
+    LOCKSTEP_EXPECTS(!batch_stats_ || group_ != nullptr || g.n * g.inner != 1, "batch_norm(", channels_,
                      "): training needs more than 1 value per channel, got an input of shape ", x.dims().str());
     y_.ensure(x.dims(), x.type(), s);
-    if (g.n == 0) return y_.view();
+    if (g.n == 0 && group_ == nullptr) return y_.view();  // (a synchronized replica without rows adds zeros)
     const auto c = static_cast<std::size_t>(channels_);
     mean_.ensure(shape{channels_}, dtype::f32, s);
     rstd_.ensure(shape{channels_}, dtype::f32, s);
@@ -91,12 +107,7 @@ class batch_norm {
     }
     const bool track = options_.track_running_stats && ctx.training();
     dispatch_floating(x.type(), "batch_norm", [&]<class T>() {
-      if (batch_stats_) {
-        launch_rows(c, kernels::batch_norm_sum_op<T>{x.as<T>(), sums_.as<float>(), g.n, c, g.inner}, s,
-                    "batch_norm mean");
-        launch_rows(c, kernels::batch_norm_square_op<T>{x.as<T>(), sums_.as<float>(), squares_.as<float>(), g.n, c, g.inner},
-                    s, "batch_norm variance");
-      }
+      if (batch_stats_) statistics<T>(x, g, ctx);
       launch_rows(c,
                   kernels::batch_norm_normalize_op<T>{
                       x.as<T>(), affine() ? weight_.compute_value().as<T>() : nullptr,
@@ -120,27 +131,36 @@ class batch_norm {
     const geometry g = geometry_of(gy);
     const auto c = static_cast<std::size_t>(channels_);
     if (need == input_grad::required) gx_.ensure(gy.dims(), gy.type(), s);
-    if (g.n == 0) {
-      if (affine() && !ctx.deterministic()) zero_parameter_gradients(s);
-      if (affine() && ctx.deterministic()) exact_partials(gy, g, ctx);
-      return need == input_grad::required ? gx_.view() : tensor_view();
-    }
-    // the sums over the rows: for the input gradient under batch statistics, and for the parameters' gradients
-    // outside deterministic mode (which sums per chunk)
-    const bool sums = (batch_stats_ && need == input_grad::required) || (affine() && !ctx.deterministic());
-    if (sums) grad_sums_.ensure(shape{2 * channels_}, dtype::f32, s);
-    float* sg = sums ? grad_sums_.as<float>() : nullptr;
-    float* sgx = sums ? sg + channels_ : nullptr;
+    // The sums over the rows of gy and gy * xhat: the parameters' gradients (this replica's rows; outside
+    // deterministic mode, which sums per chunk) and, under batch statistics, the input gradient (every replica's
+    // rows when synchronized, which a replica without rows takes part in).
+    const bool batch_dx = batch_stats_ && need == input_grad::required && (g.n > 0 || group_ != nullptr);
+    const bool local_sums = (affine() && !ctx.deterministic() && g.n > 0) || (batch_dx && !ctx.deterministic());
+    if (batch_dx || local_sums) grad_sums_.ensure(shape{2 * channels_}, dtype::f32, s);
+    float* sg = batch_dx || local_sums ? grad_sums_.as<float>() : nullptr;
+    float* sgx = sg == nullptr ? nullptr : sg + channels_;
     dispatch_floating(gy.type(), "batch_norm", [&]<class T>() {
-      if (sg != nullptr) {
-        launch_rows(c,
-                    kernels::batch_norm_grad_sums_op<T>{gy.as<T>(), x_.as<T>(), mean_.as<float>(), rstd_.as<float>(), sg,
-                                                        sgx, nullptr, nullptr, g.n, c, g.inner},
-                    s, "batch_norm gradient sums");
-      }
+      auto sums_op = [&](std::size_t first_row, std::size_t rows, float* a, float* b, T* dbeta, T* dgamma) {
+        const std::size_t first = first_row * c * g.inner;
+        return kernels::batch_norm_grad_sums_op<T>{gy.as<T>() + first, x_.as<T>() + first, mean_.as<float>(),
+                                                   rstd_.as<float>(), a, b, dbeta, dgamma, rows, c, g.inner};
+      };
+      if (local_sums) launch_rows(c, sums_op(0, g.n, sg, sgx, nullptr, nullptr), s, "batch_norm gradient sums");
       if (affine()) {
         if (ctx.deterministic()) {
-          exact_partials(gy, g, ctx);
+          // each chunk's sums rounded to T, added exactly into the parameters' accumulators
+          auto partial = [&](bool gamma) {
+            return [&, gamma](std::int64_t b, std::int64_t r, T* out) {
+              launch_rows(c,
+                          sums_op(static_cast<std::size_t>(b), static_cast<std::size_t>(r), nullptr, nullptr,
+                                  gamma ? nullptr : out, gamma ? out : nullptr),
+                          s, "batch_norm parameter gradients");
+            };
+          };
+          exact_.accumulate<T>(weight_, gy.rows(), ctx, partial(true));
+          exact_.accumulate<T>(bias_, gy.rows(), ctx, partial(false));
+        } else if (g.n == 0) {
+          zero_parameter_gradients(s);  // a replica without rows: its share is zero
         } else {
           const float wbeta = weight_.begin_accumulate(), bbeta = bias_.begin_accumulate();
           launch_elementwise(c,
@@ -149,7 +169,16 @@ class batch_norm {
                              s, "batch_norm parameter gradients");
         }
       }
-      if (need == input_grad::required) {
+      if (batch_dx) {
+        if (ctx.deterministic()) {
+          exact_sums(gy.rows(), 2 * c, sg, ctx, [&](std::size_t first_row, std::size_t rows, float* out) {
+            launch_rows(c, sums_op(first_row, rows, out, out + c, nullptr, nullptr), s, "batch_norm gradient sums");
+          });
+        } else if (group_ != nullptr) {
+          group_->sum(sg, 2 * c, s);
+        }
+      }
+      if (need == input_grad::required && g.n > 0) {
         launch_rows(c,
                     kernels::batch_norm_input_grad_op<T>{
                         gy.as<T>(), x_.as<T>(), affine() ? weight_.compute_value().as<T>() : nullptr, mean_.as<float>(),
@@ -209,24 +238,54 @@ class batch_norm {
 
   [[nodiscard]] bool affine() const noexcept { return options_.affine; }
 
-  // Deterministic mode: each chunk's sums rounded to T, added exactly into the parameters' accumulators.
-  void exact_partials(const tensor_view& gy, const geometry& g, context& ctx) {
+  // The batch's sums: sums_ (per channel, and the count at [C]) and squares_ (of the deviations from the mean they
+  // give), over this replica's rows or, synchronized, every replica's.
+  template <class T>
+  void statistics(const tensor_view& x, const geometry& g, context& ctx) {
+    const stream_ref s = ctx.stream();
     const auto c = static_cast<std::size_t>(channels_);
-    const std::size_t row_values = c * g.inner;
-    dispatch_floating(gy.type(), "batch_norm", [&]<class T>() {
-      auto partial = [&](bool gamma) {
-        return [&, gamma](std::int64_t b, std::int64_t r, T* out) {
-          const auto first = static_cast<std::size_t>(b) * row_values;
-          launch_rows(c,
-                      kernels::batch_norm_grad_sums_op<T>{gy.as<T>() + first, x_.as<T>() + first, mean_.as<float>(),
-                                                          rstd_.as<float>(), nullptr, nullptr, gamma ? nullptr : out,
-                                                          gamma ? out : nullptr, static_cast<std::size_t>(r), c, g.inner},
-                      ctx.stream(), "batch_norm parameter gradients");
-        };
-      };
-      exact_.accumulate<T>(weight_, gy.rows(), ctx, partial(true));
-      exact_.accumulate<T>(bias_, gy.rows(), ctx, partial(false));
+    auto at = [&](std::size_t first_row) { return x.as<T>() + first_row * c * g.inner; };
+    if (ctx.deterministic()) {
+      exact_sums(x.rows(), c + 1, sums_.as<float>(), ctx, [&](std::size_t first_row, std::size_t rows, float* out) {
+        launch_rows(c, kernels::batch_norm_sum_op<T>{at(first_row), out, rows, c, g.inner}, s, "batch_norm mean");
+      });
+      exact_sums(x.rows(), c, squares_.as<float>(), ctx, [&](std::size_t first_row, std::size_t rows, float* out) {
+        launch_rows(c, kernels::batch_norm_square_op<T>{at(first_row), sums_.as<float>(), out, rows, c, g.inner}, s,
+                    "batch_norm variance");
+      });
+      return;
+    }
+    launch_rows(c, kernels::batch_norm_sum_op<T>{at(0), sums_.as<float>(), g.n, c, g.inner}, s, "batch_norm mean");
+    if (group_ != nullptr) group_->sum(sums_.as<float>(), c + 1, s);
+    launch_rows(c, kernels::batch_norm_square_op<T>{at(0), sums_.as<float>(), squares_.as<float>(), g.n, c, g.inner}, s,
+                "batch_norm variance");
+    if (group_ != nullptr) group_->sum(squares_.as<float>(), c, s);
+  }
+
+  // Deterministic mode's sums of `width` values over the replica's `rows` rows: partial(first_row, rows, terms)
+  // queues a chunk's f32 sums into terms; the chunks are added exactly, the replicas' exact sums (synchronized)
+  // added as integers, and the result rounded once into out[width].
+  template <class Partial>
+  void exact_sums(std::int64_t rows, std::size_t width, float* out, context& ctx, Partial&& partial) {
+    const stream_ref s = ctx.stream();
+    const std::int64_t cr = ctx.deterministic()->chunk_rows, chunks = (rows + cr - 1) / cr;
+    terms_.ensure(shape{std::max<std::int64_t>(chunks, 1) * static_cast<std::int64_t>(width)}, dtype::f32, s);
+    for_each_row_chunk(rows, ctx, "batch_norm", [&](std::int64_t b, std::int64_t r) {
+      partial(static_cast<std::size_t>(b), static_cast<std::size_t>(r), terms_.as<float>() + (b / cr) * static_cast<std::int64_t>(width));
     });
+    const std::size_t words = kernels::exact_words(width);
+    limbs_.ensure(shape{static_cast<std::int64_t>(words)}, dtype::i64, s);
+    std::int64_t* hi = limbs_.as<std::int64_t>();
+    fill_zero(device_span<std::int64_t>(hi, words, limbs_.get_device()), s);
+    if (chunks > 0) {
+      launch_elementwise(width,
+                         kernels::exact_accumulate_op<float>{terms_.as<float>(), static_cast<std::size_t>(chunks), width,
+                                                             hi, hi + width, hi + 2 * width, false},
+                         s, "batch_norm exact sums");
+    }
+    if (group_ != nullptr) group_->sum(hi, words, s);
+    launch_elementwise(width, kernels::exact_round_op<float>{hi, hi + width, hi + 2 * width, out}, s,
+                       "batch_norm exact sums");
   }
 
   // A replica without rows: its share of the parameters' gradients is zero.
@@ -273,6 +332,9 @@ class batch_norm {
   tensor sums_;       // [C + 1] f32: the batch's sums and count
   tensor squares_;    // [C] f32
   tensor grad_sums_;  // [2C] f32: backward's sums of gy and gy * xhat
+  tensor terms_;      // deterministic mode: [chunks, width] f32 per-chunk sums
+  tensor limbs_;      // deterministic mode: their exact sum (kernels/exact.hpp)
+  replica_group* group_ = nullptr;  // this forward's replicas when synchronized
   exact_gradient exact_;
   bool batch_stats_ = false;
   bool forwarded_ = false;

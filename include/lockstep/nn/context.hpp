@@ -5,6 +5,7 @@
 // global current stream.
 #pragma once
 
+#include <cstddef>
 #include <cstdint>
 #include <functional>
 #include <optional>
@@ -44,6 +45,23 @@ struct deterministic_options {
 /// backward (one device), or a wrapper after it has added the accumulators of every device (data_parallel,
 /// distributed_data_parallel).
 enum class exact_rounding : std::uint8_t { by_layer, by_wrapper };
+
+/// The replicas of one step, for a layer whose forward or backward needs the others' numbers (a synchronized batch
+/// norm's per-channel sums). nn/ declares it and calls it; parallel/ implements it (data_parallel over its replica
+/// threads, distributed_data_parallel over its communicator) and sets it on each replica's context, so that nn/
+/// never reaches up into comm/ or parallel/.
+class replica_group {
+ public:
+  virtual ~replica_group() = default;
+  /// Replaces data[0, n) (device memory of the context's device) by its element-wise sum over the replicas, in
+  /// stream order on `s`, the replica's compute stream: the sum is ready for the work queued on `s` after the call.
+  /// Every replica calls the same sums in the same order (also one with no rows this step). Sums of f32 (in an
+  /// order that may depend on the replicas' count) and of i64 (exact: deterministic mode's limbs).
+  virtual void sum(float* data, std::size_t n, stream_ref s) = 0;
+  virtual void sum(std::int64_t* data, std::size_t n, stream_ref s) = 0;
+  /// How many replicas take part.
+  [[nodiscard]] virtual int size() const noexcept = 0;
+};
 
 class context {
  public:
@@ -109,6 +127,10 @@ class context {
   [[nodiscard]] exact_rounding gradient_rounding() const noexcept { return rounding_; }
   void set_gradient_rounding(exact_rounding r) noexcept { rounding_ = r; }
 
+  /// The replicas this one trains with (set by the data-parallel wrappers), or nullptr: alone.
+  [[nodiscard]] replica_group* replicas() const noexcept { return replicas_; }
+  void set_replicas(replica_group* g) noexcept { replicas_ = g; }
+
   /// Device pointer to the loss scale (amp/): losses multiply the gradient they start backward with by it.
   /// nullptr means 1.
   [[nodiscard]] const float* loss_scale() const noexcept { return loss_scale_; }
@@ -127,6 +149,7 @@ class context {
   const float* loss_scale_ = nullptr;
   std::optional<deterministic_options> deterministic_;
   exact_rounding rounding_ = exact_rounding::by_layer;
+  replica_group* replicas_ = nullptr;
 };
 
 LOCKSTEP_ABI_END

@@ -45,6 +45,7 @@ class linear {
     check_input(x, ctx);
     const std::int64_t rows = x.rows();
     x_ = x;
+    forwarded_ = true;
     y_.ensure(shape{rows, out_}, ctx.compute_type(), ctx.stream());
     if (rows == 0) return y_.view();
     dispatch_floating(ctx.compute_type(), "linear", [&]<class T>() {
@@ -66,7 +67,7 @@ class linear {
   }
 
   tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) {
-    LOCKSTEP_EXPECTS(!y_.empty(), "linear::backward without a forward");
+    LOCKSTEP_EXPECTS(forwarded_, "linear::backward without a forward");
     LOCKSTEP_EXPECTS(gy.dims() == y_.dims() && gy.type() == ctx.compute_type(), "linear::backward: gradient of shape ",
                      gy.dims().str(), " (", name_of(gy.type()), ") for an output of shape ", y_.dims().str(), " (",
                      name_of(ctx.compute_type()), ")");
@@ -162,6 +163,7 @@ class linear {
   tensor_view x_;
   exact_gradient exact_;
   tensor rows_scratch_;  // deterministic mode on a host device: row_products' packed operands
+  bool forwarded_ = false;  // (a forward on no rows leaves y_ empty)
 };
 static_assert(layer<linear>);
 

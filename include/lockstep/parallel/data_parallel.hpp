@@ -32,6 +32,7 @@
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/layer.hpp"
+#include "lockstep/parallel/detail/replica_groups.hpp"
 #include "lockstep/parallel/replica_threads.hpp"
 #include "lockstep/parallel/timeline.hpp"
 #include "lockstep/runtime/stream.hpp"
@@ -96,6 +97,10 @@ class data_parallel {
       timelines_.emplace_back(output_device_);
     }
     for (std::size_t i = 1; i < devices_.size(); ++i) replicas_.push_back(model.clone(*contexts_[i]));
+    replica_group_ = std::make_unique<detail::thread_replicas>(devices_.size());
+    if (devices_.size() > 1) {  // (one device: a synchronized batch norm is alone)
+      for (std::size_t i = 0; i < devices_.size(); ++i) contexts_[i]->set_replicas(&replica_group_->of(i));
+    }
     for (const device d : devices_) ready_.emplace_back(d);
     grad_ready_.emplace(output_device_);
     threads_ = std::make_unique<detail::replica_threads>(devices_.size());
@@ -145,6 +150,7 @@ class data_parallel {
     const std::size_t used = chunks_.size();
     broadcast_parameters(used);
     std::vector<tensor_view> parts(used);
+    replica_group_->start(used);
     threads_->run(
         used,
         [&](std::size_t i) {
@@ -154,7 +160,7 @@ class data_parallel {
           timelines_[i].end(c.stream());
           c.set_row_offset(chunks_[i].begin);
           timelines_[i].begin(phase::compute, c.stream());
-          parts[i] = replica(i).forward(chunk, c);
+          parts[i] = aborting_on_failure([&] { return replica(i).forward(chunk, c); });
           timelines_[i].end(c.stream());
           ready_[i].record(c.stream());
         },
@@ -181,6 +187,7 @@ class data_parallel {
     grad_ready_->record(out.stream());
     const std::size_t used = chunks_.size();
     for (std::size_t i = 1; i < used; ++i) zero_grad(replicas_[i - 1]);
+    replica_group_->start(used);
     threads_->run(
         used,
         [&](std::size_t i) {
@@ -190,7 +197,7 @@ class data_parallel {
           const tensor_view g = receive_rows(grad_output, chunks_[i], grads_[i], c.stream());
           timelines_[i].end(c.stream());
           timelines_[i].begin(phase::compute, c.stream());
-          replica(i).backward(g, c, input_grad::not_required);
+          aborting_on_failure([&] { return replica(i).backward(g, c, input_grad::not_required); });
           for (const auto& p : parameters_of(replica(i))) {
             if (deterministic_) (void)p.param->exact_grad(c.stream());  // an unused parameter's, zeroed next
             p.param->materialize_grad(c.stream());
@@ -283,6 +290,17 @@ class data_parallel {
     timelines_[0].end(s0);
   }
 
+  // A replica's forward or backward; when it throws, the others' synchronized batch norms stop waiting for it.
+  template <class F>
+  tensor_view aborting_on_failure(F&& f) {
+    try {
+      return f();
+    } catch (...) {
+      replica_group_->abort();
+      throw;
+    }
+  }
+
   static std::vector<tensor_view> grads_of(Model& m) {
     std::vector<tensor_view> out;
     for (const auto& p : parameters_of(m)) out.push_back(p.param->grad());
@@ -303,6 +321,7 @@ class data_parallel {
   std::optional<stream> output_stream_;
   std::unique_ptr<context> output_context_;
   std::vector<Model> replicas_;  // devices_[1..]
+  std::unique_ptr<detail::thread_replicas> replica_group_;  // the contexts' replica_group (synchronized batch norm)
   std::vector<event> ready_;     // replica i's forward output is written
   std::optional<event> input_ready_;
   std::optional<event> grad_ready_;

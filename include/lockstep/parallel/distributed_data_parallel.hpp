@@ -73,6 +73,7 @@
 #include "lockstep/parallel/detail/exact_partials.hpp"
 #include "lockstep/parallel/detail/gradient_sync.hpp"
 #include "lockstep/parallel/detail/replica_agreement.hpp"
+#include "lockstep/parallel/detail/replica_groups.hpp"
 #include "lockstep/parallel/detail/zero_shards.hpp"
 #include "lockstep/parallel/timeline.hpp"
 #include "lockstep/runtime/memory.hpp"
@@ -130,7 +131,8 @@ class distributed_data_parallel {
                  options.deterministic.has_value() || ctx.deterministic().has_value()),
         compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()), partials_(replica_),
         shards_(replica_), sync_(replica_, options.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum,
-                                 partials_, shards_, comm_timeline_) {
+                                 partials_, shards_, comm_timeline_),
+        replicas_(comm, comm_stream) {
     if (options.deterministic) ctx.set_deterministic(options.deterministic);
     if (replica_.deterministic) {
       LOCKSTEP_EXPECTS(options.reduction == gradient_reduction::sum && options.hook == comm_hook::none,
@@ -146,13 +148,17 @@ class distributed_data_parallel {
     detail::broadcast_parameters(replica_.params, comm, comm_stream);
     detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);  // (the device was synchronized)
     comm.synchronize(comm_stream);
+    ctx.set_replicas(&replicas_);  // a synchronized batch norm sums over the ranks
     build_buckets();
   }
 
   distributed_data_parallel(const distributed_data_parallel&) = delete;
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
   /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
-  ~distributed_data_parallel() { shards_.detach_hooks(); }
+  ~distributed_data_parallel() {
+    shards_.detach_hooks();
+    if (replica_.ctx->replicas() == &replicas_) replica_.ctx->set_replicas(nullptr);
+  }
 
   /// The ZeRO stage in effect: options.zero, or none on one rank (nothing to shard).
   [[nodiscard]] zero_stage zero() const noexcept { return replica_.sharded ? options_.zero : zero_stage::none; }
@@ -178,7 +184,10 @@ class distributed_data_parallel {
     if (syncing_) sync_buffers();
     context& ctx = *replica_.ctx;
     compute_timeline_.begin(phase::compute, ctx.stream());
+    replicas_.reset_calls();
     tensor_view y = model_->forward(x, ctx);
+    forward_used_replicas_ = replicas_.calls() > 0;
+    output_ = y;
     compute_timeline_.end(ctx.stream());
     return y;
   }
@@ -199,22 +208,29 @@ class distributed_data_parallel {
                      "wrapper after setting the mode");
     partials_.begin_backward(syncing_, accumulated_);
     gathered_partials_ = partials_.gathering();
+    // A rank without rows whose forward (on no rows) went through the replica group (a synchronized batch norm)
+    // runs backward on no rows too: the layer's backward sums are collectives every rank takes part in.
+    const bool run_model = !grad_output.empty() || std::exchange(forward_used_replicas_, false);
+    const tensor_view grad =
+        grad_output.empty() && run_model
+            ? tensor_view(nullptr, output_.type(), output_.dims().with_rows(0), output_.get_device())
+            : grad_output;
     // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
     if (!syncing_ && !replica_.reused_buffers) {
       accumulated_ = true;  // every rank's call, with rows or not: the next backward adds to these sums
-      if (!grad_output.empty()) {
+      if (run_model) {
         compute_timeline_.begin(phase::compute, s);
-        model_->backward(grad_output, ctx, input_grad::not_required);
+        model_->backward(grad, ctx, input_grad::not_required);
         compute_timeline_.end(s);
       }
       return;
     }
     sync_.begin();
-    if (!grad_output.empty()) {
+    if (run_model) {
       ctx.set_gradients_ready_hook([this](std::span<parameter* const> ps) { sync_.gradients_ready(ps); });
       compute_timeline_.begin(phase::compute, s);
       try {
-        model_->backward(grad_output, ctx, input_grad::not_required);
+        model_->backward(grad, ctx, input_grad::not_required);
       } catch (...) {
         ctx.set_gradients_ready_hook(nullptr);
         throw;
@@ -464,6 +480,9 @@ class distributed_data_parallel {
   detail::zero_shards shards_;
   detail::gradient_sync sync_;
   bool syncing_ = true;             // outside no_sync()
+  detail::communicator_replicas replicas_;  // the context's replica_group (synchronized batch norm)
+  bool forward_used_replicas_ = false;      // the last forward summed over the ranks
+  tensor_view output_;                      // the last forward's output
   tensor buffers_flat_;             // the buffers packed for their broadcast
   bool buffers_stale_ = false;      // a synchronized backward ran since their last broadcast
   bool accumulated_ = false;        // no_sync() backward calls since the last synchronized one

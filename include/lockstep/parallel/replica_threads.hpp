@@ -19,6 +19,11 @@
 
 namespace lockstep::detail {
 
+/// A replica's failure caused by another's (a barrier the failed one never reached): `run` reports the other.
+struct secondary_failure : error {
+  using error::error;
+};
+
 class replica_threads {
  public:
   explicit replica_threads(std::size_t n) {
@@ -39,7 +44,8 @@ class replica_threads {
   [[nodiscard]] std::size_t size() const noexcept { return threads_.size(); }
 
   /// Runs job(i) on thread i for every i < count (count <= size()) and waits for all of them. If jobs throw,
-  /// rethrows the first one (by index) after all have finished, with `what(i)` naming the replica.
+  /// rethrows the first one (by index) that is not a secondary_failure after all have finished, with `what(i)`
+  /// naming the replica.
   void run(std::size_t count, const std::function<void(std::size_t)>& job, const std::function<std::string(std::size_t)>& what) {
     LOCKSTEP_EXPECTS(count <= threads_.size(), "replica_threads: ", count, " jobs for ", threads_.size(), " threads");
     {
@@ -54,17 +60,29 @@ class replica_threads {
     std::unique_lock lock(mutex_);
     done_.wait(lock, [&] { return remaining_ == 0; });
     job_ = nullptr;
+    // the first failure that is not a consequence of another (else the first)
+    std::size_t failed = count;
     for (std::size_t i = 0; i < count; ++i) {
       if (!errors_[i]) continue;
-      std::exception_ptr e = errors_[i];
-      lock.unlock();
+      if (failed == count) failed = i;
       try {
-        std::rethrow_exception(e);
-      } catch (const error&) {
-        throw;  // already a sentence; the replica's device is in it
+        std::rethrow_exception(errors_[i]);
+      } catch (const secondary_failure&) {
+        continue;
       } catch (...) {
-        std::throw_with_nested(error(concat(what(i), " failed")));
       }
+      failed = i;
+      break;
+    }
+    if (failed == count) return;
+    std::exception_ptr e = errors_[failed];
+    lock.unlock();
+    try {
+      std::rethrow_exception(e);
+    } catch (const error&) {
+      throw;  // already a sentence; the replica's device is in it
+    } catch (...) {
+      std::throw_with_nested(error(concat(what(failed), " failed")));
     }
   }
 
