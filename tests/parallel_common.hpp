@@ -13,11 +13,14 @@
 #include "lockstep/core/random.hpp"
 #include "lockstep/nn/activation.hpp"
 #include "lockstep/nn/batch_norm.hpp"
+#include "lockstep/nn/conv2d.hpp"
+#include "lockstep/nn/flatten.hpp"
 #include "lockstep/nn/graph.hpp"
 #include "lockstep/nn/init.hpp"
 #include "lockstep/nn/layer_norm.hpp"
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
+#include "lockstep/nn/pool.hpp"
 #include "lockstep/optim/adamw.hpp"
 #include "lockstep/optim/clip.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -35,20 +38,34 @@ constexpr int steps = 20;
 constexpr std::uint64_t seed = 7;
 const sgd_options optimizer_options{.lr = 0.1f, .momentum = 0.9f, .weight_decay = 1e-4f};
 
-/// A normalization between make_model's fc1 and its ReLU: none, layer_norm, batch_norm, synchronized batch_norm.
-enum class norm_kind : std::uint8_t { none, layer, batch, sync_batch };
+/// make_model's variants: the MLP alone; with a layer_norm, a batch_norm or a synchronized batch_norm ("norm1") between
+/// fc1 and its ReLU; or a small CNN in front of fc1 (the rows as 1x4x5 images: conv 3x3 with padding, synchronized
+/// batch norm, ReLU, 2x2 max pooling, flatten: 16 features).
+enum class model_variant : std::uint8_t { mlp, layer_norm, batch_norm, sync_batch_norm, cnn };
 
-/// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU, initialized from `init_seed`; with
-/// `norm`, a layer_norm or batch_norm ("norm1") between fc1 and its ReLU.
-inline graph make_model(context& ctx, std::uint64_t init_seed = seed, norm_kind norm = norm_kind::none) {
+/// The sample's model shape, small: features -> 32 -> 16 -> classes with ReLU, initialized from `init_seed`, in
+/// `variant`.
+inline graph make_model(context& ctx, std::uint64_t init_seed = seed, model_variant variant = model_variant::mlp) {
   initializer init(init_seed);
   graph g(shape{features});
-  g.add("fc1", linear(features, 32, ctx, init), "input");
-  if (norm == norm_kind::layer) g.add("norm1", layer_norm(32, ctx), "fc1");
-  if (norm == norm_kind::batch || norm == norm_kind::sync_batch) {
-    g.add("norm1", batch_norm(32, ctx, batch_norm_options{.sync = norm == norm_kind::sync_batch}), "fc1");
+  if (variant == model_variant::cnn) {
+    static_assert(features == 20);
+    g.add("image", unflatten(shape{1, 4, 5}), "input")
+        .add("conv1", conv2d(1, 4, 3, ctx, init, conv2d_options{.padding = 1}), "image")
+        .add("bn1", batch_norm(4, ctx, batch_norm_options{.sync = true}), "conv1")
+        .add("act1", relu(), "bn1")
+        .add("pool1", max_pool2d(2), "act1")
+        .add("flat", flatten(), "pool1")
+        .add("fc1", linear(16, 32, ctx, init), "flat");
+  } else {
+    g.add("fc1", linear(features, 32, ctx, init), "input");
   }
-  g.add("relu1", relu(), norm == norm_kind::none ? "fc1" : "norm1");
+  if (variant == model_variant::layer_norm) g.add("norm1", layer_norm(32, ctx), "fc1");
+  if (variant == model_variant::batch_norm || variant == model_variant::sync_batch_norm) {
+    g.add("norm1", batch_norm(32, ctx, batch_norm_options{.sync = variant == model_variant::sync_batch_norm}), "fc1");
+  }
+  const bool normalized = variant != model_variant::mlp && variant != model_variant::cnn;
+  g.add("relu1", relu(), normalized ? "norm1" : "fc1");
   g.add("fc2", linear(32, 16, ctx, init), "relu1");
   g.add("relu2", relu(), "fc2");
   g.add("out", linear(16, classes, ctx, init), "relu2");
@@ -115,11 +132,11 @@ inline std::vector<float> initial_parameters(device d) {
 /// `deterministic`); the final parameters.
 inline std::vector<float> train_single(device d, std::int64_t batch,
                                        std::optional<deterministic_options> deterministic = std::nullopt,
-                                       norm_kind norm = norm_kind::none) {
+                                       model_variant variant = model_variant::mlp) {
   stream s(d);
   context ctx(s);
   ctx.set_deterministic(deterministic);
-  graph model = make_model(ctx, seed, norm);
+  graph model = make_model(ctx, seed, variant);
   auto params = parameters_of(model).pointers();
   sgd opt(params, optimizer_options);
   softmax_cross_entropy loss(reduction::mean);
@@ -148,9 +165,9 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
                                          std::int64_t batch, ddp_options options = {},
                                          std::optional<deterministic_options> deterministic = std::nullopt,
                                          global_batch global = global_batch::not_told, bool* gathered = nullptr,
-                                         norm_kind norm = norm_kind::none) {
+                                         model_variant variant = model_variant::mlp) {
   const stream_ref s = ctx.stream();
-  graph model = make_model(ctx, seed, norm);
+  graph model = make_model(ctx, seed, variant);
   options.deterministic = deterministic;  // the wrapper sets the mode on the context
   distributed_data_parallel ddp(model, ctx, comm, comm_stream, options);
   auto params = parameters_of(model).pointers();
@@ -201,7 +218,7 @@ struct recipe {
   float initial_scale = 0.0f;  // f16's loss scale to start from (0: 2^10)
   std::optional<deterministic_options> deterministic = std::nullopt;  // each rank on its deterministic_shard
   global_batch global = global_batch::not_told;  // deterministic mode: told, DDP may gather partial gradients
-  norm_kind norm = norm_kind::none;  // make_model's normalization
+  model_variant variant = model_variant::mlp;  // make_model's
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -220,7 +237,7 @@ struct recipe_result {
 inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stream_ref comm_stream, std::int64_t batch,
                                        const recipe& r) {
   context ctx(s, r.precision);
-  graph model = make_model(ctx, seed, r.norm);
+  graph model = make_model(ctx, seed, r.variant);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,
                                 ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
                                             .deterministic = r.deterministic, .zero = to_zero_stage(r.zero)});

@@ -3,6 +3,7 @@
 // cloning, steady-state memory, and the optimizers against hand-computed steps.
 #include <gtest/gtest.h>
 
+#include <algorithm>
 #include <cmath>
 #include <cstdint>
 #include <cstdlib>
@@ -20,6 +21,7 @@
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/activation.hpp"
 #include "lockstep/nn/batch_norm.hpp"
+#include "lockstep/nn/conv2d.hpp"
 #include "lockstep/nn/dropout.hpp"
 #include "lockstep/nn/flatten.hpp"
 #include "lockstep/nn/gradient_check.hpp"
@@ -29,6 +31,7 @@
 #include "lockstep/nn/layer_norm.hpp"
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
+#include "lockstep/nn/pool.hpp"
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/optim/adamw.hpp"
 #include "lockstep/optim/lr_schedule.hpp"
@@ -215,7 +218,8 @@ TEST_P(finite_differences_test, sequential_chain_with_a_users_layer) {
 
 // ---- the public gradient check, layer_norm, flatten --------------------------------------------------------------
 
-namespace {
+// (A named namespace: nvcc warns about a layer's members that a test never calls in an unnamed one.)
+namespace nn_test_layers {
 // y = 3x with a backward that forgets the 3: what check_gradients exists to catch.
 class wrong_backward {
  public:
@@ -233,7 +237,10 @@ class wrong_backward {
  private:
   tensor y_;
 };
+}  // namespace nn_test_layers
+using nn_test_layers::wrong_backward;
 
+namespace {
 // The relative norm of the difference, ||a - b|| / ||b||.
 double relative_norm(const std::vector<float>& a, const std::vector<float>& b) {
   double d = 0, n = 0;
@@ -499,6 +506,85 @@ TEST_P(finite_differences_test, batch_norm_in_f16_and_bf16_follows_f32_within_th
   }
 }
 
+namespace {
+// n distinct values in [-1, 1), at least 2 / n apart, in a shuffled order: no two tie within a finite difference's
+// step (max pooling's kink).
+std::vector<float> distinct_values(std::size_t n, std::uint32_t seed) {
+  std::vector<float> v(n);
+  for (std::size_t i = 0; i < n; ++i) v[i] = -1.0f + 2.0f * static_cast<float>(i) / static_cast<float>(n);
+  std::shuffle(v.begin(), v.end(), std::mt19937(seed));
+  return v;
+}
+}  // namespace
+
+TEST_P(finite_differences_test, conv2d_with_padding_strides_and_without_bias) {
+  context ctx(default_stream(dev()));
+  initializer init(12);
+  conv2d same(2, 3, 3, ctx, init, conv2d_options{.padding = 1});
+  EXPECT_EQ(same.output_shape(shape{2, 5, 5}), (shape{3, 5, 5}));
+  EXPECT_EQ(parameters_of(same)[0].param->dims(), (shape{3, 2, 3, 3}));
+  check_layer_gradients(same, ctx, random_values(100, 80), shape{2, 2, 5, 5});
+  conv2d strided(2, 2, 3, ctx, init, conv2d_options{.stride = 2, .bias = false});
+  EXPECT_EQ(strided.output_shape(shape{2, 6, 7}), (shape{2, 2, 3}));
+  EXPECT_EQ(parameters_of(strided).size(), 1u);
+  check_layer_gradients(strided, ctx, random_values(84, 81), shape{1, 2, 6, 7});
+  conv2d wide(1, 2, 2, ctx, init, conv2d_options{.stride = 2, .padding = 1});
+  check_layer_gradients(wide, ctx, random_values(30, 82), shape{2, 1, 3, 5});
+}
+
+TEST_P(finite_differences_test, max_avg_and_global_pooling) {
+  context ctx(default_stream(dev()));
+  max_pool2d mp(2);
+  EXPECT_EQ(mp.output_shape(shape{3, 5, 4}), (shape{3, 2, 2}));
+  check_layer_gradients(mp, ctx, distinct_values(2 * 2 * 4 * 5, 83), shape{2, 2, 4, 5});
+  max_pool2d overlapping(3, 1, 1);
+  check_layer_gradients(overlapping, ctx, distinct_values(2 * 4 * 4, 84), shape{1, 2, 4, 4});
+  avg_pool2d ap(3, 2, 1);
+  EXPECT_EQ(ap.output_shape(shape{1, 5, 5}), (shape{1, 3, 3}));
+  check_layer_gradients(ap, ctx, random_values(50, 85), shape{2, 1, 5, 5});
+  global_avg_pool2d gp;
+  EXPECT_EQ(gp.output_shape(shape{3, 4, 6}), (shape{3, 1, 1}));
+  check_layer_gradients(gp, ctx, random_values(72, 86), shape{1, 3, 4, 6});
+  // the first of equal maxima takes the gradient; a NaN wins its window
+  tensor x = make_tensor({1.0f, 1.0f, 0.0f, 1.0f, 2.0f, std::nanf(""), 0.0f, 1.0f}, shape{1, 2, 2, 2}, ctx.stream());
+  const auto y = read(mp.forward(x, ctx), ctx.stream());
+  EXPECT_EQ(y[0], 1.0f);
+  EXPECT_TRUE(std::isnan(y[1]));
+  tensor g = make_tensor({1.0f, 1.0f}, shape{1, 2, 1, 1}, ctx.stream());
+  EXPECT_EQ(read(mp.backward(g, ctx, input_grad::required), ctx.stream()),
+            (std::vector<float>{1.0f, 0.0f, 0.0f, 0.0f, 0.0f, 1.0f, 0.0f, 0.0f}));
+}
+
+TEST_P(finite_differences_test, convolution_and_pooling_name_bad_shapes_and_unflatten_gives_rows_a_shape) {
+  context ctx(default_stream(dev()));
+  initializer init(13);
+  conv2d c(3, 4, 5, ctx, init);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)c.output_shape(shape{2, 9, 9}); }),
+                  "conv2d(3, 4, 5, stride 1, padding 0) expects samples of shape [3, height, width], got [2, 9, 9]");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)c.output_shape(shape{3, 4, 9}); }),
+                  "images of 4x9 with padding 0 are smaller than the kernel");
+  tensor flat = make_tensor(random_values(12, 87), shape{2, 6}, ctx.stream());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)c.forward(flat, ctx); }), "is not [rows, 3, height, width]");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { max_pool2d bad(2, 1, 2); }), "padding in [0, kernel / 2]");
+  unflatten u(shape{1, 2, 3});
+  EXPECT_EQ(u.output_shape(shape{6}), (shape{1, 2, 3}));
+  EXPECT_EQ(u.forward(flat, ctx).dims(), (shape{2, 1, 2, 3}));
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)u.output_shape(shape{7}); }),
+                  "unflatten([1, 2, 3]) expects samples of 6 elements, got shape [7]");
+  // a graph of the CNN sample's kind, smooth (tanh, average pooling) for central differences: shapes checked before
+  // any work
+  graph g(shape{1 * 8 * 8});
+  g.add("shape", unflatten(shape{1, 8, 8}), "input")
+      .add("conv1", conv2d(1, 4, 3, ctx, init, conv2d_options{.padding = 1}), "shape")
+      .add("bn1", batch_norm(4, ctx), "conv1")
+      .add("act1", tanh_layer(), "bn1")
+      .add("pool1", avg_pool2d(2), "act1")
+      .add("flat", flatten(), "pool1")
+      .add("fc", linear(4 * 4 * 4, 3, ctx, init), "flat");
+  EXPECT_EQ(g.output_shape(shape{64}), shape{3});
+  check_layer_gradients(g, ctx, random_values(2 * 64, 88), shape{2, 64});
+}
+
 // ---- against PyTorch: tests/torch_layers.py writes PyTorch's results and runs these (CTest nn.layers_against_pytorch) --
 
 namespace {
@@ -577,7 +663,7 @@ TEST_P(torch_reference_test, layers_match_pytorch_in_f32_f16_and_bf16) {
       };
       const std::string layer_name = ref->option(c + ".layer");
       const bool affine = ref->option(c + ".affine") == "1";
-      const float eps = std::stof(ref->option(c + ".eps"));
+      const float eps = ref->header.metadata.contains(c + ".eps") ? std::stof(ref->option(c + ".eps")) : 0.0f;
       auto input = [&](const std::string& what) {
         return typed_tensor(ref->values(c + "." + what), ref->dims(c + "." + what), type, s);
       };
@@ -622,6 +708,32 @@ TEST_P(torch_reference_test, layers_match_pytorch_in_f32_f16_and_bf16) {
         compare("ye", l.forward(xe, ctx));
         compare("gxe", l.backward(gye, ctx, input_grad::required));
         compare_affine(l, "_e");
+      } else if (layer_name == "conv2d" || layer_name.ends_with("pool2d")) {
+        auto number = [&](const char* key) { return std::stoll(ref->option(c + "." + key)); };
+        tensor x = input("x"), gy = input("gy");
+        auto run = [&](auto& l) {
+          compare("y", l.forward(x, ctx));
+          compare("gx", l.backward(gy, ctx, input_grad::required));
+        };
+        if (layer_name == "conv2d") {
+          initializer init(0);
+          conv2d l(x.dims()[1], number("out_channels"), number("kernel"), ctx, init,
+                   conv2d_options{.stride = number("stride"), .padding = number("padding"), .bias = affine});
+          write_values(l.weight(), ref->values(c + ".weight"), s);
+          if (affine) write_values(l.bias_parameter(), ref->values(c + ".bias"), s);
+          run(l);
+          compare("gweight", l.weight().grad());
+          if (affine) compare("gbias", l.bias_parameter().grad());
+        } else if (layer_name == "max_pool2d") {
+          max_pool2d l(number("kernel"), number("stride"), number("padding"));
+          run(l);
+        } else if (layer_name == "avg_pool2d") {
+          avg_pool2d l(number("kernel"), number("stride"), number("padding"));
+          run(l);
+        } else {
+          global_avg_pool2d l;
+          run(l);
+        }
       } else {
         FAIL() << c << ": unknown layer " << layer_name;
       }

@@ -177,17 +177,18 @@ TEST_P(zero_test, deterministic_zero_1_and_2_give_the_bits_of_one_device_on_2_3_
   }
 }
 
-// A layer_norm's parameter gradients are sums over rows like a linear layer's, and a synchronized batch_norm's
-// statistics exact sums over the ranks (collectives on the communication stream among ZeRO's gathers and the
-// buckets'): deterministic DDP and ZeRO give the bits of one device with either, in f32 and bf16, told the global
-// batch (partials gathered) or not.
+// A layer_norm's and a convolution's parameter gradients are sums over rows like a linear layer's, and a synchronized
+// batch_norm's statistics exact sums over the ranks (collectives on the communication stream among ZeRO's gathers and
+// the buckets'): deterministic DDP and ZeRO give the bits of one device with each (and with the small CNN), in f32 and
+// bf16, told the global batch (partials gathered) or not.
 TEST_P(zero_test, deterministic_mode_with_normalization_gives_the_bits_of_one_device_on_2_3_and_4_ranks) {
   if (!require_devices(4)) return;
-  for (const auto& [norm, precision] : {std::pair{norm_kind::layer, dtype::f32}, std::pair{norm_kind::layer, dtype::bf16},
-                                        std::pair{norm_kind::sync_batch, dtype::f32},
-                                        std::pair{norm_kind::sync_batch, dtype::bf16}}) {
+  for (const auto& [variant, precision] :
+       {std::pair{model_variant::layer_norm, dtype::f32}, std::pair{model_variant::layer_norm, dtype::bf16},
+        std::pair{model_variant::sync_batch_norm, dtype::f32}, std::pair{model_variant::sync_batch_norm, dtype::bf16},
+        std::pair{model_variant::cnn, dtype::f32}, std::pair{model_variant::cnn, dtype::bf16}}) {
     recipe r{.precision = precision, .adamw = true, .deterministic = deterministic_options{.chunk_rows = 16},
-             .norm = norm};
+             .variant = variant};
     const auto one = train_recipe_threads(devices(1), 100, r);
     for (int zero : {0, 1, 2}) {
       r.zero = zero;
@@ -198,7 +199,7 @@ TEST_P(zero_test, deterministic_mode_with_normalization_gives_the_bits_of_one_de
           const auto ranks = train_recipe_threads(devices(k), 100, r);
           for (int rank = 0; rank < k; ++rank) {
             EXPECT_EQ(ranks[static_cast<std::size_t>(rank)].parameters, one[0].parameters)
-                << name_of(precision) << " norm " << static_cast<int>(norm) << " ZeRO-" << zero << " told "
+                << name_of(precision) << " variant " << static_cast<int>(variant) << " ZeRO-" << zero << " told "
                 << (global == global_batch::told) << ", rank "
                 << rank << " of " << k;
           }

@@ -17,6 +17,11 @@ Cases (the metadata's "<case>.layer" names the layer, the other keys its options
   batch_norm_channels  x [6, 4, 3, 3] (BatchNorm2d), momentum 0.1: three training steps (x0, x1, x2; the last one
                        backward with gy), the running statistics after them, then evaluation (xe, gye)
   batch_norm_features  x [8, 5] (BatchNorm1d), no affine transform, momentum 0.3, eps 1e-3: the same
+  conv2d_same        x [2, 3, 6, 6], 3 -> 4 channels, kernel 3, padding 1, with bias
+  conv2d_strided     x [2, 2, 7, 7], 2 -> 3 channels, kernel 3, stride 2, no bias
+  max_pool2d         x [2, 3, 6, 6] (distinct values exact in bf16: no ties after rounding), kernel 2
+  avg_pool2d         x [2, 2, 5, 5], kernel 3, stride 2, padding 1
+  global_avg_pool2d  x [2, 3, 4, 5] (AdaptiveAvgPool2d(1))
 
 Then the other way: test_nn saves a model with a batch norm (flatten, linear, batch_norm, relu, linear; two training
 steps) with save_model; this script loads it into the same torch.nn.Sequential with load_state_dict(strict=True)
@@ -27,6 +32,7 @@ Exit status: 0 pass, 1 mismatch or error, 77 skipped (no PyTorch; CTest's skip c
 """
 import argparse
 import json
+import math
 import os
 import struct
 import subprocess
@@ -101,6 +107,48 @@ def batch_norm_case(torch, name, dims, eps, momentum, affine, tensors, metadata)
                      f"{name}.affine": str(int(affine)), f"{name}.f32_only": "0"})
 
 
+def window_case(torch, name, layer, dims, tensors, metadata, **options):
+    """conv2d, max_pool2d, avg_pool2d or global_avg_pool2d on x of `dims`; options as in PyTorch's functions."""
+    g = torch.Generator().manual_seed(len(tensors) + 1)
+    if layer == "max_pool2d":  # a permutation of 0, 1/8, 2/8, ...: distinct, and exact in f16 and bf16
+        x = leaf(torch.randperm(math.prod(dims), generator=g).reshape(dims).float() / 8)
+    else:
+        x = leaf(torch.randn(dims, generator=g))
+    out = {"x": x}
+    meta = {"layer": layer}
+    if layer == "conv2d":
+        k, cout = options["kernel"], options["out_channels"]
+        bound = 1.0 / math.sqrt(dims[1] * k * k)
+        w = leaf((torch.rand([cout, dims[1], k, k], generator=g) * 2 - 1) * bound)
+        b = leaf((torch.rand([cout], generator=g) * 2 - 1) * bound) if options["bias"] else None
+        y = torch.nn.functional.conv2d(x, w, b, stride=options["stride"], padding=options["padding"])
+        out["weight"] = w
+        if b is not None:
+            out["bias"] = b
+        meta.update({"out_channels": cout, "kernel": k, "stride": options["stride"], "padding": options["padding"],
+                     "affine": int(options["bias"])})
+    elif layer == "max_pool2d":
+        y = torch.nn.functional.max_pool2d(x, options["kernel"])
+        meta.update({"kernel": options["kernel"], "stride": options["kernel"], "padding": 0})
+    elif layer == "avg_pool2d":
+        y = torch.nn.functional.avg_pool2d(x, options["kernel"], options["stride"], options["padding"])
+        meta.update({"kernel": options["kernel"], "stride": options["stride"], "padding": options["padding"]})
+    else:
+        y = torch.nn.functional.adaptive_avg_pool2d(x, 1)
+    gy = torch.randn(y.shape, generator=g).float().double()
+    y.backward(gy)
+    out.update({"gy": gy, "y": y, "gx": x.grad})
+    if layer == "conv2d":
+        out["gweight"] = out["weight"].grad
+        if "bias" in out:
+            out["gbias"] = out["bias"].grad
+    for k, v in out.items():
+        tensors[f"{name}.{k}"] = v.detach().float()
+    meta.setdefault("affine", 0)
+    meta["f32_only"] = 0
+    metadata.update({f"{name}.{k}": str(v) for k, v in meta.items()})
+
+
 SAFETENSORS_TYPES = {"F32": "<f4", "I64": "<i8"}
 
 
@@ -166,6 +214,13 @@ def main():
     layer_norm_case(torch, "layer_norm_offset", [3, 64], 1e-5, True, tensors, metadata, offset=1000.0, spread=0.01)
     batch_norm_case(torch, "batch_norm_channels", [6, 4, 3, 3], 1e-5, 0.1, True, tensors, metadata)
     batch_norm_case(torch, "batch_norm_features", [8, 5], 1e-3, 0.3, False, tensors, metadata)
+    window_case(torch, "conv2d_same", "conv2d", [2, 3, 6, 6], tensors, metadata, out_channels=4, kernel=3, stride=1,
+                padding=1, bias=True)
+    window_case(torch, "conv2d_strided", "conv2d", [2, 2, 7, 7], tensors, metadata, out_channels=3, kernel=3, stride=2,
+                padding=0, bias=False)
+    window_case(torch, "max_pool2d", "max_pool2d", [2, 3, 6, 6], tensors, metadata, kernel=2)
+    window_case(torch, "avg_pool2d", "avg_pool2d", [2, 2, 5, 5], tensors, metadata, kernel=3, stride=2, padding=1)
+    window_case(torch, "global_avg_pool2d", "global_avg_pool2d", [2, 3, 4, 5], tensors, metadata)
     os.makedirs(a.workdir, exist_ok=True)
     path = os.path.join(a.workdir, "torch_layers.safetensors")
     write_f32_safetensors(tensors, metadata, path)

@@ -39,6 +39,7 @@
 #include "lockstep/nn/activation.hpp"
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/context.hpp"
+#include "lockstep/nn/conv2d.hpp"
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/dropout.hpp"
 #include "lockstep/nn/flatten.hpp"
@@ -50,6 +51,7 @@
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/parameter.hpp"
+#include "lockstep/nn/pool.hpp"
 #include "lockstep/nn/sequential.hpp"
 
 #include "lockstep/optim/adamw.hpp"

@@ -209,25 +209,28 @@ class exact_gradient {
   /// products are blas/chunk_products.hpp's (an element a chain of fused multiply-adds over its chunk's rows),
   /// each tile summed, accumulated or copied while it is in cache, all in one piece of work on the stream; on a
   /// GPU, a GEMM per chunk (cuBLAS: one algorithm for one shape on one GPU model).
+  ///
+  /// `rows_per_sample` (a convolution's output pixels per image): each of the replica's `rows` batch rows is that
+  /// many consecutive rows of g and x, a chunk's partial then the products over its rows_per_sample * rows.
   template <class T>
   void accumulate_products(parameter& p, std::int64_t rows, context& ctx, const T* g, std::int64_t ldg, const T* x,
-                           std::int64_t ldx) {
-    LOCKSTEP_EXPECTS(p.dims().rank() == 2, "exact_gradient::accumulate_products: parameter ", p.name(), " has shape ",
-                     p.dims().str(), ", not [m, n]");
-    const std::int64_t m = p.dims()[0], n = p.dims()[1];
+                           std::int64_t ldx, std::int64_t rows_per_sample = 1) {
+    LOCKSTEP_EXPECTS(p.dims().numel() > 0 && p.dims().rank() >= 2, "exact_gradient::accumulate_products: parameter ",
+                     p.name(), " has shape ", p.dims().str(), ", not [m, n, ...]");
+    const std::int64_t m = p.dims()[0], n = p.numel() / m, per = rows_per_sample;
     const stream_ref s = ctx.stream();
     if (!s.get_device().is_host()) {
       accumulate<T>(p, rows, ctx, [&](std::int64_t b, std::int64_t r, T* out) {
-        gemm<T>(ctx.blas(), transpose::yes, transpose::no, m, n, r, 1.0f, g + b * ldg, ldg, x + b * ldx, ldx, 0.0f,
-                out, n);
+        gemm<T>(ctx.blas(), transpose::yes, transpose::no, m, n, r * per, 1.0f, g + b * per * ldg, ldg,
+                x + b * per * ldx, ldx, 0.0f, out, n);
       });
       return;
     }
     const plan pl = begin(p, rows, ctx, true);
     if (pl.path == sum_path::empty) return;
     const std::int64_t cr = ctx.deterministic()->chunk_rows, chunks = (rows + cr - 1) / cr;
-    const detail::chunk_products_problem<T> problem{g, ldg, x, ldx, rows, m, n, cr};
-    const std::int64_t floats = detail::chunk_products::scratch_floats(rows, m, n, chunks) +
+    const detail::chunk_products_problem<T> problem{g, ldg, x, ldx, rows * per, m, n, cr * per};
+    const std::int64_t floats = detail::chunk_products::scratch_floats(rows * per, m, n, chunks) +
                                 (std::is_same_v<T, float> ? 0 : chunks * detail::chunk_products::block_n);
     scratch_.ensure(shape{floats}, dtype::f32, s);
     float* scratch = scratch_.as<float>();

@@ -1,0 +1,211 @@
+// lockstep/kernels/conv.hpp — kernel bodies of 2-D convolution (nn/conv2d.hpp, im2col) and pooling (nn/pool.hpp).
+//
+// Images are NCHW. A convolution runs as one GEMM over the batch: im2col lays the input out as rows of patches, col
+// [N * P, K] (P = OH * OW output pixels per image, K = C * KH * KW), so that the output in rows, yt [N * P, OC], is
+// col times the weight [OC, K] transposed; rows_to_nchw puts it (plus the bias) back into [N, OC, OH, OW]. Backward
+// goes the other way, and col2im adds each patch gradient back into the input gradient as a gather (every input
+// pixel sums the patch elements that read it, in a fixed order): no atomics, the same bits on every run.
+#pragma once
+
+#include <cstddef>
+#include <cstdint>
+
+#include "lockstep/config.hpp"
+#include "lockstep/core/half.hpp"
+
+LOCKSTEP_ABI_BEGIN
+namespace kernels {
+
+/// The geometry of a 2-D convolution or pooling window over NCHW images.
+struct conv_geometry {
+  std::size_t n, c, h, w;       // input
+  std::size_t kh, kw;           // window
+  std::size_t stride, padding;  // the same in both directions
+  std::size_t oh, ow;           // output
+  [[nodiscard]] LOCKSTEP_HD std::size_t pixels() const { return oh * ow; }
+  [[nodiscard]] LOCKSTEP_HD std::size_t patch() const { return c * kh * kw; }
+};
+
+/// col[r, k] = the input value patch element k of output pixel r reads (0 in the padding); r = n * P + p, k = (ic *
+/// KH + i) * KW + j. A launch_2d functor over [N * P, K].
+template <class T>
+struct im2col_op {
+  const T* x;
+  T* col;
+  conv_geometry g;
+  LOCKSTEP_HD void operator()(std::size_t r, std::size_t k) const {
+    const std::size_t p = r % g.pixels(), n = r / g.pixels();
+    const std::size_t oy = p / g.ow, ox = p % g.ow;
+    const std::size_t ic = k / (g.kh * g.kw), i = (k / g.kw) % g.kh, j = k % g.kw;
+    const std::size_t y = oy * g.stride + i, xx = ox * g.stride + j;  // in padded coordinates
+    T v = convert<T>(0.0f);
+    if (y >= g.padding && xx >= g.padding && y - g.padding < g.h && xx - g.padding < g.w) {
+      v = x[((n * g.c + ic) * g.h + (y - g.padding)) * g.w + (xx - g.padding)];
+    }
+    col[r * g.patch() + k] = v;
+  }
+};
+
+/// dx[n, ic, y, x] = the sum of dcol[r, k] over the patch elements (r, k) that read input pixel (y, x) of channel ic
+/// of image n, kernel rows and columns in order. A launch_2d functor over [N * C, H * W].
+template <class T>
+struct col2im_op {
+  const T* dcol;
+  T* dx;
+  conv_geometry g;
+  LOCKSTEP_HD void operator()(std::size_t row, std::size_t pixel) const {
+    const std::size_t n = row / g.c, ic = row % g.c;
+    const std::size_t y = pixel / g.w + g.padding, xx = pixel % g.w + g.padding;  // padded coordinates
+    float acc = 0.0f;
+    for (std::size_t i = 0; i < g.kh; ++i) {
+      if (y < i || (y - i) % g.stride != 0) continue;
+      const std::size_t oy = (y - i) / g.stride;
+      if (oy >= g.oh) continue;
+      for (std::size_t j = 0; j < g.kw; ++j) {
+        if (xx < j || (xx - j) % g.stride != 0) continue;
+        const std::size_t ox = (xx - j) / g.stride;
+        if (ox >= g.ow) continue;
+        const std::size_t r = n * g.pixels() + oy * g.ow + ox, k = (ic * g.kh + i) * g.kw + j;
+        acc += to_float(dcol[r * g.patch() + k]);
+      }
+    }
+    dx[row * g.h * g.w + pixel] = convert<T>(acc);
+  }
+};
+
+/// y[n, oc, p] = yt[n * P + p, oc] + bias[oc] (bias null: none). A launch_2d functor over [N * OC, P].
+template <class T>
+struct rows_to_nchw_op {
+  const T* yt;
+  const T* bias;
+  T* y;
+  std::size_t channels, pixels;
+  LOCKSTEP_HD void operator()(std::size_t row, std::size_t p) const {
+    const std::size_t n = row / channels, oc = row % channels;
+    const T v = yt[(n * pixels + p) * channels + oc];
+    y[row * pixels + p] = bias != nullptr ? convert<T>(to_float(v) + to_float(bias[oc])) : v;
+  }
+};
+
+/// gt[n * P + p, oc] = g[n, oc, p]: the output gradient in rows. A launch_2d functor over [N * P, OC].
+template <class T>
+struct nchw_to_rows_op {
+  const T* g;
+  T* gt;
+  std::size_t channels, pixels;
+  LOCKSTEP_HD void operator()(std::size_t r, std::size_t oc) const {
+    const std::size_t n = r / pixels, p = r % pixels;
+    gt[r * channels + oc] = g[(n * channels + oc) * pixels + p];
+  }
+};
+
+/// Max pooling: y[nc, p] = the largest input of output pixel p's window (padding never wins; NaN propagates, as in
+/// PyTorch), argmax[nc, p] its index in the image plane (y * W + x). A launch_2d functor over [N * C, OH * OW].
+template <class T>
+struct max_pool_forward_op {
+  const T* x;
+  T* y;
+  std::int32_t* argmax;
+  conv_geometry g;
+  LOCKSTEP_HD void operator()(std::size_t row, std::size_t p) const {
+    const std::size_t oy = p / g.ow, ox = p % g.ow;
+    const T* plane = x + row * g.h * g.w;
+    float best = 0.0f;
+    std::int32_t at = -1;
+    for (std::size_t i = 0; i < g.kh; ++i) {
+      const std::size_t yy = oy * g.stride + i;
+      if (yy < g.padding || yy - g.padding >= g.h) continue;
+      for (std::size_t j = 0; j < g.kw; ++j) {
+        const std::size_t xx = ox * g.stride + j;
+        if (xx < g.padding || xx - g.padding >= g.w) continue;
+        const std::size_t idx = (yy - g.padding) * g.w + (xx - g.padding);
+        const float v = to_float(plane[idx]);
+        if (at < 0 || v > best || (v != v && best == best)) {  // the first maximum; a NaN wins and stays
+          best = v;
+          at = static_cast<std::int32_t>(idx);
+        }
+      }
+    }
+    y[row * g.pixels() + p] = convert<T>(best);
+    argmax[row * g.pixels() + p] = at;
+  }
+};
+
+/// Max pooling's input gradient as a gather: dx[nc, y, x] = the sum of gy over the windows whose maximum was (y, x).
+/// A launch_2d functor over [N * C, H * W].
+template <class T>
+struct max_pool_backward_op {
+  const T* gy;
+  const std::int32_t* argmax;
+  T* dx;
+  conv_geometry g;
+  LOCKSTEP_HD void operator()(std::size_t row, std::size_t pixel) const {
+    const std::size_t y = pixel / g.w + g.padding, xx = pixel % g.w + g.padding;
+    float acc = 0.0f;
+    for (std::size_t i = 0; i < g.kh; ++i) {
+      if (y < i || (y - i) % g.stride != 0) continue;
+      const std::size_t oy = (y - i) / g.stride;
+      if (oy >= g.oh) continue;
+      for (std::size_t j = 0; j < g.kw; ++j) {
+        if (xx < j || (xx - j) % g.stride != 0) continue;
+        const std::size_t ox = (xx - j) / g.stride;
+        if (ox >= g.ow) continue;
+        const std::size_t o = row * g.pixels() + oy * g.ow + ox;
+        if (argmax[o] == static_cast<std::int32_t>(pixel)) acc += to_float(gy[o]);
+      }
+    }
+    dx[row * g.h * g.w + pixel] = convert<T>(acc);
+  }
+};
+
+/// Average pooling: y[nc, p] = the sum of output pixel p's window divided by KH * KW (padding counts as zeros,
+/// PyTorch's count_include_pad). A launch_2d functor over [N * C, OH * OW].
+template <class T>
+struct avg_pool_forward_op {
+  const T* x;
+  T* y;
+  conv_geometry g;
+  LOCKSTEP_HD void operator()(std::size_t row, std::size_t p) const {
+    const std::size_t oy = p / g.ow, ox = p % g.ow;
+    const T* plane = x + row * g.h * g.w;
+    float acc = 0.0f;
+    for (std::size_t i = 0; i < g.kh; ++i) {
+      const std::size_t yy = oy * g.stride + i;
+      if (yy < g.padding || yy - g.padding >= g.h) continue;
+      for (std::size_t j = 0; j < g.kw; ++j) {
+        const std::size_t xx = ox * g.stride + j;
+        if (xx < g.padding || xx - g.padding >= g.w) continue;
+        acc += to_float(plane[(yy - g.padding) * g.w + (xx - g.padding)]);
+      }
+    }
+    y[row * g.pixels() + p] = convert<T>(acc / static_cast<float>(g.kh * g.kw));
+  }
+};
+
+/// Average pooling's input gradient as a gather: dx[nc, y, x] = the sum of gy / (KH * KW) over the windows that
+/// contain (y, x). A launch_2d functor over [N * C, H * W].
+template <class T>
+struct avg_pool_backward_op {
+  const T* gy;
+  T* dx;
+  conv_geometry g;
+  LOCKSTEP_HD void operator()(std::size_t row, std::size_t pixel) const {
+    const std::size_t y = pixel / g.w + g.padding, xx = pixel % g.w + g.padding;
+    float acc = 0.0f;
+    for (std::size_t i = 0; i < g.kh; ++i) {
+      if (y < i || (y - i) % g.stride != 0) continue;
+      const std::size_t oy = (y - i) / g.stride;
+      if (oy >= g.oh) continue;
+      for (std::size_t j = 0; j < g.kw; ++j) {
+        if (xx < j || (xx - j) % g.stride != 0) continue;
+        const std::size_t ox = (xx - j) / g.stride;
+        if (ox >= g.ow) continue;
+        acc += to_float(gy[row * g.pixels() + oy * g.ow + ox]);
+      }
+    }
+    dx[row * g.h * g.w + pixel] = convert<T>(acc / static_cast<float>(g.kh * g.kw));
+  }
+};
+
+}  // namespace kernels
+LOCKSTEP_ABI_END
