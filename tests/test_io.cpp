@@ -237,7 +237,7 @@ TEST(model_io, a_sequential_uses_pytorch_indices_and_a_module_prefix_is_accepted
   EXPECT_EQ(weights_sha256(parameters_of(m), s), weights_sha256(parameters_of(m2), s));
 }
 
-TEST(model_io, buffers_follow_the_parameters_with_pytorchs_names_and_count_in_weights_sha256) {
+TEST(model_io, buffers_are_saved_with_pytorchs_names_aligned_and_count_in_weights_sha256) {
   scratch dir;
   stream s(device{device_kind::host, 0});
   context ctx(s);
@@ -254,8 +254,9 @@ TEST(model_io, buffers_follow_the_parameters_with_pytorchs_names_and_count_in_we
   const auto h = parse_safetensors_header(bytes, bytes.size(), "bn");
   std::vector<std::string> names;
   for (const auto& t : h.tensors) names.push_back(t.name);
-  EXPECT_EQ(names, (std::vector<std::string>{"0.weight", "0.bias", "1.weight", "1.bias", "1.running_mean",
-                                             "1.running_var", "1.num_batches_tracked"}));
+  EXPECT_EQ(names, (std::vector<std::string>{"1.num_batches_tracked", "0.weight", "0.bias", "1.weight", "1.bias",
+                                             "1.running_mean", "1.running_var"}));  // 8-byte elements first: aligned
+  for (const auto& t : h.tensors) EXPECT_EQ((h.data_offset + t.begin) % size_of(t.type), 0u) << t.name;
   EXPECT_EQ(h.find("1.num_batches_tracked")->type, dtype::i64);
   EXPECT_TRUE(h.find("1.num_batches_tracked")->shape.empty());  // a scalar, as PyTorch's
   initializer other(2);

@@ -340,10 +340,21 @@ inline void apply_model(const loaded_file& f, const std::vector<const safetensor
   }
 }
 
-/// Adds what a model file holds to `w`: the parameters' master values, then the buffers, with their names.
+/// Calls f(name, values) for what a model file holds, in file order: buffers of 8-byte elements (batch norm's i64
+/// num_batches_tracked) first, so that every tensor's data stays aligned to its element size (a loader that maps the
+/// file and views its bytes as i64 needs 8), then the parameters' master values, then the other buffers.
+template <class F>
+void for_each_model_tensor(const parameter_list& params, F&& f) {
+  for (const auto& b : params.buffers())
+    if (size_of(b.buffer->type()) == 8) f(b.name, b.buffer->view());
+  for (const auto& p : params) f(p.name, p.param->value());
+  for (const auto& b : params.buffers())
+    if (size_of(b.buffer->type()) != 8) f(b.name, b.buffer->view());
+}
+
+/// Adds what a model file holds to `w` (for_each_model_tensor).
 inline void add_model_tensors(file_writer& w, const parameter_list& params) {
-  for (const auto& p : params) w.add_device(p.name, p.param->value());
-  for (const auto& b : params.buffers()) w.add_device(b.name, b.buffer->view());
+  for_each_model_tensor(params, [&](const std::string& name, const tensor_view& t) { w.add_device(name, t); });
 }
 
 /// A small host tensor's bytes.
@@ -1104,17 +1115,15 @@ inline void load_model(const std::filesystem::path& file, const parameter_list& 
   s.synchronize();
 }
 
-/// SHA-256 of the fp32 master values of `params`, in order, then of its buffers, as 64 hex digits: the bytes of the
-/// model file's data section, so `weights_sha256` of two runs is equal exactly when their weights (and running
-/// statistics) are. Synchronizes `s`.
+/// SHA-256 of the fp32 master values of `params` and of its buffers, as 64 hex digits: the bytes of the model file's
+/// data section (in its order: detail::for_each_model_tensor), so `weights_sha256` of two runs is equal exactly when
+/// their weights (and running statistics) are. Synchronizes `s`.
 inline std::string weights_sha256(const parameter_list& params, stream_ref s) {
   sha256 h;
-  auto add = [&](const tensor_view& t) {
+  detail::for_each_model_tensor(params, [&](const std::string&, const tensor_view& t) {
     const auto bytes = to_vector(device_span<const std::uint8_t>(t.bytes()), s);
     h.update(std::as_bytes(std::span(bytes)));
-  };
-  for (const auto& p : params) add(p.param->value());
-  for (const auto& b : params.buffers()) add(b.buffer->view());
+  });
   return h.hex_digest();
 }
 

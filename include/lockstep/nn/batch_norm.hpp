@@ -91,7 +91,10 @@ class batch_norm {
     x_ = x;
     forwarded_ = true;
     batch_stats_ = ctx.training() || !options_.track_running_stats;
-    group_ = options_.sync && batch_stats_ ? ctx.replicas() : nullptr;
+    // synchronized in training only (PyTorch's SyncBatchNorm: evaluation without running statistics is local), and
+    // a group of one is no group
+    group_ = options_.sync && ctx.training() ? ctx.replicas() : nullptr;
+    if (group_ != nullptr && group_->size() == 1) group_ = nullptr;
     const stream_ref s = ctx.stream();
     const geometry g = geometry_of(x);
     LOCKSTEP_EXPECTS(!batch_stats_ || group_ != nullptr || g.n * g.inner != 1, "batch_norm(", channels_,

@@ -152,4 +152,19 @@ class context {
   replica_group* replicas_ = nullptr;
 };
 
+/// Sets ctx.replicas() to `group` for as long as it lives, then back to what it was: the data-parallel wrappers
+/// install their group around the model's forward and backward only, so that two wrappers may share a context and a
+/// forward outside the wrapper runs alone.
+class replicas_scope {
+ public:
+  replicas_scope(context& ctx, replica_group* group) : ctx_(&ctx), previous_(ctx.replicas()) { ctx.set_replicas(group); }
+  replicas_scope(const replicas_scope&) = delete;
+  replicas_scope& operator=(const replicas_scope&) = delete;
+  ~replicas_scope() { ctx_->set_replicas(previous_); }
+
+ private:
+  context* ctx_;
+  replica_group* previous_;
+};
+
 LOCKSTEP_ABI_END

@@ -84,7 +84,7 @@ class conv2d {
                 kernels::im2col_op<T>{x.as<T>(), col_.as<T>(), g_}, s, "conv2d im2col");
       if (ctx.deterministic()) {
         row_products<T>(ctx, "conv2d", transpose::yes, rows, out_, patch(), col_.as<T>(), patch(), w, patch(),
-                        rows_.as<T>(), out_, scratch_);
+                        rows_.as<T>(), out_, scratch_, pixels());
       } else {
         gemm<T>(ctx.blas(), transpose::no, transpose::yes, rows, out_, patch(), 1.0f, col_.as<T>(), patch(), w,
                 patch(), 0.0f, rows_.as<T>(), out_);
@@ -142,7 +142,7 @@ class conv2d {
       const T* w = weight_.compute_value().as<T>();
       if (ctx.deterministic()) {
         row_products<T>(ctx, "conv2d", transpose::no, rows, patch(), out_, gt, out_, w, patch(), col_.as<T>(),
-                        patch(), scratch_);
+                        patch(), scratch_, pixels());
       } else {
         gemm<T>(ctx.blas(), transpose::no, transpose::no, rows, patch(), out_, 1.0f, gt, out_, w, patch(), 0.0f,
                 col_.as<T>(), patch());

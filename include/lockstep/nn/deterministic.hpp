@@ -57,14 +57,19 @@ void for_each_row_chunk(std::int64_t rows, const context& ctx, const char* who, 
 /// every row: blas/chunk_products.hpp's host_row_products (an element the chain of fused multiply-adds over kk in
 /// order), in one piece of work on the stream, with `scratch` (kept by the caller: its packed operands). On a GPU
 /// a GEMM per chunk of rows (cuBLAS: one algorithm for one shape on one GPU model). Requires deterministic mode.
+/// `rows_per_sample`: each batch row is that many consecutive rows of a and c (a convolution's output pixels), and a
+/// GPU's chunks are chunk_rows batch rows (the same bits, fewer GEMMs).
 template <class T>
 void row_products(context& ctx, const char* who, transpose tb, std::int64_t rows, std::int64_t n, std::int64_t k,
-                  const T* a, std::int64_t lda, const T* b, std::int64_t ldb, T* c, std::int64_t ldc, tensor& scratch) {
+                  const T* a, std::int64_t lda, const T* b, std::int64_t ldb, T* c, std::int64_t ldc, tensor& scratch,
+                  std::int64_t rows_per_sample = 1) {
   LOCKSTEP_EXPECTS(ctx.deterministic().has_value(), who, ": row_products needs deterministic mode");
   const stream_ref s = ctx.stream();
   if (!s.get_device().is_host()) {
-    for_each_row_chunk(rows, ctx, who, [&](std::int64_t r0, std::int64_t r) {
-      gemm<T>(ctx.blas(), transpose::no, tb, r, n, k, 1.0f, a + r0 * lda, lda, b, ldb, 0.0f, c + r0 * ldc, ldc);
+    const std::int64_t per = rows_per_sample;
+    for_each_row_chunk(rows / per, ctx, who, [&](std::int64_t b0, std::int64_t r) {
+      const std::int64_t r0 = b0 * per;
+      gemm<T>(ctx.blas(), transpose::no, tb, r * per, n, k, 1.0f, a + r0 * lda, lda, b, ldb, 0.0f, c + r0 * ldc, ldc);
     });
     return;
   }

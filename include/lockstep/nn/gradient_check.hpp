@@ -109,7 +109,7 @@ LOCKSTEP_ABI_BEGIN
 /// Checks l's backward (input gradient and every parameter's gradient) against central differences of
 /// sum(G * l(x)) at x = `input` (of shape `input_shape`, a batch), with a fixed random G. Runs in ctx's mode
 /// (training: a dropout's mask is the step's, the same in every forward); requires ctx.compute_type() == f32.
-/// Afterwards the parameters hold their values again and their gradients are the analytic ones. Cost: two
+/// Afterwards the parameters and buffers hold their values again and the gradients are the analytic ones. Cost: two
 /// forwards per checked element (use max_elements for larger tensors).
 template <layer L>
 gradient_check_report check_gradients(L& l, context& ctx, const std::vector<float>& input, const shape& input_shape,
@@ -126,6 +126,10 @@ gradient_check_report check_gradients(L& l, context& ctx, const std::vector<floa
     s.synchronize();
   };
 
+  // the buffers (running statistics), which every training forward below changes: restored at the end
+  const parameter_list params = parameters_of(l);
+  std::vector<std::vector<std::uint8_t>> buffers;
+  for (const auto& b : params.buffers()) buffers.push_back(to_vector(device_span<const std::uint8_t>(b.buffer->view().bytes()), s));
   tensor x(input_shape, dtype::f32, s);
   copy(x.span<float>(), std::span<const float>(input), s);
   s.synchronize();
@@ -142,7 +146,6 @@ gradient_check_report check_gradients(L& l, context& ctx, const std::vector<floa
   };
 
   // the analytic gradients
-  const parameter_list params = parameters_of(l);
   for (const auto& p : params) p.param->zero_grad();
   (void)l.forward(x.view(), ctx);
   const tensor_view gx = l.backward(gy.view(), ctx, o.input);
@@ -180,6 +183,10 @@ gradient_check_report check_gradients(L& l, context& ctx, const std::vector<floa
   std::size_t k = 0;
   if (o.input == input_grad::required) differences(x.view(), input, k++, nullptr);
   for (const auto& p : params) differences(p.param->value(), read(p.param->value()), k++, p.param);
+  for (std::size_t i = 0; i < buffers.size(); ++i) {
+    copy(params.buffers()[i].buffer->view().bytes(), std::span<const std::uint8_t>(buffers[i]), s);
+  }
+  s.synchronize();
   return report;
 }
 

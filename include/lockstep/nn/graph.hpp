@@ -155,7 +155,8 @@ class graph {
       const auto& inputs = plan_.inputs[static_cast<std::size_t>(id)];
       switch (v.kind) {
         case node_kind::layer: {
-          const tensor_view y = v.impl.forward(output_of(inputs[0]), ctx);
+          const tensor_view y = detail::naming_the_child([&] { return detail::concat("graph node '", v.name, "' forward"); },
+                                                         [&] { return v.impl.forward(output_of(inputs[0]), ctx); });
           LOCKSTEP_EXPECTS(y.rows() == rows_ && y.numel() == dims.numel() && y.type() == ct, "graph: node '", v.name,
                            "' returned an output of shape ", y.dims().str(), " (", name_of(y.type()),
                            ") for a batch of ", rows_, " rows; its output_shape promised ", dims.str(), " (",
@@ -222,8 +223,9 @@ class graph {
       }
       const int in = plan_.inputs[static_cast<std::size_t>(id)][0];
       const bool in_needed = needed(in);
-      const tensor_view gx = detail::backward_and_report(v.impl, g, ctx,
-                                                         in_needed ? input_grad::required : input_grad::not_required);
+      const tensor_view gx = detail::naming_the_child([&] { return detail::concat("graph node '", v.name, "' backward"); }, [&] {
+        return detail::backward_and_report(v.impl, g, ctx, in_needed ? input_grad::required : input_grad::not_required);
+      });
       if (in_needed) {
         const tensor_view x = output_of(in);
         LOCKSTEP_EXPECTS(gx.numel() == x.numel() && gx.type() == ct && (gx.numel() == 0 || gx.data() != nullptr),

@@ -60,6 +60,17 @@ void zero_grad(L& l) {
 LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
+/// Runs f() (a child's forward or backward) and returns what it returns; a precondition_error it throws comes back
+/// with the child named in front ("graph node 'fc1' forward: ..."), so that an error deep in a model says where.
+template <class Name, class F>
+decltype(auto) naming_the_child(const Name& name, F&& f) {
+  try {
+    return f();
+  } catch (const precondition_error& e) {
+    throw precondition_error(concat(name(), ": ", e.what()));
+  }
+}
+
 /// Runs a child's backward and tells the context which parameters now have final gradients.
 template <layer L>
 tensor_view backward_and_report(L& child, const tensor_view& grad_y, context& ctx, input_grad need) {

@@ -352,7 +352,7 @@ struct named_buffer {
 /// The parameters of a model in a stable order (the order layers add them: creation order within a layer,
 /// layer order within a container), and its buffers, in the same way. Containers open a scope per child so names
 /// are qualified. Iterating the list, size() and pointers() see the parameters only (what optimizers and gradient
-/// wrappers take); buffers() lists the buffers, which checkpoints save after the parameters (PyTorch's state_dict
+/// wrappers take); buffers() lists the buffers, which checkpoints save with the parameters (PyTorch's state_dict
 /// names) and the data-parallel wrappers keep equal on every replica (rank 0's, as PyTorch's broadcast_buffers).
 class parameter_list {
  public:

@@ -25,7 +25,11 @@ class sequential {
   tensor_view forward(const tensor_view& x, context& ctx) {
     return std::apply([&](auto&... l) {
       tensor_view h = x;
-      ((h = l.forward(h, ctx)), ...);
+      std::size_t i = 0;
+      ((h = detail::naming_the_child([&] { return detail::concat("sequential layer ", i, " forward"); },
+                                     [&] { return l.forward(h, ctx); }),
+        ++i),
+       ...);
       return h;
     }, layers_);
   }
@@ -67,10 +71,12 @@ class sequential {
   template <std::size_t I>
   tensor_view backward_from(const tensor_view& gy, context& ctx, input_grad need) {
     auto& l = std::get<I>(layers_);
+    auto where = [] { return detail::concat("sequential layer ", I, " backward"); };
     if constexpr (I == 0) {
-      return detail::backward_and_report(l, gy, ctx, need);
+      return detail::naming_the_child(where, [&] { return detail::backward_and_report(l, gy, ctx, need); });
     } else {
-      const tensor_view g = detail::backward_and_report(l, gy, ctx, input_grad::required);
+      const tensor_view g = detail::naming_the_child(
+          where, [&] { return detail::backward_and_report(l, gy, ctx, input_grad::required); });
       return backward_from<I - 1>(g, ctx, need);
     }
   }

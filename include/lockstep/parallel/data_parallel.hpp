@@ -154,15 +154,17 @@ class data_parallel {
     threads_->run(
         used,
         [&](std::size_t i) {
-          context& c = *contexts_[i];
-          timelines_[i].begin(phase::communication, c.stream());
-          const tensor_view chunk = receive_rows(input, chunks_[i], inputs_[i], c.stream());
-          timelines_[i].end(c.stream());
-          c.set_row_offset(chunks_[i].begin);
-          timelines_[i].begin(phase::compute, c.stream());
-          parts[i] = aborting_on_failure([&] { return replica(i).forward(chunk, c); });
-          timelines_[i].end(c.stream());
-          ready_[i].record(c.stream());
+          aborting_on_failure([&] {
+            context& c = *contexts_[i];
+            timelines_[i].begin(phase::communication, c.stream());
+            const tensor_view chunk = receive_rows(input, chunks_[i], inputs_[i], c.stream());
+            timelines_[i].end(c.stream());
+            c.set_row_offset(chunks_[i].begin);
+            timelines_[i].begin(phase::compute, c.stream());
+            parts[i] = replica(i).forward(chunk, c);
+            timelines_[i].end(c.stream());
+            ready_[i].record(c.stream());
+          });
         },
         [&](std::size_t i) { return detail::concat("data_parallel forward on ", devices_[i].str()); });
     std::vector<event_ref> ready;
@@ -191,18 +193,20 @@ class data_parallel {
     threads_->run(
         used,
         [&](std::size_t i) {
-          context& c = *contexts_[i];
-          timelines_[i].begin(phase::communication, c.stream());
-          if (&c != &out) c.stream().wait(*grad_ready_);
-          const tensor_view g = receive_rows(grad_output, chunks_[i], grads_[i], c.stream());
-          timelines_[i].end(c.stream());
-          timelines_[i].begin(phase::compute, c.stream());
-          aborting_on_failure([&] { return replica(i).backward(g, c, input_grad::not_required); });
-          for (const auto& p : parameters_of(replica(i))) {
-            if (deterministic_) (void)p.param->exact_grad(c.stream());  // an unused parameter's, zeroed next
-            p.param->materialize_grad(c.stream());
-          }
-          timelines_[i].end(c.stream());
+          aborting_on_failure([&] {
+            context& c = *contexts_[i];
+            timelines_[i].begin(phase::communication, c.stream());
+            if (&c != &out) c.stream().wait(*grad_ready_);
+            const tensor_view g = receive_rows(grad_output, chunks_[i], grads_[i], c.stream());
+            timelines_[i].end(c.stream());
+            timelines_[i].begin(phase::compute, c.stream());
+            (void)replica(i).backward(g, c, input_grad::not_required);
+            for (const auto& p : parameters_of(replica(i))) {
+              if (deterministic_) (void)p.param->exact_grad(c.stream());  // an unused parameter's, zeroed next
+              p.param->materialize_grad(c.stream());
+            }
+            timelines_[i].end(c.stream());
+          });
         },
         [&](std::size_t i) { return detail::concat("data_parallel backward on ", devices_[i].str()); });
     const stream_ref s0 = contexts_[0]->stream();
@@ -290,11 +294,11 @@ class data_parallel {
     timelines_[0].end(s0);
   }
 
-  // A replica's forward or backward; when it throws, the others' synchronized batch norms stop waiting for it.
+  // A replica's job; when it throws, the others' synchronized batch norms stop waiting for it.
   template <class F>
-  tensor_view aborting_on_failure(F&& f) {
+  void aborting_on_failure(F&& f) {
     try {
-      return f();
+      f();
     } catch (...) {
       replica_group_->abort();
       throw;

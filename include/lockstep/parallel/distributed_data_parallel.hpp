@@ -146,19 +146,16 @@ class distributed_data_parallel {
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
     detail::check_same_parameters(replica_.params, comm, comm_stream);
     detail::broadcast_parameters(replica_.params, comm, comm_stream);
-    detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);  // (the device was synchronized)
+    synchronize(ctx.get_device());  // the buffers' initial values are written (a model may have no parameters)
+    detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);
     comm.synchronize(comm_stream);
-    ctx.set_replicas(&replicas_);  // a synchronized batch norm sums over the ranks
     build_buckets();
   }
 
   distributed_data_parallel(const distributed_data_parallel&) = delete;
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
   /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
-  ~distributed_data_parallel() {
-    shards_.detach_hooks();
-    if (replica_.ctx->replicas() == &replicas_) replica_.ctx->set_replicas(nullptr);
-  }
+  ~distributed_data_parallel() { shards_.detach_hooks(); }
 
   /// The ZeRO stage in effect: options.zero, or none on one rank (nothing to shard).
   [[nodiscard]] zero_stage zero() const noexcept { return replica_.sharded ? options_.zero : zero_stage::none; }
@@ -185,6 +182,7 @@ class distributed_data_parallel {
     context& ctx = *replica_.ctx;
     compute_timeline_.begin(phase::compute, ctx.stream());
     replicas_.reset_calls();
+    const replicas_scope group(ctx, &replicas_);  // a synchronized batch norm sums over the ranks
     tensor_view y = model_->forward(x, ctx);
     forward_used_replicas_ = replicas_.calls() > 0;
     output_ = y;
@@ -215,6 +213,7 @@ class distributed_data_parallel {
         grad_output.empty() && run_model
             ? tensor_view(nullptr, output_.type(), output_.dims().with_rows(0), output_.get_device())
             : grad_output;
+    const replicas_scope group(ctx, &replicas_);
     // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
     if (!syncing_ && !replica_.reused_buffers) {
       accumulated_ = true;  // every rank's call, with rows or not: the next backward adds to these sums

@@ -46,8 +46,12 @@ class tensor_view {
   /// The memory as T*; throws precondition_error when T is not the view's dtype.
   template <class T>
   [[nodiscard]] T* as() const {
-    LOCKSTEP_EXPECTS(dtype_of_v<T> == type_, "tensor of dtype ", name_of(type_), " accessed as ",
-                     name_of(dtype_of_v<T>));
+    LOCKSTEP_EXPECTS(dtype_of_v<T> == type_, "a tensor of shape ", shape_.str(), " and dtype ", name_of(type_),
+                     " accessed as ", name_of(dtype_of_v<T>),
+                     type_ == dtype::f16 || type_ == dtype::bf16
+                         ? " (the context computes in f16 or bf16: a layer of your own reads its input, output gradient "
+                           "and parameters in ctx.compute_type(), e.g. with dispatch_floating; docs/custom-layers.md)"
+                         : "");
     return static_cast<T*>(data_);
   }
   /// The elements as a device_span<T>.

@@ -99,8 +99,8 @@ struct nchw_to_rows_op {
   }
 };
 
-/// Max pooling: y[nc, p] = the largest input of output pixel p's window (padding never wins; NaN propagates, as in
-/// PyTorch), argmax[nc, p] its index in the image plane (y * W + x). A launch_2d functor over [N * C, OH * OW].
+/// Max pooling: y[nc, p] = the largest input of output pixel p's window (padding never wins; a NaN wins, the last
+/// one of a window, as in PyTorch), argmax[nc, p] its index in the image plane (y * W + x). A launch_2d functor over [N * C, OH * OW].
 template <class T>
 struct max_pool_forward_op {
   const T* x;
@@ -120,7 +120,7 @@ struct max_pool_forward_op {
         if (xx < g.padding || xx - g.padding >= g.w) continue;
         const std::size_t idx = (yy - g.padding) * g.w + (xx - g.padding);
         const float v = to_float(plane[idx]);
-        if (at < 0 || v > best || (v != v && best == best)) {  // the first maximum; a NaN wins and stays
+        if (at < 0 || v > best || v != v) {  // the first maximum; a NaN wins (the last one, as in PyTorch)
           best = v;
           at = static_cast<std::int32_t>(idx);
         }

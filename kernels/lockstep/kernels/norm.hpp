@@ -231,7 +231,8 @@ struct batch_norm_square_op {
 ///   - batch statistics (sums non-null): mean = sums[c] / count, var = squares[c] / count (count = sums[channels]),
 ///     rstd = 1 / sqrt(var + eps), kept in mean[c] and rstd[c] for backward; with running statistics (non-null)
 ///     running_mean = (1 - momentum) running_mean + momentum mean and running_var likewise with the unbiased
-///     variance var * count / (count - 1); *tracked += 1 (channel 0);
+///     variance var * count / (count - 1); *tracked += 1 (channel 0); all three left alone for a count of 1 or 0
+///     (a synchronized batch whose global count the layer could not check);
 ///   - running statistics (sums null): mean = running_mean[c], rstd = 1 / sqrt(running_var[c] + eps), kept too.
 template <class T>
 struct batch_norm_normalize_op {
@@ -257,7 +258,7 @@ struct batch_norm_normalize_op {
       m = sums[c] / count;
       const float var = squares[c] / count;
       rs = 1.0f / ::sqrtf(var + eps);
-      if (lanes.index == 0 && running_mean != nullptr) {
+      if (lanes.index == 0 && running_mean != nullptr && count > 1.0f) {  // (a global count of 1 has no variance)
         running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * m;
         running_var[c] = (1.0f - momentum) * running_var[c] + momentum * (var * (count / (count - 1.0f)));
         if (c == 0 && tracked != nullptr) ++*tracked;
