@@ -20,8 +20,9 @@ enum class pooling : std::uint8_t { max, average };
 /// Max or average pooling of `kernel` x `kernel` windows every `stride` pixels (default: the kernel) with `padding`
 /// (at most half the kernel, as PyTorch requires). Max pooling keeps each window's first maximum (a NaN wins) and
 /// sends its gradient there; average pooling divides by the whole window, padding included. Both backward passes
-/// are gathers (each input pixel sums what the windows over it send back): no atomics, the same bits every run, and
-/// nothing summed over rows, so deterministic mode needs nothing more.
+/// sum what the windows over each input pixel send back in a fixed order (on a GPU a gather; max pooling on a host
+/// stream a scatter to the maxima, window by window): no atomics, the same bits every run, and nothing summed over
+/// rows, so deterministic mode needs nothing more.
 template <pooling Kind>
 class pool2d {
  public:

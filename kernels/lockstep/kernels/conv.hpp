@@ -9,6 +9,7 @@
 
 #include <cstddef>
 #include <cstdint>
+#include <vector>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
@@ -44,6 +45,30 @@ struct im2col_op {
     }
     col[r * g.patch() + k] = v;
   }
+  /// The host loop: the same values, written image by image and pixel by pixel without a division per element.
+  void for_rows(std::size_t, std::size_t) const {
+    T* out = col;
+    const T zero = convert<T>(0.0f);
+    for (std::size_t n = 0; n < g.n; ++n) {
+      for (std::size_t oy = 0; oy < g.oh; ++oy) {
+        for (std::size_t ox = 0; ox < g.ow; ++ox) {
+          for (std::size_t ic = 0; ic < g.c; ++ic) {
+            const T* plane = x + (n * g.c + ic) * g.h * g.w;
+            for (std::size_t i = 0; i < g.kh; ++i) {
+              const std::size_t y = oy * g.stride + i;
+              const bool row_in = y >= g.padding && y - g.padding < g.h;
+              for (std::size_t j = 0; j < g.kw; ++j) {
+                const std::size_t xx = ox * g.stride + j;
+                *out++ = row_in && xx >= g.padding && xx - g.padding < g.w
+                             ? plane[(y - g.padding) * g.w + (xx - g.padding)]
+                             : zero;
+              }
+            }
+          }
+        }
+      }
+    }
+  }
 };
 
 /// dx[n, ic, y, x] = the sum of dcol[r, k] over the patch elements (r, k) that read input pixel (y, x) of channel ic
@@ -70,6 +95,36 @@ struct col2im_op {
       }
     }
     dx[row * g.h * g.w + pixel] = convert<T>(acc);
+  }
+  /// The host loop: the patches added into the pixels in patch order, in f32 (one image's planes at a time), then
+  /// rounded once: a fixed order (the same bits every run), without a division per element.
+  void for_rows(std::size_t, std::size_t) const {
+    const std::size_t plane = g.h * g.w;
+    std::vector<float> buffer(g.c * plane);
+    float* acc = buffer.data();
+    for (std::size_t n = 0; n < g.n; ++n) {
+      for (std::size_t e = 0; e < g.c * plane; ++e) acc[e] = 0.0f;
+      const T* in = dcol + n * g.pixels() * g.patch();
+      for (std::size_t oy = 0; oy < g.oh; ++oy) {
+        for (std::size_t ox = 0; ox < g.ow; ++ox) {
+          for (std::size_t ic = 0; ic < g.c; ++ic) {
+            float* a = acc + ic * plane;
+            for (std::size_t i = 0; i < g.kh; ++i) {
+              const std::size_t y = oy * g.stride + i;
+              const bool row_in = y >= g.padding && y - g.padding < g.h;
+              for (std::size_t j = 0; j < g.kw; ++j, ++in) {
+                const std::size_t xx = ox * g.stride + j;
+                if (row_in && xx >= g.padding && xx - g.padding < g.w) {
+                  a[(y - g.padding) * g.w + (xx - g.padding)] += to_float(*in);
+                }
+              }
+            }
+          }
+        }
+      }
+      T* out = dx + n * g.c * plane;
+      for (std::size_t e = 0; e < g.c * plane; ++e) out[e] = convert<T>(acc[e]);
+    }
   }
 };
 
@@ -129,6 +184,35 @@ struct max_pool_forward_op {
     y[row * g.pixels() + p] = convert<T>(best);
     argmax[row * g.pixels() + p] = at;
   }
+  /// The host loop: the same windows, output pixel by output pixel without a division.
+  void for_rows(std::size_t rows, std::size_t) const {
+    for (std::size_t row = 0; row < rows; ++row) {
+      const T* plane = x + row * g.h * g.w;
+      std::size_t o = row * g.pixels();
+      for (std::size_t oy = 0; oy < g.oh; ++oy) {
+        for (std::size_t ox = 0; ox < g.ow; ++ox, ++o) {
+          float best = 0.0f;
+          std::int32_t at = -1;
+          for (std::size_t i = 0; i < g.kh; ++i) {
+            const std::size_t yy = oy * g.stride + i;
+            if (yy < g.padding || yy - g.padding >= g.h) continue;
+            for (std::size_t j = 0; j < g.kw; ++j) {
+              const std::size_t xx = ox * g.stride + j;
+              if (xx < g.padding || xx - g.padding >= g.w) continue;
+              const std::size_t idx = (yy - g.padding) * g.w + (xx - g.padding);
+              const float v = to_float(plane[idx]);
+              if (at < 0 || v > best || v != v) {
+                best = v;
+                at = static_cast<std::int32_t>(idx);
+              }
+            }
+          }
+          y[o] = convert<T>(best);
+          argmax[o] = at;
+        }
+      }
+    }
+  }
 };
 
 /// Max pooling's input gradient as a gather: dx[nc, y, x] = the sum of gy over the windows whose maximum was (y, x).
@@ -155,6 +239,23 @@ struct max_pool_backward_op {
       }
     }
     dx[row * g.h * g.w + pixel] = convert<T>(acc);
+  }
+  /// The host loop: each window's gradient sent to its maximum, plane by plane, in window order, added in f32 and
+  /// rounded once (a fixed order: the same bits every run; without overlapping windows, the gather's bits).
+  void for_rows(std::size_t rows, std::size_t) const {
+    const std::size_t plane = g.h * g.w;
+    std::vector<float> buffer(plane);
+    float* acc = buffer.data();
+    for (std::size_t row = 0; row < rows; ++row) {
+      for (std::size_t e = 0; e < plane; ++e) acc[e] = 0.0f;
+      const std::size_t o0 = row * g.pixels();
+      for (std::size_t o = 0; o < g.pixels(); ++o) {
+        const std::int32_t at = argmax[o0 + o];
+        if (at >= 0) acc[at] += to_float(gy[o0 + o]);
+      }
+      T* out = dx + row * plane;
+      for (std::size_t e = 0; e < plane; ++e) out[e] = convert<T>(acc[e]);
+    }
   }
 };
 

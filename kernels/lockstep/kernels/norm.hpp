@@ -153,7 +153,8 @@ struct layer_norm_param_grad_op {
 // The input is seen as [n, channels, inner] (inner = 1 for [n, features], H * W for [n, C, H, W]); channel c's
 // statistics run over its n * inner values. Every kernel below is run by launch_rows with one row per channel: a warp
 // per channel on a GPU (its lanes take the channel's values lane, lane + 32, ...), the serial loop over (n, inner) on
-// a host stream. Statistics in f32 whatever T, by two compensated (Kahan) passes: the mean, then the sum of squared
+// a host stream. Statistics in f32 whatever T, by two compensated passes (channel_sum: Kahan's compensation over
+// the lanes' values on a GPU, over contiguous runs summed eight-wide on a host): the mean, then the sum of squared
 // deviations from it. The sums are written to memory between the passes so that a synchronized batch norm can add
 // them over the replicas before the next pass reads them.
 
@@ -188,6 +189,35 @@ LOCKSTEP_HD void for_channel_values(std::size_t n, std::size_t channels, std::si
   }
 }
 
+/// The sum of f(i) over channel c's values for a single lane (a host stream), in a fixed order: each contiguous run
+/// of `inner` values summed into eight interleaved partial sums (independent chains a compiler can vectorize), the
+/// runs' totals added with compensation. (The lanes of a GPU warp add theirs with compensation element by element.)
+template <class F>
+LOCKSTEP_HD float channel_sum_serial(std::size_t n, std::size_t channels, std::size_t inner, std::size_t c, F&& f) {
+  compensated_sum total;
+  for (std::size_t i = 0; i < n; ++i) {
+    const std::size_t base = (i * channels + c) * inner;
+    float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+    std::size_t s = 0;
+    for (; s + 8 <= inner; s += 8) {
+      for (std::size_t q = 0; q < 8; ++q) part[q] += f(base + s + q);
+    }
+    for (; s < inner; ++s) part[0] += f(base + s);
+    total.add(((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])));
+  }
+  return total.value();
+}
+
+/// The sum of f(i) over channel c's values, from the lanes that share the channel (launch_rows).
+template <class Lanes, class F>
+LOCKSTEP_HD float channel_sum(std::size_t n, std::size_t channels, std::size_t inner, std::size_t c, const Lanes& lanes,
+                              F&& f) {
+  if (lanes.count == 1) return channel_sum_serial(n, channels, inner, c, f);
+  compensated_sum acc;
+  for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) { acc.add(f(i)); });
+  return lanes.sum(acc.value());
+}
+
 /// Pass 1: sums[c] = the sum of channel c's values; sums[channels] = their count (n * inner), so that the sums of
 /// several replicas added element-wise hold the global sums and count.
 template <class T>
@@ -197,9 +227,7 @@ struct batch_norm_sum_op {
   std::size_t n, channels, inner;
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
-    compensated_sum acc;
-    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) { acc.add(to_float(x[i])); });
-    const float total = lanes.sum(acc.value());
+    const float total = channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) { return to_float(x[i]); });
     if (lanes.index == 0) {
       sums[c] = total;
       if (c == 0) sums[channels] = static_cast<float>(n * inner);
@@ -217,12 +245,10 @@ struct batch_norm_square_op {
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
     const float mean = sums[c] / sums[channels];
-    compensated_sum acc;
-    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
+    const float total = channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) {
       const float d = to_float(x[i]) - mean;
-      acc.add(d * d);
+      return d * d;
     });
-    const float total = lanes.sum(acc.value());
     if (lanes.index == 0) squares[c] = total;
   }
 };
@@ -295,13 +321,10 @@ struct batch_norm_grad_sums_op {
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
     const float m = mean[c], rs = rstd[c];
-    compensated_sum a, b;
-    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
-      const float g = to_float(gy[i]);
-      a.add(g);
-      b.add(g * ((to_float(x[i]) - m) * rs));
+    const float sum_g = channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) { return to_float(gy[i]); });
+    const float sum_gx = channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) {
+      return to_float(gy[i]) * ((to_float(x[i]) - m) * rs);
     });
-    const float sum_g = lanes.sum(a.value()), sum_gx = lanes.sum(b.value());
     if (lanes.index != 0) return;
     if (sg != nullptr) sg[c] = sum_g;
     if (sgx != nullptr) sgx[c] = sum_gx;
