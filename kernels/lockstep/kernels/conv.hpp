@@ -27,6 +27,39 @@ struct conv_geometry {
   [[nodiscard]] LOCKSTEP_HD std::size_t patch() const { return c * kh * kw; }
 };
 
+/// f(i, j, index) for each offset (i, j) of output pixel (oy, ox)'s window that falls on the image (not the
+/// padding), index = y * W + x in the image plane; window rows, then columns, in order.
+template <class F>
+LOCKSTEP_HD void for_each_in_window(const conv_geometry& g, std::size_t oy, std::size_t ox, F&& f) {
+  for (std::size_t i = 0; i < g.kh; ++i) {
+    const std::size_t y = oy * g.stride + i;  // padded coordinates
+    if (y < g.padding || y - g.padding >= g.h) continue;
+    for (std::size_t j = 0; j < g.kw; ++j) {
+      const std::size_t x = ox * g.stride + j;
+      if (x < g.padding || x - g.padding >= g.w) continue;
+      f(i, j, (y - g.padding) * g.w + (x - g.padding));
+    }
+  }
+}
+
+/// f(i, j, oy, ox) for each output pixel (oy, ox) whose window covers input pixel `pixel` (y * W + x of the image
+/// plane), at offset (i, j) of that window; offsets' rows, then columns, in order. The gathers of the backward passes.
+template <class F>
+LOCKSTEP_HD void for_each_window_over(const conv_geometry& g, std::size_t pixel, F&& f) {
+  const std::size_t y = pixel / g.w + g.padding, x = pixel % g.w + g.padding;  // padded coordinates
+  for (std::size_t i = 0; i < g.kh; ++i) {
+    if (y < i || (y - i) % g.stride != 0) continue;
+    const std::size_t oy = (y - i) / g.stride;
+    if (oy >= g.oh) continue;
+    for (std::size_t j = 0; j < g.kw; ++j) {
+      if (x < j || (x - j) % g.stride != 0) continue;
+      const std::size_t ox = (x - j) / g.stride;
+      if (ox >= g.ow) continue;
+      f(i, j, oy, ox);
+    }
+  }
+}
+
 /// col[r, k] = the input value patch element k of output pixel r reads (0 in the padding); r = n * P + p, k = (ic *
 /// KH + i) * KW + j. A launch_2d functor over [N * P, K].
 template <class T>
@@ -80,20 +113,11 @@ struct col2im_op {
   conv_geometry g;
   LOCKSTEP_HD void operator()(std::size_t row, std::size_t pixel) const {
     const std::size_t n = row / g.c, ic = row % g.c;
-    const std::size_t y = pixel / g.w + g.padding, xx = pixel % g.w + g.padding;  // padded coordinates
     float acc = 0.0f;
-    for (std::size_t i = 0; i < g.kh; ++i) {
-      if (y < i || (y - i) % g.stride != 0) continue;
-      const std::size_t oy = (y - i) / g.stride;
-      if (oy >= g.oh) continue;
-      for (std::size_t j = 0; j < g.kw; ++j) {
-        if (xx < j || (xx - j) % g.stride != 0) continue;
-        const std::size_t ox = (xx - j) / g.stride;
-        if (ox >= g.ow) continue;
-        const std::size_t r = n * g.pixels() + oy * g.ow + ox, k = (ic * g.kh + i) * g.kw + j;
-        acc += to_float(dcol[r * g.patch() + k]);
-      }
-    }
+    for_each_window_over(g, pixel, [&](std::size_t i, std::size_t j, std::size_t oy, std::size_t ox) {
+      const std::size_t r = n * g.pixels() + oy * g.ow + ox, k = (ic * g.kh + i) * g.kw + j;
+      acc += to_float(dcol[r * g.patch() + k]);
+    });
     dx[row * g.h * g.w + pixel] = convert<T>(acc);
   }
   /// The host loop: the patches added into the pixels in patch order, in f32 (one image's planes at a time), then
@@ -163,54 +187,29 @@ struct max_pool_forward_op {
   std::int32_t* argmax;
   conv_geometry g;
   LOCKSTEP_HD void operator()(std::size_t row, std::size_t p) const {
-    const std::size_t oy = p / g.ow, ox = p % g.ow;
+    window(row, p / g.ow, p % g.ow, row * g.pixels() + p);
+  }
+  // Output pixel (oy, ox) of plane `row`, at index o of y and argmax.
+  LOCKSTEP_HD void window(std::size_t row, std::size_t oy, std::size_t ox, std::size_t o) const {
     const T* plane = x + row * g.h * g.w;
     float best = 0.0f;
     std::int32_t at = -1;
-    for (std::size_t i = 0; i < g.kh; ++i) {
-      const std::size_t yy = oy * g.stride + i;
-      if (yy < g.padding || yy - g.padding >= g.h) continue;
-      for (std::size_t j = 0; j < g.kw; ++j) {
-        const std::size_t xx = ox * g.stride + j;
-        if (xx < g.padding || xx - g.padding >= g.w) continue;
-        const std::size_t idx = (yy - g.padding) * g.w + (xx - g.padding);
-        const float v = to_float(plane[idx]);
-        if (at < 0 || v > best || v != v) {  // the first maximum; a NaN wins (the last one, as in PyTorch)
-          best = v;
-          at = static_cast<std::int32_t>(idx);
-        }
+    for_each_in_window(g, oy, ox, [&](std::size_t, std::size_t, std::size_t idx) {
+      const float v = to_float(plane[idx]);
+      if (at < 0 || v > best || v != v) {  // the first maximum; a NaN wins (the last one, as in PyTorch)
+        best = v;
+        at = static_cast<std::int32_t>(idx);
       }
-    }
-    y[row * g.pixels() + p] = convert<T>(best);
-    argmax[row * g.pixels() + p] = at;
+    });
+    y[o] = convert<T>(best);
+    argmax[o] = at;
   }
   /// The host loop: the same windows, output pixel by output pixel without a division.
   void for_rows(std::size_t rows, std::size_t) const {
     for (std::size_t row = 0; row < rows; ++row) {
-      const T* plane = x + row * g.h * g.w;
       std::size_t o = row * g.pixels();
-      for (std::size_t oy = 0; oy < g.oh; ++oy) {
-        for (std::size_t ox = 0; ox < g.ow; ++ox, ++o) {
-          float best = 0.0f;
-          std::int32_t at = -1;
-          for (std::size_t i = 0; i < g.kh; ++i) {
-            const std::size_t yy = oy * g.stride + i;
-            if (yy < g.padding || yy - g.padding >= g.h) continue;
-            for (std::size_t j = 0; j < g.kw; ++j) {
-              const std::size_t xx = ox * g.stride + j;
-              if (xx < g.padding || xx - g.padding >= g.w) continue;
-              const std::size_t idx = (yy - g.padding) * g.w + (xx - g.padding);
-              const float v = to_float(plane[idx]);
-              if (at < 0 || v > best || v != v) {
-                best = v;
-                at = static_cast<std::int32_t>(idx);
-              }
-            }
-          }
-          y[o] = convert<T>(best);
-          argmax[o] = at;
-        }
-      }
+      for (std::size_t oy = 0; oy < g.oh; ++oy)
+        for (std::size_t ox = 0; ox < g.ow; ++ox) window(row, oy, ox, o++);
     }
   }
 };
@@ -224,20 +223,11 @@ struct max_pool_backward_op {
   T* dx;
   conv_geometry g;
   LOCKSTEP_HD void operator()(std::size_t row, std::size_t pixel) const {
-    const std::size_t y = pixel / g.w + g.padding, xx = pixel % g.w + g.padding;
     float acc = 0.0f;
-    for (std::size_t i = 0; i < g.kh; ++i) {
-      if (y < i || (y - i) % g.stride != 0) continue;
-      const std::size_t oy = (y - i) / g.stride;
-      if (oy >= g.oh) continue;
-      for (std::size_t j = 0; j < g.kw; ++j) {
-        if (xx < j || (xx - j) % g.stride != 0) continue;
-        const std::size_t ox = (xx - j) / g.stride;
-        if (ox >= g.ow) continue;
-        const std::size_t o = row * g.pixels() + oy * g.ow + ox;
-        if (argmax[o] == static_cast<std::int32_t>(pixel)) acc += to_float(gy[o]);
-      }
-    }
+    for_each_window_over(g, pixel, [&](std::size_t, std::size_t, std::size_t oy, std::size_t ox) {
+      const std::size_t o = row * g.pixels() + oy * g.ow + ox;
+      if (argmax[o] == static_cast<std::int32_t>(pixel)) acc += to_float(gy[o]);
+    });
     dx[row * g.h * g.w + pixel] = convert<T>(acc);
   }
   /// The host loop: each window's gradient sent to its maximum, plane by plane, in window order, added in f32 and
@@ -267,18 +257,11 @@ struct avg_pool_forward_op {
   T* y;
   conv_geometry g;
   LOCKSTEP_HD void operator()(std::size_t row, std::size_t p) const {
-    const std::size_t oy = p / g.ow, ox = p % g.ow;
     const T* plane = x + row * g.h * g.w;
     float acc = 0.0f;
-    for (std::size_t i = 0; i < g.kh; ++i) {
-      const std::size_t yy = oy * g.stride + i;
-      if (yy < g.padding || yy - g.padding >= g.h) continue;
-      for (std::size_t j = 0; j < g.kw; ++j) {
-        const std::size_t xx = ox * g.stride + j;
-        if (xx < g.padding || xx - g.padding >= g.w) continue;
-        acc += to_float(plane[(yy - g.padding) * g.w + (xx - g.padding)]);
-      }
-    }
+    for_each_in_window(g, p / g.ow, p % g.ow, [&](std::size_t, std::size_t, std::size_t idx) {
+      acc += to_float(plane[idx]);
+    });
     y[row * g.pixels() + p] = convert<T>(acc / static_cast<float>(g.kh * g.kw));
   }
 };
@@ -291,19 +274,10 @@ struct avg_pool_backward_op {
   T* dx;
   conv_geometry g;
   LOCKSTEP_HD void operator()(std::size_t row, std::size_t pixel) const {
-    const std::size_t y = pixel / g.w + g.padding, xx = pixel % g.w + g.padding;
     float acc = 0.0f;
-    for (std::size_t i = 0; i < g.kh; ++i) {
-      if (y < i || (y - i) % g.stride != 0) continue;
-      const std::size_t oy = (y - i) / g.stride;
-      if (oy >= g.oh) continue;
-      for (std::size_t j = 0; j < g.kw; ++j) {
-        if (xx < j || (xx - j) % g.stride != 0) continue;
-        const std::size_t ox = (xx - j) / g.stride;
-        if (ox >= g.ow) continue;
-        acc += to_float(gy[row * g.pixels() + oy * g.ow + ox]);
-      }
-    }
+    for_each_window_over(g, pixel, [&](std::size_t, std::size_t, std::size_t oy, std::size_t ox) {
+      acc += to_float(gy[row * g.pixels() + oy * g.ow + ox]);
+    });
     dx[row * g.h * g.w + pixel] = convert<T>(acc / static_cast<float>(g.kh * g.kw));
   }
 };
