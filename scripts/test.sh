@@ -5,7 +5,8 @@
 #   2. with g++ alone, AddressSanitizer and UndefinedBehaviorSanitizer: the host backend;
 #   3. with g++ and ThreadSanitizer: the stream, event and memory tests;
 #   4. with clang: the libFuzzer targets of the parsers (tests/fuzz), each for LOCKSTEP_FUZZ_SECONDS (default 30);
-#   5. `cmake --install` into a fresh prefix, then examples/consumer built against it and run.
+#   5. README.md's install commands, as written: `cmake --install` of a configured tree into a fresh prefix, then
+#      examples/consumer built against it and run.
 # Prints each ctest summary and a final one; exits non-zero if anything failed.
 #
 # Environment: LOCKSTEP_JOBS (parallel build jobs, default: cores), LOCKSTEP_BUILD_ROOT (default: ./build).
@@ -51,15 +52,15 @@ configure_build_test() {  # DIR LABEL-REGEX CMAKE-ARGS...
 mkdir -p "$build_root"
 if [[ -x /usr/local/cuda/bin/nvcc ]]; then
   stage "nvcc build (cuda + host backends, sm_80;sm_90, -Werror)" \
-    configure_build_test "$build_root/cuda" "" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON
+    configure_build_test "$build_root/cuda" "" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON -DLOCKSTEP_BUILD_TESTS=ON
 fi
 stage "g++ build, AddressSanitizer + UndefinedBehaviorSanitizer (host backend)" \
   configure_build_test "$build_root/asan" "" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
-  -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=address,undefined -DLOCKSTEP_BUILD_BENCHMARKS=OFF
+  -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=address,undefined -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TESTS=ON
 stage "g++ build, ThreadSanitizer (streams, events, memory, data loader, blas, host cliques, checkpoints, ZeRO)" \
   configure_build_test "$build_root/tsan" "core|runtime|data|blas|comm|io|parallel" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g -O1" \
   -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=thread -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF \
-  -DLOCKSTEP_BUILD_TOOLS=OFF
+  -DLOCKSTEP_BUILD_TOOLS=OFF -DLOCKSTEP_BUILD_TESTS=ON
 
 if command -v clang++ >/dev/null; then
   stage "clang libFuzzer targets, AddressSanitizer + UndefinedBehaviorSanitizer (${LOCKSTEP_FUZZ_SECONDS:-30} s each)" \
@@ -68,24 +69,27 @@ if command -v clang++ >/dev/null; then
     -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF
 fi
 
-consumer() {
-  local prefix=$build_root/install
-  rm -rf "$prefix" "$build_root/consumer"
-  cmake -S "$root" -B "$build_root/package" -G Ninja -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF \
-    -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF -DCMAKE_INSTALL_PREFIX="$prefix" >/dev/null || return 1
-  cmake --install "$build_root/package" >/dev/null || return 1
-  cmake -S "$root/examples/consumer" -B "$build_root/consumer" -G Ninja "${launcher[@]}" \
-    -DCMAKE_PREFIX_PATH="$prefix" || return 1
-  cmake --build "$build_root/consumer" -j "$jobs" || return 1
-  local ok=0
-  for exe in "$build_root"/consumer/consumer_*; do
-    [[ -x "$exe" ]] || continue
-    echo "-- $exe"
-    "$exe" || ok=1
-  done
-  return $ok
+consumer() {  # README.md's install and consumer commands, exactly as written there, with PREFIX a fresh directory
+  local commands
+  commands=$(awk '/<!-- ci: install -->/ {found = 1; next} found && /^```sh/ {inside = 1; next} inside && /^```/ {exit}
+                  inside {print}' README.md)
+  [[ -n "$commands" ]] || { echo "README.md has no install commands after <!-- ci: install -->"; return 1; }
+  local work
+  work=$(realpath -m "$build_root/readme-install")
+  rm -rf "$work" && mkdir -p "$work" || return 1
+  # a copy of the tree without its build directories (the files git tracks, and new ones it would): the commands use
+  # build/ relative to it, as a user's checkout would
+  (cd "$root" && git ls-files -z --cached --others --exclude-standard \
+     | while IFS= read -r -d '' f; do if [[ -e "$f" ]]; then printf '%s\0' "$f"; fi; done \
+     | xargs -0 cp --parents -t "$work") || return 1
+  echo "$commands"
+  (cd "$work" && PREFIX="$work/prefix" bash -euo pipefail -c "$commands") || return 1
+  if [[ -x "$work/build/consumer/consumer_cuda" ]]; then  # built by nvcc when CUDA is found: GPUs when present
+    echo "-- consumer_cuda"
+    "$work/build/consumer/consumer_cuda" || return 1
+  fi
 }
-stage "examples/consumer against a fresh cmake --install" consumer
+stage "README install commands: cmake --install into a fresh prefix, examples/consumer built against it and run" consumer
 
 echo
 echo "==== summary ($(( $(date +%s) - start )) s)"

@@ -155,7 +155,8 @@ inline std::vector<float> train_single(device d, std::int64_t batch,
 }
 
 /// One rank of distributed_data_parallel training: `steps` steps on this rank's chunk of the same global batch
-/// of `batch` rows (the loss is the mean over the global batch); in deterministic mode (`deterministic`) its
+/// of `batch` rows (the loss is the mean over the global batch, as the wrapper tells it: no mean_over passed, shards
+/// uneven or empty); in deterministic mode (`deterministic`) its
 /// deterministic_shard. The rank's final parameters. Threads (run_on_devices) and processes (mpirun) run the same
 /// code.
 /// In deterministic mode, `global` tells the context the global batch (context::set_global_rows), with which the
@@ -187,13 +188,13 @@ inline std::vector<float> train_ddp_rank(context& ctx, communicator_ref comm, st
       if (global == global_batch::told) ctx.set_global_rows(batch);
       tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
       tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
-      loss.forward(ddp.forward(xb), yb, ctx, batch);
+      loss.forward(ddp.forward(xb), yb, ctx);  // the wrapper makes it the mean over the GLOBAL batch
       ddp.backward(loss.backward(ctx));
     } else if (static_cast<std::size_t>(comm.rank()) < chunks.size()) {
       const row_range mine = chunks[static_cast<std::size_t>(comm.rank())];
       tensor xb = device_tensor(slice(x, first + mine.begin, mine.rows, features), shape{mine.rows, features}, s);
       tensor yb = device_labels(slice(y, first + mine.begin, mine.rows, 1), s);
-      loss.forward(ddp.forward(xb), yb, ctx, batch);  // the mean over the GLOBAL batch
+      loss.forward(ddp.forward(xb), yb, ctx);  // the wrapper sums the ranks' rows: the mean over the GLOBAL batch
       ddp.backward(loss.backward(ctx));
     } else {
       ddp.backward(tensor_view());  // no rows for this rank this step

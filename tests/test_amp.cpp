@@ -60,7 +60,8 @@ TEST_P(loss_scaler_test, backs_off_on_overflow_and_grows_after_the_interval) {
   stream s(dev());
   parameter p("w", shape{4}, s, dtype::f16);
   parameter* ps[] = {&p};
-  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1024.0f, .growth_interval = 3});
+  context scaled(s);  // the gradients set below stand for a backward that read the scale
+  loss_scaler scaler(scaled, loss_scaler_options{.initial_scale = 1024.0f, .growth_interval = 3});
   auto set_grad = [&](float v) {
     const std::vector<lockstep::half> g(4, to_half(v));
     auto staged = to_device(g, s);
@@ -93,7 +94,8 @@ TEST_P(loss_scaler_test, the_ceiling_and_the_floor_hold) {
   stream s(dev());
   parameter p("w", shape{2}, s, dtype::f16);
   parameter* ps[] = {&p};
-  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 8.0f, .growth_interval = 1, .max_scale = 16.0f,
+  context scaled(s);  // the gradients set below stand for a backward that read the scale
+  loss_scaler scaler(scaled, loss_scaler_options{.initial_scale = 8.0f, .growth_interval = 1, .max_scale = 16.0f,
                                             .min_scale = 2.0f});
   auto step = [&](float v) {
     const std::vector<lockstep::half> g(2, to_half(v));
@@ -121,7 +123,8 @@ TEST_P(loss_scaler_test, bf16_defaults_to_no_scaling_but_still_skips_non_finite_
   stream s(dev());
   parameter p("w", shape{2}, s, dtype::bf16);
   parameter* ps[] = {&p};
-  loss_scaler scaler(s, o);
+  context scaled(s);  // the gradients set below stand for a backward that read the scale
+  loss_scaler scaler(scaled, o);
   const std::vector<bfloat16> g{to_bfloat16(1.0f), to_bfloat16(std::numeric_limits<float>::infinity())};
   auto staged = to_device(g, s);
   copy(p.grad().span<bfloat16>(), device_span<const bfloat16>(staged.span()), s);
@@ -150,6 +153,31 @@ TEST_P(loss_scaler_test, attaches_only_to_a_context_on_its_device) {
   EXPECT_EQ(elsewhere.loss_scale(), nullptr);
 }
 
+TEST_P(loss_scaler_test, a_scaler_whose_scale_no_loss_was_given_is_refused_before_the_first_step) {
+  // The mistake: a scaler made and used, never attached. The loss starts backward unscaled and the optimizer would
+  // divide the gradients by 65536: every update 65536 times too small, silently. Refused, naming the fix.
+  stream s(dev());
+  context ctx(s, dtype::f16);
+  parameter p("w", shape{4}, s, dtype::f16);
+  parameter* ps[] = {&p};
+  loss_scaler forgotten(s);
+  try {
+    forgotten.unscale_and_check(ps, s);
+    ADD_FAILURE() << "expected precondition_error";
+  } catch (const precondition_error& e) {
+    EXPECT_CONTAINS(e.what(), "every update would be 65536 times too small");
+    EXPECT_CONTAINS(e.what(), "loss_scaler(ctx, options)");
+  }
+  // A scale that stays 1 (bf16's default) scales nothing: unattached, it is harmless and allowed.
+  loss_scaler unscaled(s, loss_scaler_options::for_precision(dtype::bf16));
+  EXPECT_NO_THROW(unscaled.unscale_and_check(ps, s));
+  // The usual way makes it impossible: a scaler made with the context is attached to it.
+  loss_scaler scaler(ctx);
+  EXPECT_EQ(ctx.loss_scale(), scaler.scale());
+  scaler.unscale_and_check(ps, s);
+  EXPECT_EQ(scaler.read(s).skipped_steps, 0);
+}
+
 TEST_P(loss_scaler_test, a_scaler_on_another_device_than_the_parameters_is_refused_before_a_kernel_reads_it) {
   // data_parallel with output_device other than device_ids[0]: the loss lives on the output device, the model and
   // its optimizer on device_ids[0]. A scaler made on the output device and read by the optimizer's kernels is an
@@ -172,7 +200,8 @@ TEST_P(loss_scaler_test, a_scaler_on_another_device_than_the_parameters_is_refus
     EXPECT_CONTAINS(message, dev(1).str());
   }
   // The fix: the scaler of the parameters' device. Gradients of 2 with a scale of 4 step w by -0.5 * 2 / 4.
-  loss_scaler here(s0, loss_scaler_options{.initial_scale = 4.0f});
+  context model_ctx(s0);
+  loss_scaler here(model_ctx, loss_scaler_options{.initial_scale = 4.0f});
   w.materialize_grad(s0);
   fill(w.grad().span<float>(), 2.0f, s0);
   fill(w.value().span<float>(), 1.0f, s0);
@@ -194,7 +223,8 @@ TEST_P(loss_scaler_test, unscaling_matches_a_cpu_reference_exactly) {
   parameter p32("a", shape{257}, s, dtype::f32);
   copy(p32.grad().span<float>(), std::span<const float>(g32), s);
   (void)p32.begin_accumulate();
-  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 3072.0f});  // 1/3072 is not a power of two
+  context scaled(s);  // the gradients set below stand for a backward that read the scale
+  loss_scaler scaler(scaled, loss_scaler_options{.initial_scale = 3072.0f});  // 1/3072 is not a power of two
   parameter* ps[] = {&p32};
   scaler.unscale_(ps, s);
   const auto got = to_vector(p32.grad().span<const float>(), s);
@@ -472,7 +502,8 @@ TEST_P(clip_test, the_norm_of_scaled_low_precision_gradients_matches_a_double_re
           largest = std::max(largest, std::fabs(static_cast<double>(g)) / 1024.0);
         }
       }
-      loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1024.0f});
+      context scaled(s);  // the gradients set below stand for a backward that read the scale
+      loss_scaler scaler(scaled, loss_scaler_options{.initial_scale = 1024.0f});
       scaler.unscale_and_check(ps, s);
       gradient_clipper clip(s);
       (void)clip.clip_grad_norm(ps, {.max_norm = 1.0f}, s, scaler.optimizer_inputs());
@@ -503,7 +534,8 @@ TEST_P(clip_test, below_the_maximum_the_step_is_unclipped_and_a_non_finite_norm_
   auto huge = make_param("huge", {1.0f}, {1e30f}, dtype::f32, s);
   parameter* huge_ps[] = {huge.get()};
   sgd huge_opt(huge_ps, {.lr = 1.0f});
-  loss_scaler scaler(s, loss_scaler_options{.initial_scale = 1.0f, .min_scale = 0.25f});
+  context scaled(s);  // the gradients set below stand for a backward that read the scale
+  loss_scaler scaler(scaled, loss_scaler_options{.initial_scale = 1.0f, .min_scale = 0.25f});
   scaler.unscale_and_check(huge_ps, s);
   huge_opt.step(s, clip.clip_grad_norm(huge_ps, {.max_norm = 1.0f}, s, scaler.optimizer_inputs()));
   scaler.update(s);

@@ -19,6 +19,9 @@
 #include "lockstep/nn/linear.hpp"
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/sequential.hpp"
+#include "lockstep/nn/summary.hpp"
+#include "lockstep/nn/batch_norm.hpp"
+#include "lockstep/nn/pool.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/memory.hpp"
 #include "test_support.hpp"
@@ -635,6 +638,43 @@ TEST_P(graph_test, steady_state_steps_allocate_nothing) {
 // bf16), about ten roundings along the longest path, with the GEMMs and joins accumulating in f32: the worst
 // errors observed are 1.1e-3 (f16) and 1.7e-2 (bf16); the bounds 5e-3 and 4e-2 are loose but still fail
 // for a wrong dtype dispatch or a missing contribution.
+TEST_P(graph_test, a_summary_lists_each_node_with_its_kind_output_shape_and_parameters) {
+  // torchinfo's table: what a PyTorch user prints first.
+  context ctx(default_stream(dev()));
+  initializer init(1);
+  graph g(shape{3});
+  g.add("fc1", linear(3, 4, ctx, init), "input").add("act", relu(), "fc1").add("fc2", linear(4, 4, ctx, init), "act");
+  g.add_sum("res", {"act", "fc2"}).add("bn", batch_norm(4, ctx), "res");
+  const model_summary s = summarize(g, shape{3}, dtype::f16);
+  ASSERT_EQ(s.rows.size(), 5u);
+  auto expect_row = [&](std::size_t i, const char* name, const char* kind, shape out, std::int64_t params) {
+    EXPECT_EQ(s.rows[i].name, name);
+    EXPECT_EQ(s.rows[i].kind, kind);
+    EXPECT_EQ(s.rows[i].output, out);
+    EXPECT_EQ(s.rows[i].parameters, params);
+  };
+  expect_row(0, "fc1", "linear", shape{4}, 16);
+  expect_row(1, "act", "relu", shape{4}, 0);
+  expect_row(3, "res", "sum", shape{4}, 0);
+  expect_row(4, "bn", "batch_norm", shape{4}, 8);
+  EXPECT_EQ(s.parameters, 44);
+  EXPECT_EQ(s.buffer_bytes, 40);  // running mean and variance (f32), num_batches_tracked (i64)
+  EXPECT_EQ(s.working_bytes(), 88);
+  const std::string table = s.str();
+  EXPECT_CONTAINS(table, "fc1 (linear)");
+  EXPECT_CONTAINS(table, "parameters 44: fp32 values 0.00 MB, f16 working copy 0.00 MB, f16 gradients 0.00 MB");
+  // a sequential's rows are its layers by index; any other layer is one row
+  sequential seq(linear(3, 2, ctx, init), max_pool2d(2));
+  EXPECT_EQ(detail::layer_kind<decltype(seq)>().rfind("sequential<linear, pool2d<", 0), 0u)
+      << detail::layer_kind<decltype(seq)>();
+  linear alone(3, 2, ctx, init);
+  const model_summary one = summarize(alone, shape{3});
+  ASSERT_EQ(one.rows.size(), 1u);
+  EXPECT_EQ(one.rows[0].kind, "linear");
+  EXPECT_EQ(one.rows[0].parameters, 8);
+  EXPECT_THROW((void)summarize(g, shape{5}), precondition_error);
+}
+
 TEST_P(graph_test, f16_and_bf16_compute_types_run_close_to_f32) {
   const std::int64_t rows = 6;
   const auto xs = smooth_values(static_cast<std::size_t>(rows * 3), 3);
@@ -651,6 +691,12 @@ TEST_P(graph_test, f16_and_bf16_compute_types_run_close_to_f32) {
     const tensor_view y = g.forward(x, ctx);
     EXPECT_EQ(y.type(), type);
     out.push_back(read(y, ctx.stream()));
+    if (type != dtype::f32) {  // an f32 batch for an f16 graph: refused with the fix
+      tensor f32_input = make_tensor(xs, shape{rows, 3}, dtype::f32, ctx.stream());
+      expect_precondition_error([&] { (void)g.forward(f32_input, ctx); },
+                                {"graph: input is f32 but the context computes in " + std::string(name_of(type)),
+                                 "data_loader_options::input_type = " + std::string(name_of(type))});
+    }
     (void)loss.forward(y, target, ctx);
     out.push_back(read(g.backward(loss.backward(ctx), ctx, input_grad::required), ctx.stream()));
     for (const auto& p : parameters_of(g)) {

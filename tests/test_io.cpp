@@ -12,6 +12,7 @@
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
+#include <limits>
 #include <optional>
 #include <random>
 
@@ -579,6 +580,38 @@ TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_c
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000001", "step-000000000004"}));
+}
+
+TEST(checkpoint, a_diverged_model_is_never_saved_and_the_finite_checkpoints_stay) {
+  // The repro: --lr 1e6 --save-every 1 --keep-last 2 left two checkpoints full of NaN and deleted the finite ones.
+  scratch dir;
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  checkpointer saver(dir.path(), {.keep_last = 2});
+  for (int i = 0; i < 2; ++i) {
+    r.train(1);
+    auto st = r.state();
+    saver.save(st, r.s);
+  }
+  r.train(1);
+  parameter& p = *r.params[1];  // a NaN in the middle of one tensor, as a diverged step leaves
+  std::vector<float> values = to_vector(p.value().span<const float>(), r.s);
+  values[values.size() / 2] = std::numeric_limits<float>::quiet_NaN();
+  auto staged = to_device(values, r.s);
+  copy(p.value().span<float>(), device_span<const float>(staged.span()), r.s);
+  auto st = r.state();
+  const std::string m = message_of<numeric_error>([&] { saver.save(st, r.s); });
+  EXPECT_CONTAINS(m, "checkpoint of step 3 not saved: " + parameters_of(r.model)[1].name + " holds a value that is "
+                     "not finite (NaN or infinity) at element " + std::to_string(values.size() / 2));
+  EXPECT_CONTAINS(m, "the newest is " + (dir.path() / "step-000000000002").string());
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000001", "step-000000000002"}));
+  // an infinity in f16 or bf16 bits is found too
+  const std::uint16_t half_inf = 0x7c00, bf16_nan = 0x7fc1, finite[2] = {0x3c00, 0x7bff};
+  EXPECT_EQ(detail::first_non_finite(dtype::f16, reinterpret_cast<const std::byte*>(&half_inf), 2), 0);
+  EXPECT_EQ(detail::first_non_finite(dtype::bf16, reinterpret_cast<const std::byte*>(&bf16_nan), 2), 0);
+  EXPECT_EQ(detail::first_non_finite(dtype::f16, reinterpret_cast<const std::byte*>(finite), 4), -1);
 }
 
 TEST(checkpoint, an_asynchronous_save_stages_in_stream_order_while_training_goes_on) {

@@ -33,6 +33,7 @@
 #include "lockstep/nn/loss.hpp"
 #include "lockstep/nn/pool.hpp"
 #include "lockstep/nn/sequential.hpp"
+#include "lockstep/nn/state_dict.hpp"
 #include "lockstep/optim/adamw.hpp"
 #include "lockstep/optim/lr_schedule.hpp"
 #include "lockstep/optim/sgd.hpp"
@@ -931,6 +932,36 @@ TEST_P(dropout_test, masks_depend_on_seed_step_and_global_row_only) {
   EXPECT_EQ(d.forward(x, ctx).data(), x.data());  // identity, no copy
 }
 
+TEST_P(dropout_test, each_training_step_draws_a_new_mask_without_set_step) {
+  // The mistake: never calling set_step. A loss's backward in training advances the step, so the next forward
+  // draws a new mask; evaluation does not advance it; set_step still sets it.
+  context ctx(default_stream(dev()));
+  initializer init(0);
+  dropout d(0.5f, init);
+  const stream_ref s = ctx.stream();
+  tensor x = make_tensor(std::vector<float>(400, 1.0f), shape{40, 10}, s);
+  tensor zeros = make_tensor(std::vector<float>(400, 0.0f), shape{40, 10}, s);
+  mse loss;
+  auto step = [&] {
+    const tensor_view y = d.forward(x, ctx);
+    const auto mask = read(y, s);
+    loss.forward(y, zeros, ctx);
+    (void)loss.backward(ctx);
+    return mask;
+  };
+  const auto first = step();
+  EXPECT_EQ(ctx.step(), 1u);
+  const auto second = step();
+  EXPECT_NE(first, second);
+  ctx.set_mode(run_mode::eval);
+  loss.forward(x, zeros, ctx);
+  (void)loss.backward(ctx);
+  EXPECT_EQ(ctx.step(), 2u);
+  ctx.set_mode(run_mode::train);
+  ctx.set_step(0);
+  EXPECT_EQ(step(), first);
+}
+
 TEST_P(dropout_test, one_philox_call_serves_four_elements_with_the_per_element_decisions) {
   // dropout_op draws one Philox block per four global indices; slices that start and end inside a block (ragged
   // offsets and sizes) must still make exactly the decisions of dropout_mask::keep(index).
@@ -952,6 +983,40 @@ TEST_P(dropout_test, one_philox_call_serves_four_elements_with_the_per_element_d
 }
 
 // ---- cloning and memory -----------------------------------------------------------------------------------------
+
+TEST_P(clone_test, state_dict_copies_a_model_into_another_on_another_device_and_refuses_mismatches_whole) {
+  if (!require_devices(2)) return;
+  // PyTorch's student.load_state_dict(teacher.state_dict()): parameters and buffers, by name, across devices.
+  stream s0(dev(0)), s1(dev(1));
+  context c0(s0), c1(s1);
+  initializer init_a(1), init_b(2);
+  sequential teacher(linear(4, 3, c0, init_a), batch_norm(3, c0));
+  sequential student(linear(4, 3, c1, init_b), batch_norm(3, c1));
+  const auto x = random_values(24, 5, -1.0f, 1.0f);
+  tensor x0 = make_tensor(x, shape{6, 4}, s0);
+  (void)teacher.forward(x0, c0);  // training: the running statistics move
+  const std::vector<named_tensor> weights = state_dict(teacher);
+  ASSERT_EQ(weights.size(), 7u);  // 4 parameters, 3 buffers
+  EXPECT_EQ(weights[0].name, "0.weight");
+  EXPECT_EQ(weights[4].name, "1.running_mean");
+  s0.synchronize();
+  load_state_dict(student, weights, s1);
+  c0.set_mode(run_mode::eval);
+  c1.set_mode(run_mode::eval);  // the running statistics normalize: they were copied too
+  tensor x1 = make_tensor(x, shape{6, 4}, s1);
+  EXPECT_EQ(read(student.forward(x1, c1), s1), read(teacher.forward(x0, c0), s0));
+  // strict: a missing, a reshaped and an extra tensor are named, and nothing is loaded
+  sequential other(linear(4, 3, c1, init_b), batch_norm(3, c1));
+  const auto before = read(parameters_of(other)[0].param->value(), s1);
+  std::vector<named_tensor> wrong(weights.begin() + 1, weights.end());
+  wrong[0].value = wrong[0].value.reshaped(shape{1, 3});
+  wrong.push_back(named_tensor{"2.weight", weights[0].value});
+  const std::string m = message_of<precondition_error>([&] { load_state_dict(other, wrong, s1); });
+  EXPECT_CONTAINS(m, "missing 0.weight");
+  EXPECT_CONTAINS(m, "of another shape or dtype 0.bias (given [1, 3] f32, the model's [3] f32)");
+  EXPECT_CONTAINS(m, "not in the model 2.weight");
+  EXPECT_EQ(read(parameters_of(other)[0].param->value(), s1), before);
+}
 
 TEST_P(clone_test, a_replica_on_another_device_computes_the_same_and_owns_its_parameters) {
   if (!require_devices(2)) return;

@@ -12,6 +12,7 @@
 #include <mutex>
 
 #include "lockstep/comm/run_on_devices.hpp"
+#include "lockstep/nn/dropout.hpp"
 #include "lockstep/nn/sequential.hpp"
 #include "lockstep/parallel/data_parallel.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
@@ -1010,6 +1011,217 @@ TEST_P(ddp_test, low_precision_communication_hooks_stay_close_to_fp32) {
     EXPECT_GT(diff, 0.0) << "rounding the gradients must show";  // the hook really changed the wire type
     EXPECT_EQ(ranks[0], ranks[1]);
   }
+}
+
+TEST_P(ddp_test, a_plain_mean_loss_is_the_global_batchs_and_read_loss_gives_it_on_every_rank) {
+  if (!require_devices(3)) return;
+  // No mean_over: 64 rows over 3 ranks (22, 21, 21). The wrapper sums the ranks' rows for the loss on its output
+  // and sums the ranks' losses in backward: every rank reads the loss of one device on the 64 rows, and the update
+  // is one device's (the equivalence tests train many steps this way, on uneven and empty shards).
+  const std::int64_t batch = 64;
+  const auto x = inputs();
+  const auto y = labels();
+  float single_loss = 0.0f;
+  std::vector<float> single_update;
+  {
+    stream s(dev(0));
+    context ctx(s);
+    graph model = make_model(ctx);
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss;
+    tensor xb = device_tensor(slice(x, 0, batch, features), shape{batch, features}, s);
+    tensor yb = device_labels(slice(y, 0, batch, 1), s);
+    loss.forward(model.forward(xb, ctx), yb, ctx);
+    model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+    opt.step(s);
+    single_loss = loss.read_loss(s);
+    single_update = parameter_values(model, s);
+  }
+  std::vector<float> read(3), share(3);
+  std::vector<std::vector<float>> updates(3);
+  run_on_devices(devices(3), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss;
+    const row_range mine = chunk_rows(batch, 3)[static_cast<std::size_t>(rc.rank())];
+    tensor xb = device_tensor(slice(x, mine.begin, mine.rows, features), shape{mine.rows, features}, s);
+    tensor yb = device_labels(slice(y, mine.begin, mine.rows, 1), s);
+    loss.forward(ddp.forward(xb), yb, ctx);
+    const auto r = static_cast<std::size_t>(rc.rank());
+    share[r] = loss.read_loss(s);  // before backward: this rank's share
+    ddp.backward(loss.backward(ctx));
+    opt.step(s);
+    read[r] = loss.read_loss(s);
+    updates[r] = parameter_values(model, s);
+  });
+  EXPECT_NEAR(share[0] + share[1] + share[2], single_loss, 1e-5 * single_loss);
+  for (std::size_t r = 0; r < 3; ++r) {
+    EXPECT_LT(share[r], 0.5f * single_loss) << "rank " << r << " divided by its own rows, not the global batch's";
+    EXPECT_NEAR(read[r], single_loss, 1e-5 * single_loss) << "rank " << r;
+    EXPECT_EQ(read[r], read[0]);
+    EXPECT_LE(relative_difference(updates[r], single_update), 1e-5) << "rank " << r;
+  }
+}
+
+TEST_P(ddp_test, an_evaluation_forward_then_a_rank_without_rows_keep_the_collectives_matched) {
+  if (!require_devices(2)) return;
+  // Evaluation forwards sum no rows; the next training step, rank 1 has no rows and calls backward alone: it must
+  // still join the rows' sum of rank 0's forward (else the ranks' collectives pair wrongly and hang). Rank 0's
+  // update is then one device's on its 16 rows. A loss on part of the output, or a second loss, is refused.
+  const std::int64_t batch = 16;
+  const auto x = inputs();
+  const auto y = labels();
+  std::vector<float> single_update;
+  {
+    stream s(dev(0));
+    context ctx(s);
+    graph model = make_model(ctx);
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss;
+    tensor xb = device_tensor(slice(x, 0, batch, features), shape{batch, features}, s);
+    tensor yb = device_labels(slice(y, 0, batch, 1), s);
+    loss.forward(model.forward(xb, ctx), yb, ctx);
+    model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+    opt.step(s);
+    single_update = parameter_values(model, s);
+  }
+  std::vector<std::vector<float>> updates(2);
+  std::vector<std::string> refusals(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    auto params = parameters_of(model).pointers();
+    sgd opt(params, optimizer_options);
+    softmax_cross_entropy loss;
+    tensor xb = device_tensor(slice(x, 0, batch, features), shape{batch, features}, s);
+    tensor yb = device_labels(slice(y, 0, batch, 1), s);
+    ctx.set_mode(run_mode::eval);
+    (void)ddp.forward(xb);
+    ctx.set_mode(run_mode::train);
+    if (rc.rank() == 0) {
+      const tensor_view out = ddp.forward(xb);
+      refusals[0] = message_of<precondition_error>([&] { loss.forward(out.slice_rows(0, 4), yb.view().slice_rows(0, 4), ctx); });
+      loss.forward(out, yb, ctx);
+      softmax_cross_entropy second;
+      refusals[1] = message_of<precondition_error>([&] { second.forward(out, yb, ctx); });
+      ddp.backward(loss.backward(ctx));
+    } else {
+      ddp.backward(tensor_view());
+    }
+    opt.step(s);
+    updates[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
+  });
+  EXPECT_LE(relative_difference(updates[0], single_update), 1e-5);
+  EXPECT_EQ(updates[1], updates[0]);
+  EXPECT_CONTAINS(refusals[0], "the loss reads 40 of the 160 values distributed_data_parallel's forward returned");
+  EXPECT_CONTAINS(refusals[1], "a second loss on the output of one distributed_data_parallel forward");
+}
+
+TEST_P(ddp_test, ranks_draw_the_dropout_masks_of_their_rows_of_the_global_batch_and_new_ones_each_step) {
+  if (!require_devices(2)) return;
+  // Nobody sets a row offset or a step: rank r's rows are rows [8r, 8r + 8) of one device's batch of 16 (equal
+  // shards), so the ranks draw different masks, those of one device; the loss's backward advances the step.
+  const std::int64_t rows = 8, cols = 16;
+  auto masks = [&](context& ctx, auto&& forward, std::int64_t n) {
+    const stream_ref s = ctx.stream();
+    tensor x = device_tensor(std::vector<float>(static_cast<std::size_t>(n * cols), 1.0f), shape{n, cols}, s);
+    tensor target = device_tensor(std::vector<float>(static_cast<std::size_t>(n * cols), 0.0f), shape{n, cols}, s);
+    mse loss;
+    std::vector<std::vector<float>> out;
+    for (int step = 0; step < 2; ++step) {
+      const tensor_view y = forward(x.view());
+      out.push_back(to_vector(y.span<const float>(), s));
+      loss.forward(y, target, ctx);
+      (void)loss.backward(ctx);
+    }
+    return out;
+  };
+  std::vector<std::vector<float>> whole;
+  {
+    stream s(dev(0));
+    context ctx(s);
+    ctx.set_seed(3);
+    initializer init(0);
+    sequential<dropout> model(dropout(0.5f, init));
+    whole = masks(ctx, [&](const tensor_view& x) { return model.forward(x, ctx); }, 2 * rows);
+  }
+  EXPECT_NE(whole[0], whole[1]) << "the second step drew the first step's mask";
+  std::vector<std::vector<std::vector<float>>> ranks(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    ctx.set_seed(3);
+    initializer init(0);
+    sequential<dropout> model(dropout(0.5f, init));
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    ranks[static_cast<std::size_t>(rc.rank())] = masks(ctx, [&](const tensor_view& x) { return ddp.forward(x); }, rows);
+  });
+  for (std::size_t step = 0; step < 2; ++step) {
+    for (std::size_t r = 0; r < 2; ++r) {
+      const auto begin = whole[step].begin() + static_cast<std::ptrdiff_t>(r * rows * cols);
+      EXPECT_EQ(ranks[r][step], std::vector<float>(begin, begin + rows * cols)) << "rank " << r << ", step " << step;
+    }
+  }
+}
+
+namespace {
+// A user's layer that forgets to list its second linear in parameters() (PyTorch registers sub-modules by itself).
+struct forgetful_block {
+  linear first, second;
+  forgetful_block(linear a, linear b) : first(std::move(a)), second(std::move(b)) {}
+  tensor_view forward(const tensor_view& x, context& ctx) { return second.forward(first.forward(x, ctx), ctx); }
+  tensor_view backward(const tensor_view& gy, context& ctx, input_grad need) {
+    return first.backward(second.backward(gy, ctx, input_grad::required), ctx, need);
+  }
+  void parameters(parameter_list& list) {
+    auto scope = list.scope("first");
+    first.parameters(list);  // the mistake: `second` is not listed
+  }
+  [[nodiscard]] forgetful_block clone(context& ctx) const { return forgetful_block(first.clone(ctx), second.clone(ctx)); }
+  [[nodiscard]] shape output_shape(const shape&) const { return shape{3}; }
+};
+}  // namespace
+
+TEST_P(ddp_test, a_parameter_its_layer_does_not_list_is_named_when_a_wrapper_backward_writes_its_gradient) {
+  if (!require_devices(2)) return;
+  // Unlisted, `second`'s weight would get this rank's gradient only and never be stepped, silently.
+  const std::string expected = "parameter weight [3, 8] received a gradient in a data-parallel backward but is not "
+                               "one of the model's parameters";
+  std::vector<std::string> messages(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    initializer init(1);
+    forgetful_block model(linear(4, 8, ctx, init), linear(8, 3, ctx, init));
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    tensor x = device_tensor(std::vector<float>(8, 0.5f), shape{2, 4}, ctx.stream());
+    tensor g = device_tensor(std::vector<float>(6, 1.0f), shape{2, 3}, ctx.stream());
+    (void)ddp.forward(x);
+    messages[static_cast<std::size_t>(rc.rank())] = message_of<precondition_error>([&] { ddp.backward(g); });
+  });
+  for (const auto& m : messages) EXPECT_CONTAINS(m, expected);
+  // data_parallel's replicas too
+  stream s(dev(0));
+  context build(s);
+  initializer init(1);
+  forgetful_block model(linear(4, 8, build, init), linear(8, 3, build, init));
+  data_parallel dp(model, data_parallel_options{.device_ids = devices(2)});
+  tensor x = device_tensor(std::vector<float>(8, 0.5f), shape{2, 4}, dp.replica_context(0).stream());
+  const tensor_view y = dp.forward(x);
+  tensor g = device_tensor(std::vector<float>(6, 1.0f), y.dims(), dp.output_context().stream());
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { dp.backward(g); }), expected);
+  // outside a wrapper, nothing to check: a layer's own tests run its backward alone
+  context alone(s);
+  tensor xs = device_tensor(std::vector<float>(8, 0.5f), shape{2, 4}, s);
+  (void)model.forward(xs, alone);
+  tensor gs = device_tensor(std::vector<float>(6, 1.0f), shape{2, 3}, s);
+  EXPECT_NO_THROW((void)model.backward(gs, alone, input_grad::not_required));
 }
 
 TEST_P(ddp_test, mean_reduction_is_pytorchs_convention) {

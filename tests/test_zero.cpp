@@ -227,7 +227,8 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
     tensor y = device_labels({1, 2, 3, 4}, s);
     loss.forward(ddp.forward(x), y, ctx);
     ddp.backward(loss.backward(ctx));
-    loss_scaler scaler(s);
+    context scaled(s);  // the gradients set below stand for a backward that read the scale
+    loss_scaler scaler(scaled);
     gradient_clipper clip(s);
     if (rc.rank() != 0) return;
     messages[0] = message_of<precondition_error>([&] { (void)params[0]->value(); });
@@ -274,7 +275,8 @@ TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward
                                     ddp_options{.bucket_bytes = 2048, .first_bucket_bytes = 512, .zero = to_zero_stage(zero)});
       auto params = parameters_of(model).pointers();
       adamw opt(params, adamw_options{.lr = 0.01f});
-      loss_scaler scaler(s, loss_scaler_options{.initial_scale = 256.0f});
+      context scaled(s);  // the gradients set below stand for a backward that read the scale
+      loss_scaler scaler(scaled, loss_scaler_options{.initial_scale = 256.0f});
       scaler.attach(ctx);
       softmax_cross_entropy loss(reduction::mean);
       if (rc.rank() == 0) opt.materialize_state(s);

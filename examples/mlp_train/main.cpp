@@ -595,6 +595,7 @@ run_result train_single(const mlp_options& o, const datasets& data, device dev) 
   ctx.set_seed(o.seed);
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
+  if (!o.json) summary(model, shape{data.inputs}, o.precision);  // torchinfo's table
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   softmax_cross_entropy loss(reduction::mean);
   data_loader loader(data.train, random_sampler(data.train.size(), o.seed), compute,
@@ -641,6 +642,7 @@ run_result train_dp(const mlp_options& o, const datasets& data, const device_set
   stream setup(devices.front());
   context build(setup, o.precision);
   graph model = build_mlp(data.inputs, o.hidden, 10, build, o.seed);
+  if (!o.json) summary(model, shape{data.inputs}, o.precision);  // torchinfo's table
   data_parallel dp(model, data_parallel_options{
                               .device_ids = devices,
                               .compute_type = o.precision,
@@ -701,6 +703,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   const stream_ref compute = ctx.stream();
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = build_mlp(data.inputs, o.hidden, 10, ctx, o.seed);
+  if (rank == 0 && !o.json) summary(model, shape{data.inputs}, o.precision);  // torchinfo's table
   distributed_data_parallel ddp(model, ctx, comm, comm_stream, ddp_options{.zero = to_zero_stage(o.zero)});
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   optimizer.set_sharded(ddp.zero() != zero_stage::none);
@@ -731,7 +734,6 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
     });
   }
   loss_watch watch(o, compute);
-  device_buffer<float> global_loss(1, compute);
   const fault_injection fault = fault_injection::from_environment();
   fault.check_rank(world);
   const std::int64_t last_step = total_steps(o, loader.batches_per_epoch());
@@ -742,8 +744,8 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
         fault.at_step(rank, r.steps + 1, last_step, ctx.get_device(), comm_stream);
         ctx.set_step(static_cast<std::uint64_t>(r.steps));
         optimizer.zero_grad();
-        // shards are equal (the sampler pads), so the global batch is world x this rank's rows: the loss is a
-        // mean over the global batch and the gradients are summed over ranks
+        // shards are equal (the sampler pads), so the global batch is world x this rank's rows; the loss on the
+        // wrapper's output is a mean over the global batch (the wrapper sums the ranks' rows), the gradients sums
         std::int64_t global = b.rows * world;
         tensor_view input = b.input, target = b.target;
         if (o.deterministic) {
@@ -754,19 +756,16 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
           input = b.input.slice_rows(mine.begin, mine.rows);
           target = b.target.slice_rows(mine.begin, mine.rows);
         }
-        loss.forward(ddp.forward(input), target, ctx, global);
+        loss.forward(ddp.forward(input), target, ctx);
         watch.after_step(loss.loss(), r.steps + 1);
         ddp.backward(loss.backward(ctx));
         optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
         return global;
       },
       [&] {
-        // each rank's loss is its share of the global batch's mean: their sum is the global loss
         watch.check(comm);
         optimizer.check_skips(o, compute);
-        comm.all_reduce(loss.loss().data(), global_loss.data(), 1, dtype::f32, reduce_op::sum, compute);
-        comm.synchronize(compute);
-        return to_vector(device_span<const float>(global_loss.span()), compute)[0];
+        return loss.read_loss(compute);  // the global batch's loss: the wrapper's backward summed the ranks' shares
       },
       [&] { comm.synchronize(compute); },
       [&] { return memory_in_use({ctx.get_device()}); });

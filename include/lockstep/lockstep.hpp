@@ -53,6 +53,8 @@
 #include "lockstep/nn/parameter.hpp"
 #include "lockstep/nn/pool.hpp"
 #include "lockstep/nn/sequential.hpp"
+#include "lockstep/nn/state_dict.hpp"
+#include "lockstep/nn/summary.hpp"
 
 #include "lockstep/optim/adamw.hpp"
 #include "lockstep/optim/clip.hpp"

@@ -4,7 +4,7 @@
 // by a large scale before backward keeps them representable; gradients are multiplied back by 1/scale when the
 // optimizer reads them, in f32 (never in their own precision, which would lose them again). Each step:
 //
-//   scaler.attach(ctx);                             once: losses multiply the gradient they start with
+//   loss_scaler scaler(ctx);                        attached: losses on ctx multiply the gradient they start with
 //   ... forward, loss, backward (DDP all-reduce) ...
 //   scaler.unscale_and_check(params, s [, comm]);   one fused kernel: non-finite values counted (all ranks)
 //   optimizer.step(s, scaler.optimizer_inputs());    skipped, weights and state untouched, on overflow
@@ -89,12 +89,21 @@ class loss_scaler {
     state_ = to_device(bytes, s);
   }
 
+  /// A scaler on the device of `ctx` (initialized in stream order on its stream), attached to it (attach): the
+  /// losses computed with `ctx` scale the gradients they start backward with. The usual way to make one.
+  explicit loss_scaler(context& ctx, loss_scaler_options options = {}) : loss_scaler(ctx.stream(), options) {
+    attach(ctx);
+  }
+
   [[nodiscard]] const loss_scaler_options& options() const noexcept { return options_; }
   [[nodiscard]] device get_device() const noexcept { return state_.get_device(); }
 
   /// Device pointer to the current scale: give it to the context (ctx.set_loss_scale) so that losses scale
   /// the gradient they start backward with.
-  [[nodiscard]] const float* scale() const noexcept { return &state()->scale; }
+  [[nodiscard]] const float* scale() const noexcept {
+    handed_out_ = true;
+    return &state()->scale;
+  }
 
   /// Gives the context where the loss is computed the scale (ctx.set_loss_scale(scale())), after checking that
   /// it runs on the scaler's device: a loss on another device would read this device's memory. Under
@@ -112,6 +121,7 @@ class loss_scaler {
   void unscale_and_check(std::span<parameter* const> params, stream_ref s,
                          std::optional<communicator_ref> ranks = std::nullopt) {
     expect_on_scaler_device(params, s, "loss_scaler::unscale_and_check");
+    expect_attached("loss_scaler::unscale_and_check");
     detail::expect_ranks_for_shards(params, ranks.has_value(), "loss_scaler::unscale_and_check",
                             "so that every rank skips the same steps");
     launch_elementwise(1, kernels::begin_check_op{state()}, s, "loss scaler check");
@@ -131,6 +141,7 @@ class loss_scaler {
   void unscale_(std::span<parameter* const> params, stream_ref s) {
     std::vector<tensor_group<1>> groups;
     expect_on_scaler_device(params, s, "loss_scaler::unscale_");
+    expect_attached("loss_scaler::unscale_");
     for (parameter* p : params) {
       LOCKSTEP_EXPECTS(p->compute_type() == dtype::f32, "loss_scaler::unscale_: gradient of ", p->name(), " is ",
                        name_of(p->compute_type()), "; only f32 gradients can be unscaled in place (the optimizer "
@@ -176,6 +187,17 @@ class loss_scaler {
     return reinterpret_cast<kernels::scaler_state*>(const_cast<std::uint8_t*>(state_.data()));
   }
 
+  // The gradients were scaled: some context was given the scale (attach, or set_loss_scale(scale())). Without it the
+  // optimizer would divide unscaled gradients by the scale, every update `scale` times too small, silently.
+  // (A scale that stays 1, bf16's and f32's default, scales nothing: nothing to attach.)
+  void expect_attached(const char* what) const {
+    if (!options_.dynamic && options_.initial_scale == 1.0f) return;
+    LOCKSTEP_EXPECTS(handed_out_, what, ": no loss was given this scaler's scale, so the gradients are not scaled and "
+                     "every update would be ", options_.initial_scale, " times too small; make the scaler with the "
+                     "context where the loss is computed, loss_scaler(ctx, options), or call scaler.attach(ctx) once "
+                     "before the first backward");
+  }
+
   // The stream and every gradient are on the scaler's device: its kernels read them all in one launch.
   void expect_on_scaler_device(std::span<parameter* const> params, stream_ref s, const char* what) const {
     LOCKSTEP_EXPECTS(s.get_device() == get_device(), what, ": the scaler's state is on ", get_device().str(),
@@ -207,6 +229,7 @@ class loss_scaler {
   loss_scaler_options options_;
   device_buffer<std::uint8_t> state_;
   bool unscaled_ = false;
+  mutable bool handed_out_ = false;  // scale() was given to a context
 };
 
 LOCKSTEP_ABI_END

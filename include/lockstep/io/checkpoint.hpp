@@ -159,6 +159,27 @@ enum class staging : std::uint8_t {
   direct,    ///< host devices only: written from the device's own memory, which must not change until written
 };
 
+/// Index of the first element of `bytes` bytes of `type` at `data` that is NaN or infinite (all exponent bits set),
+/// or -1 (also for non-floating types).
+inline std::int64_t first_non_finite(dtype type, const std::byte* data, std::size_t bytes) {
+  auto scan = [&]<class Bits>(Bits exponent) -> std::int64_t {
+    const std::size_t n = bytes / sizeof(Bits);
+    for (std::size_t i = 0; i < n; ++i) {
+      Bits v;
+      std::memcpy(&v, data + i * sizeof(Bits), sizeof(Bits));
+      if ((v & exponent) == exponent) return static_cast<std::int64_t>(i);
+    }
+    return -1;
+  };
+  if (data == nullptr) return -1;
+  switch (type) {
+    case dtype::f32: return scan(std::uint32_t{0x7f800000u});
+    case dtype::f16: return scan(std::uint16_t{0x7c00u});
+    case dtype::bf16: return scan(std::uint16_t{0x7f80u});
+    default: return -1;
+  }
+}
+
 /// The tensors of one file being saved: each from device memory or from host bytes. stage() decides where the
 /// file's bytes come from; the writer then owns or points at them until the file is written.
 class file_writer {
@@ -203,6 +224,18 @@ class file_writer {
       if (n > 0) pieces_.emplace_back(data, n);
     }
     header_ = safetensors_header_bytes(sources, metadata);
+  }
+  /// The first floating-point tensor among `names` holding a value that is not finite (NaN or infinity), by name,
+  /// with the index of that element; nullopt when every value is finite. Reads the staged bytes (after the staging
+  /// copies ran).
+  [[nodiscard]] std::optional<std::pair<std::string, std::int64_t>> first_non_finite(
+      const std::set<std::string>& names) const {
+    for (const auto& e : entries_) {
+      if (!names.contains(e.meta.name)) continue;
+      const std::int64_t at = detail::first_non_finite(e.meta.type, e.meta.data, e.meta.size_bytes());
+      if (at >= 0) return std::pair{e.meta.name, at};
+    }
+    return std::nullopt;
   }
   /// The tensors' names, in file order.
   [[nodiscard]] std::vector<std::string> names() const {
@@ -669,6 +702,7 @@ struct staged_checkpoint {
   pinned_buffer<std::byte> staging;  // the snapshot of device values
   file_writer model;
   file_writer training;
+  std::set<std::string> parameters;  // the names of the model file's parameters (its buffers may hold what they like)
   nlohmann::json manifest;
   std::optional<event> copied;       // recorded after the staging copies
 };
@@ -698,6 +732,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   auto out = std::make_unique<staged_checkpoint>();
   out->step = st.position.step;
   add_model_tensors(out->model, st.model());
+  for (const auto& p : st.model()) out->parameters.insert(p.name);
   nlohmann::json manifest;
   for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s);
   const bool direct = how == staging::direct && s.get_device().is_host();
@@ -781,6 +816,16 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
   if (::mkdir(tmp.c_str(), 0755) != 0) throw_io(errno, "creating the directory", tmp);
   try {
     c.copied->synchronize();
+    // A diverged run's weights are never saved as a checkpoint: the ones before stay (nothing is pruned either)
+    if (const auto bad = c.model.first_non_finite(c.parameters)) {
+      const auto kept = complete_checkpoints(root);
+      throw numeric_error(concat(
+          "checkpoint of step ", c.step, " not saved: ", bad->first, " holds a value that is not finite (NaN or "
+          "infinity) at element ", bad->second, ": the run diverged. ",
+          kept.empty() ? std::string("No earlier checkpoint is under ") + root.string()
+                       : concat("The checkpoints saved before are kept; the newest is ", kept.back().second.string()),
+          " (lower the learning rate, or train in f16/bf16 with loss scaling, which skips such steps)"));
+    }
     nlohmann::json manifest = c.manifest;
     // The two files at once: writing to the page cache and hashing are both bound by one core's copy speed.
     nlohmann::json training_entry;

@@ -42,6 +42,12 @@ class activation {
 
   void parameters(parameter_list&) {}
   [[nodiscard]] activation clone(context&) const { return activation(); }
+  /// "relu", "gelu", "tanh": the function's name, for summaries.
+  [[nodiscard]] static std::string summary_name() {
+    std::string k = detail::layer_kind<Fn>();
+    if (k.ends_with("_fn")) k.resize(k.size() - 3);
+    return k;
+  }
   [[nodiscard]] shape output_shape(const shape& sample) const { return sample; }
 
  private:

@@ -63,6 +63,26 @@ class replica_group {
   [[nodiscard]] virtual int size() const noexcept = 0;
 };
 
+/// A replica's rows as a share of a global batch: distributed_data_parallel fills it in each training forward, for the
+/// loss computed on that forward's output. The loss then divides its mean by the rows of the global batch (every
+/// rank's together), so that the ranks' gradients add up to those of one device on the whole batch, and registers its
+/// value, which the wrapper's backward sums over the ranks (read_loss then gives the loss of the global batch).
+struct batch_share {
+  /// Whether a forward's loss is pending, and that forward's output: its memory (an output of no rows may have
+  /// none), its rows and its values (a loss on another tensor is this replica's own).
+  bool pending = false;
+  const void* output = nullptr;
+  std::int64_t rows = 0;
+  std::int64_t values = 0;
+  /// Rows of the global batch: known on the host, or else (global_rows_on_device not null) in device memory of the
+  /// context's device, an i64 summed over the ranks, ready once the context's stream waits for `rows_ready`.
+  std::int64_t global_rows = 0;
+  const std::int64_t* global_rows_on_device = nullptr;
+  const event* rows_ready = nullptr;
+  /// Set by the loss: its [1] f32 value on the device, summed over the ranks in the wrapper's next backward.
+  float* loss = nullptr;
+};
+
 class context {
  public:
   /// A context running on `s` (a stream of the replica's device) computing in `compute_type`.
@@ -90,11 +110,30 @@ class context {
   /// batch split across devices draws the same numbers as on one device.
   [[nodiscard]] std::uint64_t seed() const noexcept { return seed_; }
   void set_seed(std::uint64_t s) noexcept { seed_ = s; }
+  ///
+  /// The step advances by itself: every loss's backward in training mode adds one (one per training step, so that
+  /// dropout draws new masks each step; micro-batches draw new masks each). set_step sets it (to resume a run with
+  /// the masks it would have drawn, or to give micro-batches the masks of one batch in deterministic mode).
   [[nodiscard]] std::uint64_t step() const noexcept { return step_; }
   void set_step(std::uint64_t s) noexcept { step_ = s; }
-  /// Index, in the global batch, of this replica's first row (0 on one device).
+  /// Called by losses at the end of a backward in training mode.
+  void advance_step() noexcept {
+    if (training()) ++step_;
+  }
+  /// Index, in the global batch, of this replica's first row (0 on one device). Under distributed_data_parallel,
+  /// unless set here, the wrapper sets rank x rows of this forward (the global row of equal shards), so that ranks
+  /// draw different dropout masks; set it when shards are uneven (deterministic mode's slices of the global batch).
   [[nodiscard]] std::int64_t row_offset() const noexcept { return row_offset_; }
-  void set_row_offset(std::int64_t r) noexcept { row_offset_ = r; }
+  void set_row_offset(std::int64_t r) noexcept {
+    row_offset_ = r;
+    row_offset_set_ = true;
+  }
+  /// Whether set_row_offset was called (the wrappers then leave the offset alone).
+  [[nodiscard]] bool row_offset_set() const noexcept { return row_offset_set_; }
+  /// The wrappers' default offset: leaves an offset set with set_row_offset as it is.
+  void default_row_offset(std::int64_t r) noexcept {
+    if (!row_offset_set_) row_offset_ = r;
+  }
   /// Deterministic mode under distributed_data_parallel: the rows of the global batch (every rank's together),
   /// the same on every rank; 0 (the default) when not told. Knowing it, the wrapper can gather the chunks'
   /// partial gradients themselves instead of all-reducing exact accumulators when the batch has few chunks (the
@@ -127,6 +166,11 @@ class context {
   [[nodiscard]] exact_rounding gradient_rounding() const noexcept { return rounding_; }
   void set_gradient_rounding(exact_rounding r) noexcept { rounding_ = r; }
 
+  /// The share of a global batch the next loss computes (set by distributed_data_parallel), or nullptr: the batch is
+  /// this replica's alone.
+  [[nodiscard]] batch_share* share() const noexcept { return share_; }
+  void set_share(batch_share* b) noexcept { share_ = b; }
+
   /// The replicas this one trains with (set by the data-parallel wrappers), or nullptr: alone.
   [[nodiscard]] replica_group* replicas() const noexcept { return replicas_; }
   void set_replicas(replica_group* g) noexcept { replicas_ = g; }
@@ -144,7 +188,9 @@ class context {
   std::uint64_t seed_ = 0;
   std::uint64_t step_ = 0;
   std::int64_t row_offset_ = 0;
+  bool row_offset_set_ = false;
   std::int64_t global_rows_ = 0;
+  batch_share* share_ = nullptr;
   gradients_ready_fn on_gradients_ready_;
   const float* loss_scale_ = nullptr;
   std::optional<deterministic_options> deterministic_;

@@ -138,7 +138,8 @@ class graph {
     if (!built_) build();
     const dtype ct = ctx.compute_type();
     LOCKSTEP_EXPECTS(x.type() == ct, "graph: input is ", name_of(x.type()), " but the context computes in ",
-                     name_of(ct));
+                     name_of(ct), " (load the input in that type, data_loader_options::input_type = ", name_of(ct),
+                     ", or cast it on the device: cast<To, From>(in, out, stream))");
     LOCKSTEP_EXPECTS(x.get_device() == ctx.get_device(), "graph: input on ", x.get_device().str(),
                      " but the graph runs on ", ctx.get_device().str());
     LOCKSTEP_EXPECTS(x.dims().rank() >= 1 && x.dims() == batch_shape(x.rows(), input_sample_), "graph: input of shape ",
@@ -303,6 +304,20 @@ class graph {
       list(make_plan());
     }
     return names;
+  }
+
+  /// For summaries (nn/summary.hpp): calls row(name, kind, output sample shape, parameter count) for every node in
+  /// topological order (joins as "sum" and "concat"). Builds first if needed.
+  template <class Row>
+  void describe_children(const shape& sample, Row&& row) {
+    (void)output_shape(sample);
+    if (!built_) build();
+    for (const int id : plan_.order) {
+      node& v = nodes_[static_cast<std::size_t>(id)];
+      const bool is_layer = v.kind == node_kind::layer;
+      row(v.name, is_layer ? v.impl.kind() : std::string(v.kind == node_kind::sum ? "sum" : "concat"),
+          plan_.samples[static_cast<std::size_t>(id)], is_layer ? detail::parameter_count(v.impl) : std::int64_t{0});
+    }
   }
 
   /// The declared shape of one input sample.

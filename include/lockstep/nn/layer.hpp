@@ -22,6 +22,7 @@
 
 #include <concepts>
 #include <memory>
+#include <cctype>
 #include <string>
 #include <type_traits>
 #include <vector>
@@ -71,6 +72,44 @@ decltype(auto) naming_the_child(const Name& name, F&& f) {
   }
 }
 
+/// The unqualified name of type T, for summaries: T::summary_name() when it has one ("relu"), else its type's name:
+/// "linear", "pool2d<max>", "sequential<linear, relu>" (from the compiler's signature of this function; every
+/// "namespace::" and "class::" qualifier dropped).
+template <class T>
+std::string layer_kind() {
+  if constexpr (requires { T::summary_name(); }) {
+    return std::string(T::summary_name());
+  } else {
+    const std::string_view f = __PRETTY_FUNCTION__;  // "... [with T = lockstep::...::linear; ...]" (GCC), "[T = ...]"
+    const std::size_t at = f.find("T = ");
+    if (at == std::string_view::npos) return "layer";
+    std::string_view t = f.substr(at + 4);
+    t = t.substr(0, t.find_first_of(";]"));
+    std::string out;
+    for (std::size_t i = 0; i < t.size(); ++i) {
+      if (t[i] == ':' && i + 1 < t.size() && t[i + 1] == ':') {
+        while (!out.empty() && (std::isalnum(static_cast<unsigned char>(out.back())) != 0 || out.back() == '_')) {
+          out.pop_back();
+        }
+        ++i;
+        continue;
+      }
+      out += t[i];
+    }
+    return out;
+  }
+}
+
+/// Number of parameter values of a layer (its sub-layers' included).
+template <class L>
+std::int64_t parameter_count(L& l) {
+  parameter_list ps;
+  l.parameters(ps);
+  std::int64_t n = 0;
+  for (const auto& p : ps) n += p.param->numel();
+  return n;
+}
+
 /// Runs a child's backward and tells the context which parameters now have final gradients.
 template <layer L>
 tensor_view backward_and_report(L& child, const tensor_view& grad_y, context& ctx, input_grad need) {
@@ -102,6 +141,8 @@ class any_layer {
   [[nodiscard]] any_layer clone(context& ctx) const { return any_layer(get().clone(ctx)); }
   [[nodiscard]] shape output_shape(const shape& s) const { return get().output_shape(s); }
   [[nodiscard]] bool has_value() const noexcept { return static_cast<bool>(self_); }
+  /// The wrapped layer's kind ("linear"), for summaries.
+  [[nodiscard]] std::string kind() const { return get().kind(); }
 
   /// The wrapped layer when it is an L, else nullptr.
   template <class L>
@@ -118,6 +159,7 @@ class any_layer {
     virtual void parameters(parameter_list& out) = 0;
     [[nodiscard]] virtual std::unique_ptr<interface> clone(context& ctx) const = 0;
     [[nodiscard]] virtual shape output_shape(const shape& s) const = 0;
+    [[nodiscard]] virtual std::string kind() const = 0;
   };
   template <class L>
   struct model final : interface {
@@ -131,6 +173,7 @@ class any_layer {
       return std::make_unique<model<L>>(impl.clone(ctx));
     }
     [[nodiscard]] shape output_shape(const shape& s) const override { return impl.output_shape(s); }
+    [[nodiscard]] std::string kind() const override { return detail::layer_kind<L>(); }
     L impl;
   };
   explicit any_layer(std::unique_ptr<interface> p) : self_(std::move(p)) {}

@@ -48,6 +48,29 @@ struct element_range {
 
 class parameter;
 
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+/// The data-parallel wrapper whose backward runs on this thread (gradient_owner_scope), or nullptr: a parameter that
+/// receives a gradient there must be one of the wrapper's (parameter::set_owner), or it would be neither reduced
+/// over the replicas nor stepped. Per thread: each rank or replica runs its backward on a thread of its own.
+inline thread_local const void* backward_owner = nullptr;
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// While it lives, backward on this thread runs for `owner` (see detail::backward_owner).
+class gradient_owner_scope {
+ public:
+  explicit gradient_owner_scope(const void* owner) : previous_(detail::backward_owner) { detail::backward_owner = owner; }
+  gradient_owner_scope(const gradient_owner_scope&) = delete;
+  gradient_owner_scope& operator=(const gradient_owner_scope&) = delete;
+  ~gradient_owner_scope() { detail::backward_owner = previous_; }
+
+ private:
+  const void* previous_;
+};
+
 /// What a wrapper that shards a parameter over ranks (ZeRO) tells it, and hears from it. The state is the
 /// wrapper's (parallel/detail/zero_shards.hpp); the parameter holds it by a shared pointer, so that it outlives
 /// the wrapper.
@@ -131,6 +154,13 @@ class parameter {
   /// gradient is logically zero, so the accumulation overwrites; 1 otherwise) and marks it written. The
   /// sharding wrapper hears of it before a logically zero gradient is written.
   [[nodiscard]] float begin_accumulate() {
+    if (detail::backward_owner != nullptr && owner_ != detail::backward_owner) [[unlikely]] {
+      throw precondition_error(detail::concat(
+          "parameter ", name_, " ", dims_.str(), " received a gradient in a data-parallel backward but is not one of "
+          "the model's parameters (parameters_of(model) does not list it), so it would be neither reduced over the "
+          "replicas nor updated by the optimizer: a layer's parameters(list) must add each of its parameters and call "
+          "parameters(list) of each of its sub-layers"));
+    }
     if (!grad_zero_) return 1.0f;
     if (sharding_) sharding_->before_first_write();
     grad_zero_ = false;
@@ -307,6 +337,10 @@ class parameter {
   /// The working copy, for a fused optimizer that writes it directly; empty under f32.
   [[nodiscard]] tensor_view working() const noexcept { return working_.view(); }
 
+  /// The data-parallel wrapper this parameter belongs to (nullptr: none); see gradient_owner_scope.
+  void set_owner(const void* owner) noexcept { owner_ = owner; }
+  [[nodiscard]] const void* owner() const noexcept { return owner_; }
+
   /// A copy of this parameter on the device of `s` (values copied in stream order on `s`; the caller makes
   /// `s` wait for the work that produced the source values). The gradient starts zero.
   [[nodiscard]] parameter clone(stream_ref s) const {
@@ -326,6 +360,7 @@ class parameter {
 
   std::string name_;
   shape dims_;
+  const void* owner_ = nullptr;  // the data-parallel wrapper of the parameter, if any
   maybe_owned_tensor value_;    // the fp32 master values (under ZeRO f16/bf16: the shard's); f32: shared by ZeRO
   maybe_owned_tensor working_;  // the working copy (f16/bf16; empty under f32), shared by ZeRO
   maybe_owned_tensor grad_;     // the gradient, shared by DDP's buckets

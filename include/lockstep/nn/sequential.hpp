@@ -60,6 +60,18 @@ class sequential {
     }, layers_);
   }
 
+  /// For summaries (nn/summary.hpp): calls row(index, kind, output sample shape, parameter count) for every layer.
+  template <class Row>
+  void describe_children(const shape& sample, Row&& row) {
+    std::apply([&](auto&... l) {
+      shape s = sample;
+      std::size_t i = 0;
+      ((s = l.output_shape(s),
+        row(std::to_string(i++), detail::layer_kind<std::remove_cvref_t<decltype(l)>>(), s, detail::parameter_count(l))),
+       ...);
+    }, layers_);
+  }
+
   /// Layer I of the chain.
   template <std::size_t I>
   [[nodiscard]] auto& get() noexcept {

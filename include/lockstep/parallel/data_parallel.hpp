@@ -97,6 +97,9 @@ class data_parallel {
       timelines_.emplace_back(output_device_);
     }
     for (std::size_t i = 1; i < devices_.size(); ++i) replicas_.push_back(model.clone(*contexts_[i]));
+    for (std::size_t i = 0; i < devices_.size(); ++i) {
+      for (const auto& p : parameters_of(replica(i))) p.param->set_owner(this);
+    }
     replica_group_ = std::make_unique<detail::thread_replicas>(devices_.size());
     if (devices_.size() > 1) {  // (one device: a synchronized batch norm is alone)
       for (std::size_t i = 0; i < devices_.size(); ++i) contexts_[i]->set_replicas(&replica_group_->of(i));
@@ -106,6 +109,14 @@ class data_parallel {
     threads_ = std::make_unique<detail::replica_threads>(devices_.size());
     inputs_.resize(devices_.size());
     grads_.resize(devices_.size());
+  }
+
+  data_parallel(const data_parallel&) = delete;
+  data_parallel& operator=(const data_parallel&) = delete;
+  ~data_parallel() {
+    for (const auto& p : parameters_of(*model_)) {
+      if (p.param->owner() == this) p.param->set_owner(nullptr);
+    }
   }
 
   [[nodiscard]] const device_set& device_ids() const noexcept { return devices_; }
@@ -120,15 +131,16 @@ class data_parallel {
   /// The wrapped model (replica 0).
   [[nodiscard]] Model& module() noexcept { return *model_; }
 
-  /// Training or evaluation for every replica; step and seed for dropout.
+  /// Training or evaluation for every replica; step and seed for dropout. The step advances by itself (the loss's
+  /// backward on output_context() advances it, and each forward gives every replica the output context's step).
   void set_mode(run_mode m) {
-    for (auto& c : contexts_) c->set_mode(m);
+    for_each_context([&](context& c) { c.set_mode(m); });
   }
   void set_step(std::uint64_t step) {
-    for (auto& c : contexts_) c->set_step(step);
+    for_each_context([&](context& c) { c.set_step(step); });
   }
   void set_seed(std::uint64_t seed) {
-    for (auto& c : contexts_) c->set_seed(seed);
+    for_each_context([&](context& c) { c.set_seed(seed); });
   }
 
   /// Runs the model on `input` [n, ...], split over the devices; returns the outputs gathered on
@@ -149,6 +161,8 @@ class data_parallel {
     }
     const std::size_t used = chunks_.size();
     broadcast_parameters(used);
+    const std::uint64_t step = output_context().step();  // advanced by the last loss's backward
+    for (auto& c : contexts_) c->set_step(step);
     std::vector<tensor_view> parts(used);
     replica_group_->start(used);
     threads_->run(
@@ -200,6 +214,7 @@ class data_parallel {
             const tensor_view g = receive_rows(grad_output, chunks_[i], grads_[i], c.stream());
             timelines_[i].end(c.stream());
             timelines_[i].begin(phase::compute, c.stream());
+            const gradient_owner_scope owner(this);  // a gradient for a parameter the model does not list is an error
             (void)replica(i).backward(g, c, input_grad::not_required);
             for (const auto& p : parameters_of(replica(i))) {
               if (deterministic_) (void)p.param->exact_grad(c.stream());  // an unused parameter's, zeroed next
@@ -245,6 +260,12 @@ class data_parallel {
 
  private:
   Model& replica(std::size_t i) { return i == 0 ? *model_ : replicas_[i - 1]; }
+
+  template <class F>
+  void for_each_context(F&& f) {
+    for (auto& c : contexts_) f(*c);
+    if (output_context_) f(*output_context_);
+  }
 
   context& context_on(device d, const char* what) {
     const int i = devices_.index_of(d);

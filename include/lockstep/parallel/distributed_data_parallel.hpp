@@ -11,10 +11,17 @@
 // rest of backward. Inside `no_sync()` gradients accumulate locally with no
 // communication (gradient accumulation); the first backward after it reduces everything accumulated.
 //
-// Sum or mean is explicit (`gradient_reduction`): `sum` pairs with a loss whose mean divides by the GLOBAL
-// batch size (each rank passes mean_over = global batch), which gives exactly the gradients of one device
-// training on the whole batch, even when shards differ in size; `mean` is PyTorch's convention (each rank
-// averages its own shard, gradients are averaged over ranks), exact only for equal shards.
+// Sum or mean is explicit (`gradient_reduction`): `sum` (the default) pairs with a loss whose mean divides by the
+// GLOBAL batch size, which gives exactly the gradients of one device training on the whole batch, even when shards
+// differ in size. The wrapper sees to it: each training forward (no_sync() included) sums the ranks' rows (one
+// 8-byte all-reduce on the communication stream, which only the loss waits for; none when context::set_global_rows
+// told it) and tells the loss computed on its output (nn/context.hpp's batch_share), and a synchronized backward
+// sums the ranks' losses, so that `loss.read_loss` gives the global batch's loss on every rank. `mean` is
+// PyTorch's convention (each rank averages its own shard, gradients are averaged over ranks), exact only for equal
+// shards; the loss is then each rank's own.
+//
+// Dropout: unless the user set the context's row offset, each forward sets rank x rows (the global row of equal
+// shards), so that ranks draw different masks; the context's step advances with every loss's backward.
 //
 // Gradients live in their buckets (PyTorch's gradient_as_bucket_view): each bucket is one buffer, and every
 // parameter whose gradient travels in its own type (no hook, or a hook of the gradients' type) has its
@@ -150,12 +157,23 @@ class distributed_data_parallel {
     detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);
     comm.synchronize(comm_stream);
     build_buckets();
+    rows_ = tensor(shape{1}, dtype::i64, ctx.stream());
+    rows_ready_.emplace(ctx.get_device());
+    no_loss_ = tensor(shape{1}, dtype::f32, ctx.stream());
+    ctx.set_share(&share_);
+    for (const auto& p : replica_.params) p.param->set_owner(this);  // last: a constructor that throws leaves none
   }
 
   distributed_data_parallel(const distributed_data_parallel&) = delete;
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
   /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
-  ~distributed_data_parallel() { shards_.detach_hooks(); }
+  ~distributed_data_parallel() {
+    shards_.detach_hooks();
+    for (const auto& p : replica_.params) {
+      if (p.param->owner() == this) p.param->set_owner(nullptr);
+    }
+    if (replica_.ctx->share() == &share_) replica_.ctx->set_share(nullptr);
+  }
 
   /// The ZeRO stage in effect: options.zero, or none on one rank (nothing to shard).
   [[nodiscard]] zero_stage zero() const noexcept { return replica_.sharded ? options_.zero : zero_stage::none; }
@@ -175,8 +193,10 @@ class distributed_data_parallel {
   }
 
   /// The model's forward on this rank's shard. Under ZeRO, first gathers the values updated since the last
-  /// backward (gather_parameters()).
+  /// backward (gather_parameters()). In training with gradient_reduction::sum, a loss computed on the output is this
+  /// rank's share of the global batch's (see the file comment).
   tensor_view forward(const tensor_view& x) {
+    share_batch(x.rows());  // first: the rows' sum does not wait behind ZeRO's gathers
     gather_parameters();
     if (syncing_) sync_buffers();
     context& ctx = *replica_.ctx;
@@ -186,6 +206,12 @@ class distributed_data_parallel {
     tensor_view y = model_->forward(x, ctx);
     forward_used_replicas_ = replicas_.calls() > 0;
     output_ = y;
+    if (shares_batch()) {
+      share_.pending = true;
+      share_.output = y.data();
+      share_.rows = y.dims().rank() == 0 ? 1 : y.dims()[0];
+      share_.values = y.numel();
+    }
     compute_timeline_.end(ctx.stream());
     return y;
   }
@@ -197,8 +223,12 @@ class distributed_data_parallel {
     context& ctx = *replica_.ctx;
     const stream_ref s = ctx.stream();
     replica_.check_communication();
-    gather_parameters();  // a rank without rows this step calls backward without forward: it gathers here
-    if (syncing_) sync_buffers();  // and takes part in the buffers' broadcast
+    if (!counted_) share_batch(0);  // a rank without rows this step calls backward without forward: the rows' sum,
+    gather_parameters();            // the gathers
+    if (syncing_) sync_buffers();   // and the buffers' broadcast
+    counted_ = false;
+    // a rank whose loss did not run (no rows) keeps its step with the others' (dropout masks of the next steps)
+    if (shares_batch() && ctx.step() == step_at_share_) ctx.advance_step();
     shards_.wait_for_gathers();  // backward and the step after it: after every all-gather (which reads the shards)
     LOCKSTEP_EXPECTS(ctx.deterministic().has_value() == replica_.deterministic,
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
@@ -214,9 +244,11 @@ class distributed_data_parallel {
             ? tensor_view(nullptr, output_.type(), output_.dims().with_rows(0), output_.get_device())
             : grad_output;
     const replicas_scope group(ctx, &replicas_);
+    const gradient_owner_scope owner(this);  // a gradient written for a parameter the wrapper does not know is an error
     // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
     if (!syncing_ && !replica_.reused_buffers) {
       accumulated_ = true;  // every rank's call, with rows or not: the next backward adds to these sums
+      share_.loss = nullptr;  // no communication: the loss stays this rank's share
       if (run_model) {
         compute_timeline_.begin(phase::compute, s);
         model_->backward(grad, ctx, input_grad::not_required);
@@ -224,6 +256,7 @@ class distributed_data_parallel {
       }
       return;
     }
+    const bool summed_loss = sum_loss();
     sync_.begin();
     if (run_model) {
       ctx.set_gradients_ready_hook([this](std::span<parameter* const> ps) { sync_.gradients_ready(ps); });
@@ -238,6 +271,7 @@ class distributed_data_parallel {
       ctx.set_gradients_ready_hook(nullptr);
     }
     sync_.finish();
+    if (summed_loss) replica_.after(s, replica_.comm_stream);  // loss() is the global loss for what follows
     partials_.end_backward();
     accumulated_ = false;
     buffers_stale_ = true;  // the next forward's batch statistics update them again
@@ -249,6 +283,53 @@ class distributed_data_parallel {
   /// gather, and without ZeRO.
   void gather_parameters() {
     if (replica_.sharded) shards_.gather(comm_timeline_);
+  }
+
+  /// Whether a forward's loss is a share of the global batch's: training, with gradients summed over the ranks.
+  [[nodiscard]] bool shares_batch() const noexcept {
+    return replica_.ctx->training() && options_.reduction == gradient_reduction::sum;
+  }
+
+  /// The global batch of this forward (batch_share): the rows summed over the ranks on the device, in stream order on
+  /// the compute stream (unless the context was told them); and this rank's default row offset. Every rank calls it
+  /// once per step (in forward, or in the backward of a rank without a forward), after the buffers' broadcast.
+  void share_batch(std::int64_t rows) {
+    share_ = {};
+    counted_ = shares_batch();
+    if (!counted_) return;
+    context& ctx = *replica_.ctx;
+    ctx.set_share(&share_);  // (two wrappers may share a context: the one that ran forward last)
+    step_at_share_ = ctx.step();
+    ctx.default_row_offset(rank() * rows);
+    if (ctx.global_rows() > 0 || world_size() == 1) {
+      share_.global_rows = ctx.global_rows() > 0 ? ctx.global_rows() : rows;
+      return;
+    }
+    // the sum on the communication stream; only the loss's factor waits for it (rows_ready), not the forward
+    const stream_ref s = ctx.stream();
+    if (rows_summed_) s.wait(*rows_ready_);  // the last sum has read rows_ before it is written again
+    launch_elementwise(1, kernels::fill_op<std::int64_t>{rows_.as<std::int64_t>(), rows}, s, "batch rows");
+    replica_.after(replica_.comm_stream, s);
+    replica_.comm.all_reduce(rows_.data(), rows_.data(), 1, dtype::i64, reduce_op::sum, replica_.comm_stream);
+    rows_ready_->record(replica_.comm_stream);
+    rows_summed_ = true;
+    share_.global_rows_on_device = rows_.as<std::int64_t>();
+    share_.rows_ready = &*rows_ready_;
+  }
+
+  /// The ranks' shares of the loss (what the loss registered in batch_share, or zero) summed in place on the
+  /// communication stream, before the buckets. Returns whether it did.
+  bool sum_loss() {
+    float* loss = std::exchange(share_.loss, nullptr);
+    if (!shares_batch() || world_size() == 1) return false;
+    const stream_ref s = replica_.compute_stream();
+    if (loss == nullptr) {
+      loss = no_loss_.as<float>();
+      fill_zero(no_loss_.span<float>(), s);
+    }
+    replica_.after(replica_.comm_stream, s);
+    replica_.comm.all_reduce(loss, loss, 1, dtype::f32, reduce_op::sum, replica_.comm_stream);
+    return true;
   }
 
   /// Rank 0's buffers to every rank on the communication stream, after the compute stream's last update of them
@@ -481,6 +562,13 @@ class distributed_data_parallel {
   bool syncing_ = true;             // outside no_sync()
   detail::communicator_replicas replicas_;  // the context's replica_group (synchronized batch norm)
   bool forward_used_replicas_ = false;      // the last forward summed over the ranks
+  batch_share share_;               // the context's: the global batch of this step's loss
+  bool counted_ = false;            // share_batch summed the rows since the last backward
+  std::uint64_t step_at_share_ = 0;  // the context's step when the rows were summed
+  tensor rows_;                     // the global batch's rows (i64, summed over the ranks)
+  std::optional<event> rows_ready_;  // recorded on the communication stream after their sum
+  bool rows_summed_ = false;
+  tensor no_loss_;                  // a zero loss, for a rank whose loss was not registered
   tensor_view output_;                      // the last forward's output
   tensor buffers_flat_;             // the buffers packed for their broadcast
   bool buffers_stale_ = false;      // a synchronized backward ran since their last broadcast

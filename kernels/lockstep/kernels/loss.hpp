@@ -37,6 +37,23 @@ struct row_softmax_stats {
   }
 };
 
+/// What a loss multiplies each sample's loss by: 1 for a sum, 1/count for a mean; the count known on the host
+/// (`value`), or, for the share of a global batch whose rows were summed over the ranks on the device, the factor
+/// computed there (`on_device`, written by mean_factor_op).
+struct loss_factor {
+  float value = 1.0f;
+  const float* on_device = nullptr;
+  [[nodiscard]] LOCKSTEP_HD float get() const { return on_device ? *on_device : value; }
+};
+
+/// *factor = 1 / (*rows * per_row), rounded as the host's 1.0f / float(count). One call.
+struct mean_factor_op {
+  const std::int64_t* rows;
+  std::int64_t per_row;
+  float* factor;
+  LOCKSTEP_HD void operator()(std::size_t) const { *factor = 1.0f / static_cast<float>(*rows * per_row); }
+};
+
 /// row_loss[r] = factor * (log sum_c exp(x[r, c]) - x[r, label[r]]). Run by launch_rows.
 template <class T>
 struct softmax_xent_forward_op {
@@ -44,7 +61,7 @@ struct softmax_xent_forward_op {
   const std::int32_t* labels;
   float* row_loss;
   std::size_t classes;
-  float factor;  // 1 for a sum, 1/count for a mean
+  loss_factor factor;
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t r, const Lanes& lanes) const {
     const T* x = logits + r * classes;
@@ -55,7 +72,7 @@ struct softmax_xent_forward_op {
       return;
     }
     const auto st = row_softmax_stats<T>::of(x, classes, lanes);
-    if (lanes.index == 0) row_loss[r] = factor * (::logf(st.sum) + st.max - to_float(x[label]));
+    if (lanes.index == 0) row_loss[r] = factor.get() * (::logf(st.sum) + st.max - to_float(x[label]));
   }
 };
 
@@ -66,7 +83,7 @@ struct softmax_xent_backward_op {
   const std::int32_t* labels;
   T* grad;
   std::size_t classes;
-  float factor;
+  loss_factor factor;
   const float* scale;  // device loss scale, or nullptr for 1
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t r, const Lanes& lanes) const {
@@ -78,7 +95,7 @@ struct softmax_xent_backward_op {
       return;
     }
     const auto st = row_softmax_stats<T>::of(x, classes, lanes);
-    const float f = factor * (scale ? *scale : 1.0f);
+    const float f = factor.get() * (scale ? *scale : 1.0f);
     const float inv_sum = 1.0f / st.sum;
     for (std::size_t c = lanes.index; c < classes; c += lanes.count) {
       const float p = ::expf(to_float(x[c]) - st.max) * inv_sum;
@@ -93,10 +110,10 @@ struct mse_forward_op {
   const T* y;
   const float* t;
   float* element_loss;
-  float factor;
+  loss_factor factor;
   LOCKSTEP_HD void operator()(std::size_t i) const {
     const float d = to_float(y[i]) - t[i];
-    element_loss[i] = factor * d * d;
+    element_loss[i] = factor.get() * d * d;
   }
 };
 
@@ -106,10 +123,10 @@ struct mse_backward_op {
   const T* y;
   const float* t;
   T* grad;
-  float factor;
+  loss_factor factor;
   const float* scale;
   LOCKSTEP_HD void operator()(std::size_t i) const {
-    grad[i] = convert<T>(2.0f * factor * (scale ? *scale : 1.0f) * (to_float(y[i]) - t[i]));
+    grad[i] = convert<T>(2.0f * factor.get() * (scale ? *scale : 1.0f) * (to_float(y[i]) - t[i]));
   }
 };
 
