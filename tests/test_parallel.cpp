@@ -1171,7 +1171,7 @@ TEST_P(ddp_test, ranks_draw_the_dropout_masks_of_their_rows_of_the_global_batch_
   }
 }
 
-namespace {
+namespace unlisted_layer_test {  // (named: nvcc warns of unreferenced members of an unnamed namespace's class)
 // A user's layer that forgets to list its second linear in parameters() (PyTorch registers sub-modules by itself).
 struct forgetful_block {
   linear first, second;
@@ -1187,7 +1187,8 @@ struct forgetful_block {
   [[nodiscard]] forgetful_block clone(context& ctx) const { return forgetful_block(first.clone(ctx), second.clone(ctx)); }
   [[nodiscard]] shape output_shape(const shape&) const { return shape{3}; }
 };
-}  // namespace
+}  // namespace unlisted_layer_test
+using unlisted_layer_test::forgetful_block;
 
 TEST_P(ddp_test, a_parameter_its_layer_does_not_list_is_named_when_a_wrapper_backward_writes_its_gradient) {
   if (!require_devices(2)) return;
