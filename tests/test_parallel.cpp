@@ -75,6 +75,26 @@ std::vector<std::vector<float>> train_ddp_threads(const device_set& devices, std
   return result;
 }
 
+// One SGD step of one device on the first `batch` rows: the loss (a mean over them) and the parameters after it.
+struct one_step {
+  float loss;
+  std::vector<float> update;
+};
+one_step one_step_on_one_device(device d, std::int64_t batch) {
+  stream s(d);
+  context ctx(s);
+  graph model = make_model(ctx);
+  auto params = parameters_of(model).pointers();
+  sgd opt(params, optimizer_options);
+  softmax_cross_entropy loss;
+  tensor xb = device_tensor(slice(inputs(), 0, batch, features), shape{batch, features}, s);
+  tensor yb = device_labels(slice(labels(), 0, batch, 1), s);
+  loss.forward(model.forward(xb, ctx), yb, ctx);
+  model.backward(loss.backward(ctx), ctx, input_grad::not_required);
+  opt.step(s);
+  return {loss.read_loss(s), parameter_values(model, s)};
+}
+
 // Every suite that runs on devices runs once per backend.
 class primitives_test : public backend_test {};
 class data_parallel_test : public backend_test {};
@@ -1021,24 +1041,8 @@ TEST_P(ddp_test, a_plain_mean_loss_is_the_global_batchs_and_read_loss_gives_it_o
   const std::int64_t batch = 64;
   const auto x = inputs();
   const auto y = labels();
-  float single_loss = 0.0f;
-  std::vector<float> single_update;
-  {
-    stream s(dev(0));
-    context ctx(s);
-    graph model = make_model(ctx);
-    auto params = parameters_of(model).pointers();
-    sgd opt(params, optimizer_options);
-    softmax_cross_entropy loss;
-    tensor xb = device_tensor(slice(x, 0, batch, features), shape{batch, features}, s);
-    tensor yb = device_labels(slice(y, 0, batch, 1), s);
-    loss.forward(model.forward(xb, ctx), yb, ctx);
-    model.backward(loss.backward(ctx), ctx, input_grad::not_required);
-    opt.step(s);
-    single_loss = loss.read_loss(s);
-    single_update = parameter_values(model, s);
-  }
-  std::vector<float> read(3), share(3);
+  const auto [single_loss, single_update] = one_step_on_one_device(dev(0), batch);
+  std::vector<float> read(3), share(3), own(3);
   std::vector<std::vector<float>> updates(3);
   run_on_devices(devices(3), [&](rank_context& rc) {
     const stream_ref s = rc.compute_stream();
@@ -1058,6 +1062,11 @@ TEST_P(ddp_test, a_plain_mean_loss_is_the_global_batchs_and_read_loss_gives_it_o
     opt.step(s);
     read[r] = loss.read_loss(s);
     updates[r] = parameter_values(model, s);
+    // after the step, the model evaluated outside the wrapper (rank 0's test set, say): a loss of its own rows
+    ctx.set_mode(run_mode::eval);
+    softmax_cross_entropy evaluation;
+    evaluation.forward(model.forward(xb, ctx), yb, ctx);
+    own[r] = evaluation.read_loss(s);
   });
   EXPECT_NEAR(share[0] + share[1] + share[2], single_loss, 1e-5 * single_loss);
   for (std::size_t r = 0; r < 3; ++r) {
@@ -1065,6 +1074,7 @@ TEST_P(ddp_test, a_plain_mean_loss_is_the_global_batchs_and_read_loss_gives_it_o
     EXPECT_NEAR(read[r], single_loss, 1e-5 * single_loss) << "rank " << r;
     EXPECT_EQ(read[r], read[0]);
     EXPECT_LE(relative_difference(updates[r], single_update), 1e-5) << "rank " << r;
+    EXPECT_GT(own[r], 2.0f * share[r]) << "rank " << r << ": an evaluation after the step divided by the global batch";
   }
 }
 
@@ -1076,21 +1086,7 @@ TEST_P(ddp_test, an_evaluation_forward_then_a_rank_without_rows_keep_the_collect
   const std::int64_t batch = 16;
   const auto x = inputs();
   const auto y = labels();
-  std::vector<float> single_update;
-  {
-    stream s(dev(0));
-    context ctx(s);
-    graph model = make_model(ctx);
-    auto params = parameters_of(model).pointers();
-    sgd opt(params, optimizer_options);
-    softmax_cross_entropy loss;
-    tensor xb = device_tensor(slice(x, 0, batch, features), shape{batch, features}, s);
-    tensor yb = device_labels(slice(y, 0, batch, 1), s);
-    loss.forward(model.forward(xb, ctx), yb, ctx);
-    model.backward(loss.backward(ctx), ctx, input_grad::not_required);
-    opt.step(s);
-    single_update = parameter_values(model, s);
-  }
+  const std::vector<float> single_update = one_step_on_one_device(dev(0), batch).update;
   std::vector<std::vector<float>> updates(2);
   std::vector<std::string> refusals(2);
   run_on_devices(devices(2), [&](rank_context& rc) {

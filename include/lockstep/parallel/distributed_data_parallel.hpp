@@ -227,6 +227,8 @@ class distributed_data_parallel {
     gather_parameters();            // the gathers
     if (syncing_) sync_buffers();   // and the buffers' broadcast
     counted_ = false;
+    share_.output = nullptr;  // the step's loss ran: a later forward outside the wrapper (evaluation) is not a share
+    share_.pending = false;
     // a rank whose loss did not run (no rows) keeps its step with the others' (dropout masks of the next steps)
     if (shares_batch() && ctx.step() == step_at_share_) ctx.advance_step();
     shards_.wait_for_gathers();  // backward and the step after it: after every all-gather (which reads the shards)
