@@ -292,9 +292,10 @@ class distributed_data_parallel {
     return replica_.ctx->training() && options_.reduction == gradient_reduction::sum;
   }
 
-  /// The global batch of this forward (batch_share): the rows summed over the ranks on the device, in stream order on
-  /// the compute stream (unless the context was told them); and this rank's default row offset. Every rank calls it
-  /// once per step (in forward, or in the backward of a rank without a forward), after the buffers' broadcast.
+  /// The global batch of this forward (batch_share): the rows summed over the ranks on the communication stream (the
+  /// loss waits for the event after it; nothing when the context was told them); and this rank's default row offset.
+  /// Every rank calls it once per step (in forward, or in the backward of a rank without a forward), before ZeRO's
+  /// gathers and the buffers' broadcast.
   void share_batch(std::int64_t rows) {
     share_ = {};
     counted_ = shares_batch();
