@@ -37,10 +37,10 @@ using namespace std::chrono_literals;
 
 namespace {
 
-// Four host devices for this test program, set before anything can start the host platform (a static
-// initializer of this translation unit runs before main). Cliques of 1..4 ranks are subsets of them.
+// Four host devices for this test program, as strict as GPUs, set before anything can start the host platform (a
+// static initializer of this translation unit runs before main). Cliques of 1..4 ranks are subsets of them.
 const bool four_host_devices = [] {
-  configure_host_platform(host_platform_config{4, {std::uint64_t{1} << 30}});
+  configure_host_platform(host_platform_config{4, {std::uint64_t{1} << 30}, host_strictness::strict});
   return true;
 }();
 
@@ -560,8 +560,41 @@ TEST_P(clique, barrier_orders_work_across_ranks) {
   for (int r = 0; r < k_; ++r) EXPECT_EQ(seen[static_cast<std::size_t>(r)], k_) << "rank " << r;
 }
 
+// Issue 28, defect 6: a collective queued while its stream is captured is a node of the user's CUDA graph (the
+// watchdog does not follow it: querying an event of a capture would fail and abort the clique); comm.synchronize
+// during the capture is refused (a stream query would invalidate it); once the graph is launched the sum is there.
+TEST_P(clique, a_collective_captured_into_a_cuda_graph_runs_when_the_graph_is_launched) {
+  if (std::get<0>(GetParam()) != device_kind::cuda) GTEST_SKIP() << "CUDA graphs exist on GPUs only";
+#if LOCKSTEP_HAS_CUDA
+  const std::size_t n = 1 << 20;
+  std::vector<std::vector<float>> in(static_cast<std::size_t>(k_));
+  for (int r = 0; r < k_; ++r) in[static_cast<std::size_t>(r)] = input<float>(r, n);
+  const auto expected = reference(in, reduce_op::sum, 0, n);
+  on_each_rank(k_, [&](int r) {
+    auto buf = to_device(in[static_cast<std::size_t>(r)], s(r));
+    s(r).synchronize();
+    cudaStream_t st = s(r).cuda_stream();
+    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
+    comm(r).all_reduce(buf.span(), reduce_op::sum, s(r));
+    EXPECT_CONTAINS(message_of<precondition_error>([&] { comm(r).synchronize(s(r)); }), "captured into a CUDA graph");
+    cudaGraph_t graph = nullptr;
+    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    cudaGraphExec_t exec = nullptr;
+    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
+    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    comm(r).synchronize(s(r));
+    EXPECT_SAME(to_vector(device_span<const float>(buf.span()), s(r)), expected, "rank " << r);
+    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+  });
+#endif
+}
+
 TEST_P(clique, one_thread_may_queue_every_ranks_part_on_host_streams) {
-  if (std::get<0>(GetParam()) != device_kind::host) GTEST_SKIP() << "NCCL needs ncclGroupStart for that";
+  if (std::get<0>(GetParam()) != device_kind::host) {
+    GTEST_SKIP() << "an NCCL clique is used one thread per rank (ncclGroupEnd of non-blocking communicators may "
+                    "return ncclInProgress: nothing may be queued until all are ready)";
+  }
   const std::size_t n = 3001;
   std::vector<std::vector<bfloat16>> in(static_cast<std::size_t>(k_));
   std::vector<device_buffer<bfloat16>> bufs;
@@ -769,6 +802,46 @@ TEST(host_clique, different_collectives_on_the_ranks_fail_on_every_rank_naming_t
   p.c(1).broadcast(b.span(), 1, p.s(1));
   EXPECT_CONTAINS(collective_failure<precondition_error>(p.c(1), p.s(1)), "root 0 vs 1");
   EXPECT_CONTAINS(collective_failure<precondition_error>(p.c(0), p.s(0)), "root 0 vs 1");
+}
+
+// Issue 28, defect 1: NCCL reads peers' stream-ordered pool memory directly within a process, which faults unless
+// the pools grant access (enable_peer_access). make_host_clique grants it like make_nccl_clique, and strict host mode
+// refuses a collective between devices without the grant, where a GPU would fault.
+TEST(host_clique, a_collective_between_devices_without_peer_access_is_refused_as_a_gpu_would_fault) {
+  ASSERT_TRUE(lockstep::detail::host_strict());  // configured above
+  host_pair p(2);
+  const device devs[] = {device{device_kind::host, 0}, device{device_kind::host, 1}};
+  auto a = to_device(std::vector<float>(1000, 1.0f), p.s(0));
+  auto b = to_device(std::vector<float>(1000, 2.0f), p.s(1));
+  struct restore_grants {  // whatever happens, later tests find the grants the clique made
+    std::span<const device> devices;
+    ~restore_grants() { (void)enable_peer_access(devices); }
+  } restore{devs};
+  disable_peer_access(devs);
+  const std::string m = message_of<precondition_error>([&] { p.c(0).all_reduce(a.span(), reduce_op::sum, p.s(0)); });
+  EXPECT_CONTAINS(m, "all_reduce on rank 0 (host:0) would read and write the buffers of rank 1 (host:1) directly");
+  EXPECT_CONTAINS(m, "cudaErrorIllegalAddress");
+  EXPECT_CONTAINS(m, "enable_peer_access(devices)");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { p.c(1).broadcast(b.span(), 0, p.s(1)); }),
+                  "broadcast on rank 1 (host:1)");
+  // Nothing was queued: the ranks' sequence numbers are still aligned once the grants are back.
+  const auto pairs = enable_peer_access(devs);
+  EXPECT_EQ(pairs.size(), 2u);  // host devices are always connected: both directions
+  p.c(0).all_reduce(a.span(), reduce_op::sum, p.s(0));
+  p.c(1).all_reduce(b.span(), reduce_op::sum, p.s(1));
+  p.c(0).synchronize(p.s(0));
+  p.c(1).synchronize(p.s(1));
+  EXPECT_EQ(to_vector(device_span<const float>(a.span()), p.s(0)), std::vector<float>(1000, 3.0f));
+  EXPECT_EQ(to_vector(device_span<const float>(b.span()), p.s(1)), std::vector<float>(1000, 3.0f));
+  // A new clique grants its devices again.
+  disable_peer_access(devs);
+  host_pair q(2);
+  q.c(0).barrier(q.s(0));  // a barrier touches no buffer: allowed either way
+  q.c(1).barrier(q.s(1));
+  q.c(0).all_reduce(a.span(), reduce_op::max, q.s(0));
+  q.c(1).all_reduce(b.span(), reduce_op::max, q.s(1));
+  EXPECT_NO_THROW(q.c(0).synchronize(q.s(0)));
+  EXPECT_NO_THROW(q.c(1).synchronize(q.s(1)));
 }
 
 TEST(host_clique, a_rank_that_never_joins_times_out_on_the_others_naming_it) {

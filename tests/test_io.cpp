@@ -9,15 +9,18 @@
 #include <sys/resource.h>
 #include <sys/wait.h>
 
+#include <chrono>
 #include <cstdio>
 #include <filesystem>
 #include <fstream>
 #include <limits>
 #include <optional>
 #include <random>
+#include <thread>
 
 #include "lockstep/amp/loss_scaler.hpp"
 #include "io_common.hpp"
+#include "lockstep/comm/run_on_devices.hpp"
 #include "lockstep/nn/batch_norm.hpp"
 #include "lockstep/nn/sequential.hpp"
 #include "test_support.hpp"
@@ -423,6 +426,44 @@ TEST(checkpoint, a_second_writer_of_a_root_is_refused_naming_the_first) {
   const fs::path saved = second.save(st, r.s);
   // readers need no lock: loading while a writer holds the root works
   load_checkpoint(saved, st, r.s);
+}
+
+// Issue 28, item 10: rank 0's write (slowed by before_publish to 4x the clique's timeout) does not fail the other
+// ranks, which wait for it in rounds shorter than the timeout (detail::save_poll) rather than in one broadcast;
+// synchronous and asynchronous saves alike.
+TEST(checkpoint, a_distributed_save_longer_than_the_communicator_timeout_completes_on_every_rank) {
+  scratch dir;
+  const auto timeout = std::chrono::milliseconds(400);
+  for (const bool async : {false, true}) {
+    const fs::path root = dir.path() / (async ? "async" : "sync");
+    fs::create_directories(root);
+    std::vector<std::optional<fs::path>> saved(2);
+    run_on_devices(
+        device_set("host:0,host:1"),
+        [&](rank_context& rc) {
+          run r(rc.get_device(), dtype::f32, false);
+          r.train(1);
+          checkpointer saver(root, checkpoint_options{.before_publish = [&](const fs::path&) {
+                                                        std::this_thread::sleep_for(4 * timeout);
+                                                      },
+                                                      .check_root = root_check::at_first_save});
+          auto st = r.state();
+          const auto u = static_cast<std::size_t>(rc.rank());
+          if (async) {
+            saver.save_async(st, r.s, rc.comm());
+            saved[u] = saver.wait();
+          } else {
+            saved[u] = saver.save(st, r.s, rc.comm());
+          }
+        },
+        comm_options{.timeout = timeout});
+    SCOPED_TRACE(async ? "save_async" : "save");
+    ASSERT_TRUE(saved[0].has_value());
+    EXPECT_EQ(latest_checkpoint(root), saved[0]);
+    if (!async) {
+      EXPECT_EQ(saved[1], saved[0]);  // save() gives every rank the directory
+    }
+  }
 }
 
 // Each way a load can fail leaves the model, the optimizer (state, counts, rate) and the scaler bit for bit.

@@ -478,6 +478,28 @@ TEST(pinned, staging_for_a_host_device_is_not_page_locked_and_for_a_gpu_it_is) {
   EXPECT_TRUE(for_gpu.page_locked());
 }
 
+// Issue 28, defect 7: a pinned buffer freed on a thread without a CUDA context (a loader's or a checkpoint writer's)
+// is freed under the context that allocated it; an unscoped cudaFreeHost there would make a context on GPU 0.
+TEST(pinned, memory_staged_for_a_gpu_is_freed_under_that_gpus_context_on_any_thread) {
+  if (device_count(device_kind::cuda) < 2) {
+    GTEST_SKIP() << "needs 2 GPUs, " << device_count(device_kind::cuda) << " visible"
+                 << (cuda_available() ? std::string() : " (" + cuda_status().reason() + ")");
+  }
+#if LOCKSTEP_HAS_CUDA
+  pinned_buffer<float> p(1000, device{device_kind::cuda, 1});
+  ASSERT_TRUE(p.page_locked());
+  bool had_context = true;
+  int current = -1;
+  std::thread([&] {
+    had_context = detail::cuda_context_is_current();
+    { const pinned_buffer<float> q = std::move(p); }
+    EXPECT_EQ(cudaGetDevice(&current), cudaSuccess);
+  }).join();
+  EXPECT_FALSE(had_context);
+  EXPECT_EQ(current, 1) << "the free made a context current on cuda:" << current << ", not cuda:1's";
+#endif
+}
+
 // ---- copies in every direction --------------------------------------------------------------------------------
 
 namespace {

@@ -22,6 +22,7 @@
 #include <lockstep/parallel/distributed_data_parallel.hpp>
 #if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
 #include <lockstep/comm/mpi.hpp>
+#include <lockstep/comm/processes.hpp>
 #endif
 
 #include <nlohmann/json.hpp>
@@ -798,12 +799,9 @@ run_result train_ddp_threads(const mlp_options& o, const datasets& data, const d
 // One process per rank (mpirun): each takes its local device (GPU local_rank when there are GPUs, else its
 // own host:0), and rank 0 gathers every rank's figures.
 run_result train_ddp_mpi(const mlp_options& o, const datasets& data, int& world_rank) {
-  const auto selection = default_devices();
-  const device dev = selection.devices.kind() == device_kind::cuda
-                         ? selection.devices[static_cast<std::size_t>(local_rank()) % selection.devices.size()]
-                         : device{device_kind::host, 0};
+  const device dev = process_device();
   stream compute(dev), comm_stream(dev);
-  communicator comm = make_mpi_communicator(dev);
+  communicator comm = make_process_communicator(dev);  // NCCL on a GPU, MPI on a host device
   world_rank = comm.rank();
   context ctx(compute, o.precision);
   ctx.set_seed(o.seed);

@@ -10,6 +10,7 @@
 
 #if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
 #include "lockstep/comm/mpi.hpp"
+#include "lockstep/comm/processes.hpp"
 #endif
 
 #if LOCKSTEP_HAS_CUDA

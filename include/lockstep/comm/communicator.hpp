@@ -221,6 +221,8 @@ class communicator_impl {
   virtual void check_limits(const collective_call& c) const { (void)c; }
   /// Whether this backend runs collectives of kind `k` (all_reduce_exact: host cliques and MPI).
   [[nodiscard]] virtual bool supports(collective_kind k) const noexcept { return k != collective_kind::all_reduce_exact; }
+  /// Whether f16/bf16 reductions are computed in f32 and rounded once (host cliques, MPI); NCCL adds in the type.
+  [[nodiscard]] virtual bool reduces_in_f32() const noexcept { return true; }
   /// Queues `c` on `s` (a stream of get_device()); arguments are already checked.
   virtual void enqueue(const collective_call& c, stream_ref s) = 0;
   /// Fails every pending and future collective of the group with `reason`. Never throws.
@@ -341,7 +343,8 @@ class communicator_operations {
   [[nodiscard]] device get_device() const { return impl().get_device(); }
 
   /// recv[i] = op over the ranks of send[i], for i < count; in place when send == recv. Reductions take f32,
-  /// f16, bf16 (computed in f32, rounded once), and i64 with sum or max (exact). Stream-ordered on `s`, a stream of get_device(). Throws
+  /// f16, bf16 (computed in f32, rounded once; NCCL adds f16/bf16 in their type: reduces_in_f32()), and i64 with
+  /// sum or max (exact). Stream-ordered on `s`, a stream of get_device(). Throws
   /// precondition_error for bad arguments; the collective's own failures (timeout_error, a mismatch between
   /// ranks, abort) surface at the next synchronization of `s`.
   void all_reduce(const void* send, void* recv, std::size_t count, dtype type, reduce_op op, stream_ref s) const {
@@ -399,6 +402,9 @@ class communicator_operations {
 
   /// Whether this communicator runs collectives of kind `k` (every kind but all_reduce_exact on every backend).
   [[nodiscard]] bool supports(collective_kind k) const { return impl().supports(k); }
+  /// Whether f16/bf16 reductions are computed in f32 and rounded once, as on host cliques and MPI. False on NCCL,
+  /// which adds them in their own type at every step of its ring: a caller that needs fp32 sums sends f32.
+  [[nodiscard]] bool reduces_in_f32() const { return impl().reduces_in_f32(); }
 
   /// Work queued on `s` after the barrier runs once every rank's stream has reached it.
   void barrier(stream_ref s) const { run({collective_kind::barrier, nullptr, nullptr, 0, dtype::f32, {}, 0}, s); }

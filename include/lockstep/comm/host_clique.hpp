@@ -46,6 +46,7 @@
 #include "lockstep/kernels/exact.hpp"
 #include "lockstep/kernels/host_loop.hpp"
 #include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/memory.hpp"  // enable_peer_access
 #include "lockstep/runtime/stream.hpp"
 
 LOCKSTEP_DETAIL_BEGIN
@@ -381,6 +382,7 @@ class clique_member final : public communicator_impl {
   [[nodiscard]] bool supports(collective_kind) const noexcept override { return true; }
 
   void enqueue(const collective_call& c, stream_ref s) override {
+    if (c.kind != collective_kind::barrier && host_strict()) expect_peer_access(c);
     const std::uint64_t seq = next_seq_.fetch_add(1, std::memory_order_relaxed) + 1;
     host_backend::stream_state* on = &s.host_state();
     enqueue_host(
@@ -409,6 +411,25 @@ class clique_member final : public communicator_impl {
   }
 
  private:
+  /// Strict mode: this rank's share of a collective reads and writes its peers' buffers directly, as NCCL does
+  /// between the GPUs of one process; a GPU faults (cudaErrorIllegalAddress) or hangs on memory of a peer's
+  /// stream-ordered pool that it was never given access to, so a host device without the grant is refused.
+  void expect_peer_access(const collective_call& c) const {
+    const device self = get_device();
+    auto& host = host_backend::runtime::instance();
+    for (int r = 0; r < state_->size(); ++r) {
+      const device peer = state_->device_of(r);
+      if (host.peer_access(self.index, peer.index)) continue;
+      throw precondition_error(concat(
+          name_of(c.kind), " on ", rank_name(rank_, self), " would read and write the buffers of ", rank_name(r, peer),
+          " directly, but ", self.str(), " was never given access to the memory of ", peer.str(),
+          ": on GPUs, NCCL reads peers' memory directly within a process, and memory of a stream-ordered pool that "
+          "was not granted (enable_peer_access: cudaDeviceEnablePeerAccess and cudaMemPoolSetAccess) faults with "
+          "cudaErrorIllegalAddress or hangs. make_host_clique and make_nccl_clique grant it; call "
+          "enable_peer_access(devices) again after disable_peer_access [host_strictness::strict]"));
+    }
+  }
+
   std::shared_ptr<clique_state> state_;  // shared with the other ranks and with queued collectives
   int rank_;
   std::atomic<std::uint64_t> next_seq_{0};
@@ -431,6 +452,7 @@ inline std::vector<communicator> make_host_clique(const device_set& devices, com
                    " (GPUs use make_nccl_clique)");
   LOCKSTEP_EXPECTS(options.timeout.count() > 0, "make_host_clique: comm_options::timeout must be positive, got ",
                    options.timeout.count(), " ms");
+  (void)enable_peer_access(devices.devices());  // a rank's share reads its peers' buffers, as NCCL does on GPUs
   auto state = std::make_shared<detail::host_comm::clique_state>(devices.devices(), options.timeout);
   std::vector<communicator> out;
   out.reserve(devices.size());

@@ -1,7 +1,7 @@
 // lockstep/comm/nccl.hpp — collectives between GPUs through NCCL.
 //
-//   make_nccl_clique(gpus)                     one communicator per GPU of this process (one thread per GPU, or
-//                                               one thread for all inside ncclGroupStart/ncclGroupEnd)
+//   make_nccl_clique(gpus)                     one communicator per GPU of this process, each used from its own
+//                                               thread (run_on_devices)
 //   make_nccl_communicator(gpu, MPI_Comm)      one rank per process (needs lockstep::mpi, LOCKSTEP_WITH_MPI)
 //
 // Collectives map one to one onto ncclAllReduce, ncclBroadcast, ncclReduce, ncclAllGather and
@@ -57,6 +57,7 @@
 #include "lockstep/core/cuda_check.hpp"
 #include "lockstep/device/device_guard.hpp"
 #include "lockstep/device/device_set.hpp"
+#include "lockstep/runtime/memory.hpp"  // enable_peer_access
 #include "lockstep/runtime/stream.hpp"
 
 #if defined(LOCKSTEP_WITH_MPI) && LOCKSTEP_WITH_MPI
@@ -261,8 +262,6 @@ class shared_comms {
   }
 
   /// Hands the watchdog a collective queued on `s` between `before` (from mark()) and an event recorded now.
-  /// Collectives inside a user's ncclGroupStart/ncclGroupEnd reach the stream only at ncclGroupEnd: their
-  /// events complete at once, so the watchdog checks those for NCCL errors only, not for the timeout.
   void follow(endpoint& e, cudaStream_t s, cudaEvent_t before, std::string what) {
     cudaEvent_t done = nullptr;
     try {
@@ -318,22 +317,39 @@ class shared_comms {
   }
 
  private:
-  /// Releases the communicators together: ncclCommFinalize on all healthy ones (non-blocking: they progress
-  /// in the background, so one thread may finalize a whole clique), wait up to 10 s, ncclCommDestroy; any that
-  /// failed or did not finish is aborted instead. Then frees the barrier words: only now, because cudaFree
+  /// Releases the communicators together: ncclCommFinalize on all healthy ones, inside one ncclGroupStart/
+  /// ncclGroupEnd (NCCL's rule for one thread finalizing several communicators; non-blocking, so they progress in
+  /// the background), wait up to 10 s for each to become quiescent, then ncclCommDestroy (local once finalized); any
+  /// that failed or did not finish is aborted instead. Then frees the barrier words: only now, because cudaFree
   /// synchronizes the device and would wait for a kernel stuck on a missing peer. Never throws.
   void release() noexcept {
-    std::vector<ncclComm_t> finalizing;
+    std::vector<endpoint*> healthy;
     for (auto& e : endpoints_) {
       if (e->comm == nullptr) continue;
       detail::cuda_device_scope current(e->dev.index);
       ncclResult_t async = ncclSuccess;
-      const bool healthy = ncclCommGetAsyncError(e->comm, &async) == ncclSuccess && async == ncclSuccess;
-      const ncclResult_t r = healthy ? ncclCommFinalize(e->comm) : ncclInternalError;
-      if (r == ncclSuccess || r == ncclInProgress) {
-        finalizing.push_back(std::exchange(e->comm, nullptr));
+      if (ncclCommGetAsyncError(e->comm, &async) == ncclSuccess && async == ncclSuccess) {
+        healthy.push_back(e.get());
       } else {
         (void)ncclCommAbort(std::exchange(e->comm, nullptr));
+      }
+    }
+    std::vector<ncclComm_t> finalizing;
+    const bool grouped = healthy.size() > 1 && ncclGroupStart() == ncclSuccess;
+    std::vector<ncclResult_t> started(healthy.size(), ncclSuccess);
+    for (std::size_t i = 0; i < healthy.size(); ++i) {
+      detail::cuda_device_scope current(healthy[i]->dev.index);
+      started[i] = ncclCommFinalize(healthy[i]->comm);
+    }
+    const ncclResult_t group = grouped ? ncclGroupEnd() : ncclSuccess;
+    for (std::size_t i = 0; i < healthy.size(); ++i) {
+      const bool ok = (started[i] == ncclSuccess || started[i] == ncclInProgress) &&
+                      (group == ncclSuccess || group == ncclInProgress);
+      if (ok) {
+        finalizing.push_back(std::exchange(healthy[i]->comm, nullptr));
+      } else {
+        detail::cuda_device_scope current(healthy[i]->dev.index);
+        (void)ncclCommAbort(std::exchange(healthy[i]->comm, nullptr));
       }
     }
     const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(10);
@@ -462,6 +478,8 @@ class member final : public communicator_impl {
   [[nodiscard]] int rank() const noexcept override { return rank_; }
   [[nodiscard]] int size() const noexcept override { return size_; }
   [[nodiscard]] device get_device() const noexcept override { return dev_; }
+  /// ncclFloat16 / ncclBfloat16 reductions add in the type (rounding at every step of the ring).
+  [[nodiscard]] bool reduces_in_f32() const noexcept override { return false; }
 
   void enqueue(const collective_call& c, stream_ref s) override {
     const std::uint64_t seq = ++seq_;
@@ -472,7 +490,11 @@ class member final : public communicator_impl {
     device_guard guard(dev_);
     cudaStream_t st = s.cuda_stream();
     const ncclDataType_t type = datatype_of(c.type);
-    cudaEvent_t before = comms_->mark(e, st, where);
+    // Inside a CUDA graph capture the collective becomes a node of the user's graph and runs when the graph is
+    // launched: the watchdog gets no events for it (an event recorded in a capture is a graph node, and querying
+    // it would fail and abort the clique); launched graphs are waited for with the stream, as other work is.
+    const bool captured = capturing(st);
+    cudaEvent_t before = captured ? nullptr : comms_->mark(e, st, where);
     ncclResult_t r = ncclSuccess;
     switch (c.kind) {
       case collective_kind::all_reduce:
@@ -500,6 +522,7 @@ class member final : public communicator_impl {
     try {
       complete_call(lock, e, r, where);
     } catch (...) {
+      if (before == nullptr) throw;
       if (lock.owns_lock()) {
         shared_comms::unmark(e, before);
       } else {
@@ -508,7 +531,7 @@ class member final : public communicator_impl {
       }
       throw;
     }
-    comms_->follow(e, st, before, where);
+    if (!captured) comms_->follow(e, st, before, where);
   }
 
   void abort(const std::string& reason) noexcept override { comms_->abort_all(reason); }
@@ -523,6 +546,9 @@ class member final : public communicator_impl {
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     device_guard guard(dev_);
     cudaStream_t st = s.cuda_stream();
+    LOCKSTEP_EXPECTS(!capturing(st), where, ": the stream is being captured into a CUDA graph, where nothing runs "
+                     "until the graph is launched (and querying the stream would invalidate the capture); end the "
+                     "capture, launch the graph, then synchronize");
     backoff wait;
     for (;;) {
       const cudaError_t q = cudaStreamQuery(st);
@@ -551,6 +577,14 @@ class member final : public communicator_impl {
 
  private:
   [[nodiscard]] std::string last_or_none() const { return last_.empty() ? std::string("none") : last_; }
+
+  /// Whether `st` is being captured into a CUDA graph (cudaStreamIsCapturing).
+  [[nodiscard]] bool capturing(cudaStream_t st) const {
+    cudaStreamCaptureStatus status = cudaStreamCaptureStatusNone;
+    LOCKSTEP_CUDA_CHECK(cudaStreamIsCapturing(st, &status), "asking whether a stream of ", dev_.str(),
+                        " is being captured into a CUDA graph");
+    return status != cudaStreamCaptureStatusNone;
+  }
 
   /// Throws when the communicator was aborted or reports an asynchronous error (aborting the others then).
   void check_async_error(const std::string& where) {
@@ -647,17 +681,24 @@ LOCKSTEP_DETAIL_END
 
 LOCKSTEP_ABI_BEGIN
 
-/// One communicator per GPU of `gpus`, rank i on gpus[i], all in this process: ncclCommInitRankConfig for each
-/// GPU inside ncclGroupStart/ncclGroupEnd (checked), non-blocking, waited for with the timeout. Use each from
-/// its own thread (see run_on_devices), or queue several ranks' collectives from one thread inside
-/// ncclGroupStart()/ncclGroupEnd(). Throws precondition_error for an empty set or host devices, nccl_error,
-/// cuda_error and timeout_error.
+/// One communicator per GPU of `gpus`, rank i on gpus[i], all in this process: peer access enabled between the
+/// GPUs (enable_peer_access), then ncclCommInitRankConfig for each GPU inside ncclGroupStart/ncclGroupEnd
+/// (checked), non-blocking, waited for with the timeout. Use each from its own thread (see run_on_devices).
+/// Queuing several ranks' collectives from one thread inside a user's ncclGroupStart/ncclGroupEnd is not
+/// supported: with non-blocking communicators ncclGroupEnd may return ncclInProgress, after which nothing may be
+/// queued until every communicator of the group is ready, and the watchdog's events would be recorded before the
+/// group's kernels exist. Throws precondition_error for an empty set or host devices, nccl_error, cuda_error and
+/// timeout_error.
 inline std::vector<communicator> make_nccl_clique(const device_set& gpus, comm_options options = {}) {
   LOCKSTEP_EXPECTS(!gpus.empty(), "make_nccl_clique: the device set is empty");
   LOCKSTEP_EXPECTS(gpus.kind() == device_kind::cuda, "make_nccl_clique: expected GPUs, got ", gpus.str(),
                    " (host devices use make_host_clique)");
   LOCKSTEP_EXPECTS(options.timeout.count() > 0, "make_nccl_clique: comm_options::timeout must be positive, got ",
                    options.timeout.count(), " ms");
+  // Within one process NCCL reads and writes peers' buffers directly (P2P direct), and lockstep's buffers come
+  // from stream-ordered pools that a peer may touch only once the pool grants it: without this, large messages
+  // fault with cudaErrorIllegalAddress or hang. Pairs the hardware does not connect go through NCCL's staging.
+  (void)enable_peer_access(gpus.devices());
   const int n = static_cast<int>(gpus.size());
   const std::string what = detail::concat("make_nccl_clique(", gpus.str(), ')');
   ncclUniqueId id;

@@ -41,6 +41,8 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
 #include <cstring>
@@ -50,6 +52,7 @@
 #include <iostream>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <optional>
 #include <set>
 #include <span>
@@ -899,7 +902,31 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
   return final_dir;
 }
 
-/// Rank 0's outcome (0 or an error message) told to every rank: the barrier after a distributed save.
+/// How often the ranks of a distributed save meet while rank 0 writes (wait_for_root): the longest a collective of
+/// the save waits for rank 0. Communicator timeouts must exceed it (they are seconds to minutes).
+inline constexpr std::chrono::milliseconds save_poll{100};
+
+/// Every rank waits, in rounds, until rank 0's write is over: each round is a one-word broadcast from rank 0 saying
+/// whether it still writes. Rank 0 waits up to save_poll for its writer first (`written(save_poll)`: whether it has
+/// finished). A collective's timeout counts from when a rank reaches it (host cliques: the rendezvous deadline;
+/// MPI: the polled request; NCCL: the watchdog, from when the stream reaches it, and comm.synchronize), so one
+/// broadcast waiting for a write longer than the timeout failed a healthy run; a round waits for rank 0 about
+/// save_poll at most, whatever the write takes, and a rank 0 that died or stopped is still noticed within the
+/// communicator's timeout.
+template <class Written>
+void wait_for_root(communicator_ref comm, stream_ref s, Written&& written) {
+  device_buffer<std::int64_t> word(1, s);
+  for (;;) {
+    const std::int64_t writing = comm.rank() == 0 && !written(save_poll) ? 1 : 0;
+    fill(word.span(), writing, s);
+    comm.broadcast(word.span(), 0, s);
+    comm.synchronize(s);
+    if (to_vector(device_span<const std::int64_t>(word.span()), s)[0] == 0) return;
+  }
+}
+
+/// Rank 0's outcome (0 or an error message) told to every rank: the barrier after a distributed save (after
+/// wait_for_root: rank 0 is ready to send it).
 inline void agree_on_save(communicator_ref comm, stream_ref s, const std::string& error_on_root) {
   constexpr std::size_t bytes = 1024;
   std::vector<std::uint8_t> message(bytes, 0);
@@ -979,6 +1006,9 @@ class checkpointer {
   std::optional<std::filesystem::path> wait() {
     if (!pending_) return std::nullopt;
     pending_ = false;
+    // the other ranks wait for rank 0's write in rounds shorter than the communicator's timeout, not in one
+    // collective (a large save on a slow disk may take longer than the timeout)
+    if (ranks_) detail::wait_for_root(*ranks_, *stream_, [this](std::chrono::milliseconds d) { return written(d); });
     if (writer_.joinable()) writer_.join();
     if (staged_) {
       spare_ = std::move(staged_->staging);  // reused by the next snapshot
@@ -1013,13 +1043,30 @@ class checkpointer {
       failure_ = std::current_exception();
       return;
     }
-    writer_ = std::thread([this] {
-      try {
-        written_ = detail::write_checkpoint(root_, *staged_, options_);
-      } catch (...) {
-        failure_ = std::current_exception();
-      }
-    });
+    writing_ = true;
+    try {
+      writer_ = std::thread([this] {
+        try {
+          written_ = detail::write_checkpoint(root_, *staged_, options_);
+        } catch (...) {
+          failure_ = std::current_exception();
+        }
+        {
+          const std::lock_guard lock(writing_mutex_);
+          writing_ = false;
+        }
+        writing_cv_.notify_all();
+      });
+    } catch (...) {
+      writing_ = false;
+      failure_ = std::current_exception();
+    }
+  }
+
+  // Waits up to `d` for the background write; whether none is running any more.
+  bool written(std::chrono::milliseconds d) {
+    std::unique_lock lock(writing_mutex_);
+    return writing_cv_.wait_for(lock, d, [this] { return !writing_; });
   }
 
   std::filesystem::path root_;
@@ -1031,6 +1078,9 @@ class checkpointer {
   std::unique_ptr<detail::staged_checkpoint> staged_;
   pinned_buffer<std::byte> spare_;
   std::thread writer_;
+  std::mutex writing_mutex_;
+  std::condition_variable writing_cv_;
+  bool writing_ = false;  // the writer thread runs (guarded by writing_mutex_ once it started)
   std::exception_ptr failure_;
   std::optional<std::filesystem::path> written_;
 };

@@ -118,11 +118,11 @@ class conv2d {
         exact_.accumulate_products<T>(weight_, n, ctx, gt, out_, col, patch(), pixels());  // dW = G^T col
         if (has_bias()) {
           exact_.accumulate<T>(bias_, n, ctx, [&](std::int64_t b, std::int64_t r, T* db) {
-            launch_elementwise(static_cast<std::size_t>(out_),
-                               kernels::column_sum_op<T>{gt + b * pixels() * out_, db,
-                                                         static_cast<std::size_t>(r * pixels()),
-                                                         static_cast<std::size_t>(out_), 0.0f},
-                               s, "conv2d bias gradient");
+            launch_columns(static_cast<std::size_t>(r * pixels()), static_cast<std::size_t>(out_),
+                           kernels::column_sum_op<T>{gt + b * pixels() * out_, db,
+                                                     static_cast<std::size_t>(r * pixels()),
+                                                     static_cast<std::size_t>(out_), 0.0f},
+                           s, "conv2d bias gradient");
           });
         }
       } else {
@@ -131,10 +131,10 @@ class conv2d {
                 weight_.grad().as<T>(), patch());
         if (has_bias()) {
           const float bbeta = bias_.begin_accumulate();
-          launch_elementwise(static_cast<std::size_t>(out_),
-                             kernels::column_sum_op<T>{gt, bias_.grad().as<T>(), static_cast<std::size_t>(rows),
-                                                       static_cast<std::size_t>(out_), bbeta},
-                             s, "conv2d bias gradient");
+          launch_columns(static_cast<std::size_t>(rows), static_cast<std::size_t>(out_),
+                         kernels::column_sum_op<T>{gt, bias_.grad().as<T>(), static_cast<std::size_t>(rows),
+                                                   static_cast<std::size_t>(out_), bbeta},
+                         s, "conv2d bias gradient");
         }
       }
       if (need == input_grad::not_required || rows == 0) return;

@@ -85,10 +85,10 @@ class linear {
               weight_.grad().as<T>(), in_);
       if (has_bias_) {
         const float bbeta = bias_.begin_accumulate();
-        launch_elementwise(static_cast<std::size_t>(out_),
-                           kernels::column_sum_op<T>{g, bias_.grad().as<T>(), static_cast<std::size_t>(rows),
-                                                     static_cast<std::size_t>(out_), bbeta},
-                           ctx.stream(), "linear bias gradient");
+        launch_columns(static_cast<std::size_t>(rows), static_cast<std::size_t>(out_),
+                       kernels::column_sum_op<T>{g, bias_.grad().as<T>(), static_cast<std::size_t>(rows),
+                                                 static_cast<std::size_t>(out_), bbeta},
+                       ctx.stream(), "linear bias gradient");
       }
       if (need == input_grad::required) {
         // dx[rows, in] = gy W
@@ -127,10 +127,10 @@ class linear {
     exact_.accumulate_products<T>(weight_, rows, ctx, g, out_, x, in_);  // dW = G^T X, chunk by chunk
     if (has_bias_) {
       exact_.accumulate<T>(bias_, rows, ctx, [&](std::int64_t b, std::int64_t r, T* db) {
-        launch_elementwise(static_cast<std::size_t>(out_),
-                           kernels::column_sum_op<T>{g + b * out_, db, static_cast<std::size_t>(r),
-                                                     static_cast<std::size_t>(out_), 0.0f},
-                           ctx.stream(), "linear bias gradient");
+        launch_columns(static_cast<std::size_t>(r), static_cast<std::size_t>(out_),
+                       kernels::column_sum_op<T>{g + b * out_, db, static_cast<std::size_t>(r),
+                                                 static_cast<std::size_t>(out_), 0.0f},
+                       ctx.stream(), "linear bias gradient");
       });
     }
     if (need == input_grad::required) {  // dx = g W, each row's bits its own

@@ -45,7 +45,9 @@
 // also frees the gradients outside the shard: the whole gradients of a bucket live in one of two buffers reused
 // bucket after bucket (a write into a buffer waits for the bucket that used it before to be reduced and copied
 // out), and each parameter keeps its shard's gradient in storage of its own. Gradients travel in their own
-// type (host and MPI communicators sum f16/bf16 in fp32 and round once: the bits of DDP's fp32 all-reduce).
+// type when the communicator sums f16/bf16 in fp32 and rounds once (host cliques, MPI: the bits of DDP's fp32
+// all-reduce); on NCCL, which adds them in the type, an f16/bf16 bucket is widened into one f32 buffer for its
+// reduce-scatter and each rank's range rounded back once (parallel/detail/gradient_sync.hpp): DDP's sums there too.
 // Inside no_sync(), stage 1 accumulates whole gradients as DDP does; stage 2 reduce-scatters every backward
 // and adds into the shard. Checkpoints and weights_sha256 need whole values: `consolidated(optimizer)`
 // gathers the master values and the optimizer state on every rank for as long as its guard lives.
@@ -420,10 +422,11 @@ class distributed_data_parallel {
     return n + shards_.values_bytes();
   }
   /// Bytes this rank holds for the gradients: the buckets (with their padding), gradients kept apart from them,
-  /// deterministic mode's accumulators, and under ZeRO-2 the two reused buffers and the gradient shards.
+  /// deterministic mode's accumulators, under ZeRO-2 the two reused buffers and the gradient shards, and under ZeRO
+  /// with f16/bf16 on NCCL the f32 buffer of their reduce-scatters.
   [[nodiscard]] std::uint64_t gradient_bytes() const {
-    if (replica_.reused_buffers) return shards_.reused_gradient_bytes();
-    std::uint64_t n = 0;
+    if (replica_.reused_buffers) return shards_.reused_gradient_bytes() + sync_.staging_bytes();
+    std::uint64_t n = sync_.staging_bytes();
     for (const auto& b : replica_.buckets) {
       n += b.flat->size_bytes();
       if (b.grads) {  // deterministic mode with all_reduce_exact: the gradients in a buffer of the bucket
@@ -529,6 +532,7 @@ class distributed_data_parallel {
         }
       }
     }
+    sync_.create_staging();  // ZeRO with f16/bf16 on NCCL: their reduce-scatters' f32 buffer
     // What the wrapper freed (gradients moved into buckets; under ZeRO the working copies, then the whole masters)
     // goes back to the device rather than staying cached in its pool, where a later allocation of another size
     // could take a block up to twice its size (host devices) and hold memory training does not need.

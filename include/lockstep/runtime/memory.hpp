@@ -55,6 +55,16 @@ inline cudaMemPool_t cuda_pool(device d, cuda_device_accounting& acc) {
   return acc.pool;
 }
 
+/// enable_peer_access's record of the pairs it enabled in this process (done[from] bit `to`), and its lock.
+inline std::mutex& peer_access_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::array<std::uint64_t, 64>& peer_access_done() {
+  static std::array<std::uint64_t, 64> done{};
+  return done;
+}
+
 inline std::uint64_t cuda_pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, device d) {
   std::uint64_t value = 0;
   LOCKSTEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, attr, &value), "reading memory statistics of ", d.str());
@@ -254,15 +264,26 @@ inline memory_stats get_memory_stats(device d) {
 /// copies between them (data_parallel's scatter, gather, broadcast and reduce) run peer to peer over NVLink or PCIe
 /// instead of staging through host memory: cudaDeviceEnablePeerAccess, and cudaMemPoolSetAccess on each device's
 /// pool (memory from a stream-ordered pool is reachable from a peer only through the pool's own access list).
-/// Returns the pairs (from, to) where `from` can now reach `to`'s memory; pairs the hardware does not connect are
-/// left out (their copies still work, staged by the driver). Host devices: nothing to enable (one address space).
-/// Idempotent; makes each device current in turn and restores the caller's.
+/// NCCL needs it too: within one process it reads and writes peers' buffers directly (make_nccl_clique calls
+/// this). Returns the pairs (from, to) where `from` can now reach `to`'s memory; pairs the hardware does not
+/// connect are left out (their copies still work, staged by the driver). Host devices share one address space but
+/// keep the same grants (every pair is connected), so that strict mode refuses a collective between host devices
+/// that were never granted, as a GPU would fault (make_host_clique calls this, like make_nccl_clique). Idempotent;
+/// makes each device current in turn and restores the caller's.
 inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const device> devices) {
   std::vector<std::pair<device, device>> enabled;
+  for (const device from : devices) {
+    for (const device to : devices) {
+      if (!from.is_host() || !to.is_host() || from == to) continue;
+      auto& host = host_backend::runtime::instance();
+      (void)host.device(from.index), (void)host.device(to.index);  // both exist, or device_error
+      host.set_peer_access(from.index, to.index, true);
+      enabled.emplace_back(from, to);
+    }
+  }
 #if LOCKSTEP_HAS_CUDA
-  static std::mutex mutex;
-  static std::array<std::uint64_t, 64> done{};  // done[from] bit to: enabled earlier in this process
-  std::lock_guard lock(mutex);
+  std::lock_guard lock(detail::peer_access_mutex());
+  auto& done = detail::peer_access_done();
   for (const device from : devices) {
     for (const device to : devices) {
       if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
@@ -306,10 +327,58 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
       enabled.emplace_back(from, to);
     }
   }
-#else
-  (void)devices;
 #endif
   return enabled;
+}
+
+/// Takes back what enable_peer_access gave between the devices of `devices`: cudaDeviceDisablePeerAccess and the
+/// pools' access lists on GPUs, the grants on host devices. Collectives between them then fault on a GPU and are
+/// refused in strict host mode (how the tests show that a clique needs the grants); copies still work. Idempotent.
+inline void disable_peer_access(std::span<const device> devices) {
+  for (const device from : devices) {
+    for (const device to : devices) {
+      if (!from.is_host() || !to.is_host() || from == to) continue;
+      auto& host = host_backend::runtime::instance();
+      (void)host.device(from.index), (void)host.device(to.index);
+      host.set_peer_access(from.index, to.index, false);
+    }
+  }
+#if LOCKSTEP_HAS_CUDA
+  std::lock_guard lock(detail::peer_access_mutex());
+  auto& done = detail::peer_access_done();
+  for (const device from : devices) {
+    for (const device to : devices) {
+      if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
+      detail::check_cuda_index(from);
+      detail::check_cuda_index(to);
+      const std::uint64_t bit = std::uint64_t{1} << to.index;
+      if ((done[static_cast<std::size_t>(from.index)] & bit) == 0) continue;
+      auto& acc = detail::cuda_accounting(to.index);
+      cudaMemPool_t pool = nullptr;
+      {
+        std::lock_guard pool_lock(acc.mutex);
+        device_guard guard(to);
+        pool = detail::cuda_pool(to, acc);
+      }
+      cudaMemAccessDesc access{};
+      access.location.type = cudaMemLocationTypeDevice;
+      access.location.id = from.index;
+      access.flags = cudaMemAccessFlagsProtNone;
+      LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1), "taking back ", from.str(),
+                          "'s access to the memory pool of ", to.str());
+      {
+        device_guard guard(from);
+        const cudaError_t e = cudaDeviceDisablePeerAccess(to.index);
+        if (e == cudaErrorPeerAccessNotEnabled) {
+          (void)cudaGetLastError();
+        } else {
+          LOCKSTEP_CUDA_CHECK(e, "disabling peer access from ", from.str(), " to ", to.str());
+        }
+      }
+      done[static_cast<std::size_t>(from.index)] &= ~bit;
+    }
+  }
+#endif
 }
 
 /// Resets the peaks of `d` to the current values and its counters to zero (the number of live allocations

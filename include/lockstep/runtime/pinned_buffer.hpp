@@ -22,15 +22,21 @@ LOCKSTEP_DETAIL_BEGIN
 inline constexpr std::size_t page_size = 4096;
 struct pinned_allocation {
   void* ptr;
-  bool cuda;  // from cudaHostAlloc
+  bool cuda;     // from cudaHostAlloc
+  int gpu = -1;  // the GPU whose context allocated it (cudaHostAlloc)
 };
 struct pinned_traits {
   using handle_type = pinned_allocation;
-  static constexpr handle_type null() noexcept { return {nullptr, false}; }
+  static constexpr handle_type null() noexcept { return {nullptr, false, -1}; }
   static bool is_null(const handle_type& h) noexcept { return h.ptr == nullptr; }
   static void release(handle_type h) noexcept {
 #if LOCKSTEP_HAS_CUDA
     if (h.cuda) {
+      // Under the context that allocated it: on a thread without a current context (a data loader's or a
+      // checkpoint writer's), cudaFreeHost would otherwise create one on GPU 0 (about 0.5 GB in every process of an
+      // mpirun job). cudaFreeHost also waits for the device, so lockstep frees pinned memory only at teardown (the
+      // loader's buffers) or keeps it for reuse (the checkpoint writer's staging).
+      detail::cuda_device_scope current(h.gpu >= 0 ? h.gpu : 0);
       LOCKSTEP_CUDA_IGNORE(cudaFreeHost(h.ptr));
       return;
     }
@@ -76,10 +82,15 @@ class pinned_buffer {
       if (near) check_device_exists(*near);
       std::optional<detail::cuda_device_scope> context;
       if (near) context.emplace(near->index);
+      int gpu = near ? near->index : 0;
+      if (!near && cudaGetDevice(&gpu) != cudaSuccess) {  // the caller's current device
+        (void)cudaGetLastError();
+        gpu = 0;
+      }
       void* p = nullptr;
       LOCKSTEP_CUDA_CHECK(cudaHostAlloc(&p, bytes, cudaHostAllocPortable), "allocating ", format_bytes(bytes),
                           " of pinned host memory");
-      h_ = unique_handle<detail::pinned_traits>(detail::pinned_allocation{p, true});
+      h_ = unique_handle<detail::pinned_traits>(detail::pinned_allocation{p, true, gpu});
       return;
     }
 #endif
@@ -87,7 +98,7 @@ class pinned_buffer {
     if (!p) {
       throw out_of_memory_error(detail::concat("could not allocate ", format_bytes(bytes), " of host staging memory"));
     }
-    h_ = unique_handle<detail::pinned_traits>(detail::pinned_allocation{p, false});
+    h_ = unique_handle<detail::pinned_traits>(detail::pinned_allocation{p, false, -1});
   }
 
  public:

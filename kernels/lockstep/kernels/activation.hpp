@@ -45,11 +45,11 @@ struct add_bias_op {
   }
 };
 
-/// db[c] = beta * db[c] + sum over r of g[r, c]: one index per column; the loop over rows makes reads of
-/// neighbouring columns by neighbouring threads coalesced on a GPU. On a host stream `for_all` runs the same
-/// sums (each column's rows in the same order, so the same results) on many columns at a time, which turns the
-/// strided column walk into contiguous row segments the compiler vectorizes: sixteen f32 columns, or blocks of
-/// f16/bf16 columns widened with core/half_runs.hpp.
+/// db[c] = beta * db[c] + sum over r of g[r, c]: one index per column (launch_elementwise), or a column
+/// reduction (launch_columns: on a GPU, blocks of 32 columns that split the rows and add `load`s in a fixed
+/// order, then `finish`). On a host stream `for_all` runs the same sums (each column's rows in the same order, so
+/// the same results) on many columns at a time, which turns the strided column walk into contiguous row segments
+/// the compiler vectorizes: sixteen f32 columns, or blocks of f16/bf16 columns widened with core/half_runs.hpp.
 template <class T>
 struct column_sum_op {
   const T* g;
@@ -57,6 +57,8 @@ struct column_sum_op {
   std::size_t rows;
   std::size_t cols;
   float beta;
+  /// Element (r, c) as a term of column c's sum (launch_columns).
+  LOCKSTEP_HD float load(std::size_t r, std::size_t c) const { return to_float(g[r * cols + c]); }
   LOCKSTEP_HD void finish(std::size_t c, float acc) const {
     db[c] = convert<T>(beta == 0.0f ? acc : beta * to_float(db[c]) + acc);
   }

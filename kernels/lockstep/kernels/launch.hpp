@@ -6,7 +6,8 @@
 //   - on a GPU stream, as a grid-stride kernel (launch_cuda.cuh);
 //   - on a host stream, as a loop on the stream's worker thread.
 // So the arithmetic tested on the CPU is the arithmetic the GPU runs. `launch_2d` does the same for
-// functors of (row, col) over a row-major matrix.
+// functors of (row, col) over a row-major matrix. `launch_columns` (column sums) and `launch_rows` (row-wise
+// reductions) run the functor's own loop on a host stream and a block or warp reduction on a GPU.
 //
 // A functor whose scalars live in device memory (a loss scale, a skip flag, a step count) may provide
 // `LOCKSTEP_HD auto bind() const` returning the functor with those values loaded: launchers call it once per
@@ -75,6 +76,28 @@ void launch_2d(std::size_t rows, std::size_t cols, F f, stream_ref s, const char
 #if LOCKSTEP_HAS_CUDA
   // straight to the CUDA launcher: flat_2d is a device-only wrapper, never run by a host loop
   detail::launch_elementwise_cuda(rows * cols, detail::flat_2d<F>{f, cols}, s, what);
+#endif
+}
+
+/// Runs a column reduction `f` over a [rows, cols] matrix in stream order on `s`: for every column c,
+/// f.finish(c, sum over r of f.load(r, c)), as `f(c)` does (bias gradients: kernels::column_sum_op). On a host
+/// stream exactly launch_elementwise(cols, f) (the functor's own loop). On a GPU, below 32 rows one thread per
+/// column (f(c)); from 32 rows, blocks of 32 columns x 8 row lanes over splits of the rows, each split's sums
+/// combined in shared memory, then the splits' partial sums added in split order (launch_cuda.cuh). No atomics: the
+/// order depends on `rows` only, so a GPU gives the same bits for the same matrix every time (deterministic mode's
+/// chunks of equal shape included), though not the bits of the host's row-by-row sum.
+template <class F>
+void launch_columns(std::size_t rows, std::size_t cols, F f, stream_ref s, const char* what) {
+  static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");
+  if (cols == 0) return;
+  if (s.get_device().is_host()) {
+    launch_elementwise(cols, f, s, what);
+    return;
+  }
+#if LOCKSTEP_HAS_CUDA
+  detail::launch_columns_cuda(rows, cols, f, s, what);
+#else
+  (void)rows;
 #endif
 }
 

@@ -1,4 +1,5 @@
-// lockstep/kernels/launch_cuda.cuh — the CUDA side of the launchers: a grid-stride kernel and CUB reductions.
+// lockstep/kernels/launch_cuda.cuh — the CUDA side of the launchers: a grid-stride kernel, warp-per-row and
+// block column reductions, and CUB reductions.
 //
 // Thin glue, compiled by nvcc only. Kernels have hidden visibility and live in the ABI namespace, so two
 // shared objects built from these headers never share a kernel symbol.
@@ -113,6 +114,89 @@ void launch_rows_cuda(std::size_t rows, F f, stream_ref s, const char* what) {
   device_guard guard(d);
   rows_kernel<<<elementwise_grid(rows * 32, d), elementwise_block, 0, s.cuda_stream()>>>(rows, f);
   check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " on ", d.str());
+}
+
+// ---- column reductions (launch_columns): f.finish(c, sum over r of f.load(r, c)) ----
+//
+// Pass 1: block (x, y) takes columns [32x, 32x + 32) and the rows of split y; thread (tx, ty) adds rows
+// ty, ty + 8, ... of the split, in order, for column 32x + tx (a warp reads 32 neighbouring columns of one row:
+// coalesced), and the 8 lanes' sums of a column are added in order ty = 0..7 from shared memory. With one split
+// that is the column's sum (finished there); otherwise each split's sum goes to partial[y * cols + c] and pass 2
+// adds a column's splits in order y = 0, 1, ... No atomics: the order is a function of `rows`.
+inline constexpr unsigned column_tile = 32;                // columns per block (blockDim.x)
+inline constexpr unsigned column_lanes = 8;                // row lanes per block (blockDim.y)
+inline constexpr std::size_t column_block_rows = 32;       // fewer rows: one thread per column
+inline constexpr std::size_t column_split_rows = 256;      // rows per split, at least
+inline constexpr std::size_t column_splits_max = 128;      // splits, at most (partial sums: splits x cols floats)
+
+#pragma nv_diagnostic push
+#pragma nv_diag_suppress 1407
+template <class F>
+__global__ LOCKSTEP_HIDDEN void column_partials_kernel(std::size_t rows, std::size_t cols, std::size_t split_rows, F f,
+                                                       float* partial) {
+  const auto k = bind_functor(f);
+  __shared__ float sums[column_lanes][column_tile + 1];
+  const std::size_t c = static_cast<std::size_t>(blockIdx.x) * column_tile + threadIdx.x;
+  const std::size_t begin = static_cast<std::size_t>(blockIdx.y) * split_rows;
+  const std::size_t end = rows - begin < split_rows ? rows : begin + split_rows;
+  float acc = 0.0f;
+  if (c < cols) {
+    for (std::size_t r = begin + threadIdx.y; r < end; r += column_lanes) acc += k.load(r, c);
+  }
+  sums[threadIdx.y][threadIdx.x] = acc;
+  __syncthreads();
+  if (threadIdx.y != 0 || c >= cols) return;
+  float total = sums[0][threadIdx.x];
+  for (unsigned j = 1; j < column_lanes; ++j) total += sums[j][threadIdx.x];
+  if (gridDim.y == 1) {
+    k.finish(c, total);
+  } else {
+    partial[static_cast<std::size_t>(blockIdx.y) * cols + c] = total;
+  }
+}
+
+template <class F>
+__global__ LOCKSTEP_HIDDEN void column_finish_kernel(std::size_t cols, std::size_t splits, F f, const float* partial) {
+  const auto k = bind_functor(f);
+  const std::size_t stride = static_cast<std::size_t>(gridDim.x) * blockDim.x;
+  for (std::size_t c = static_cast<std::size_t>(blockIdx.x) * blockDim.x + threadIdx.x; c < cols; c += stride) {
+    float total = partial[c];
+    for (std::size_t y = 1; y < splits; ++y) total += partial[y * cols + c];
+    k.finish(c, total);
+  }
+}
+#pragma nv_diagnostic pop
+
+template <class F>
+void launch_columns_cuda(std::size_t rows, std::size_t cols, F f, stream_ref s, const char* what) {
+  if (rows < column_block_rows) {  // few rows (none included: finish(c, 0)): a thread per column is enough
+    launch_elementwise_cuda(cols, f, s, what);
+    return;
+  }
+  const device d = s.get_device();
+  device_guard guard(d);
+  const std::size_t wanted = (rows + column_splits_max - 1) / column_splits_max;
+  const std::size_t split_rows = wanted > column_split_rows ? wanted : column_split_rows;
+  const std::size_t splits = (rows + split_rows - 1) / split_rows;  // <= column_splits_max
+  const dim3 block(column_tile, column_lanes);
+  const dim3 grid(static_cast<unsigned>((cols + column_tile - 1) / column_tile), static_cast<unsigned>(splits));
+  if (splits == 1) {
+    column_partials_kernel<<<grid, block, 0, s.cuda_stream()>>>(rows, cols, split_rows, f, static_cast<float*>(nullptr));
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " on ", d.str());
+    return;
+  }
+  const std::size_t bytes = splits * cols * sizeof(float);
+  auto* partial = static_cast<float*>(allocate(bytes, s));
+  try {
+    column_partials_kernel<<<grid, block, 0, s.cuda_stream()>>>(rows, cols, split_rows, f, partial);
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " (partial column sums) on ", d.str());
+    column_finish_kernel<<<elementwise_grid(cols, d), elementwise_block, 0, s.cuda_stream()>>>(cols, splits, f, partial);
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " (column sums) on ", d.str());
+  } catch (...) {
+    deallocate(partial, bytes, s);
+    throw;
+  }
+  deallocate(partial, bytes, s);
 }
 
 /// out[0] = reduce(transform(in[i]) for i in [0, n)) with CUB. Temporary storage comes from `workspace` when

@@ -38,36 +38,35 @@ LOCKSTEP_DETAIL_BEGIN
 inline constexpr std::size_t multi_tensor_chunk = 16384;  // elements per GPU block
 inline constexpr int multi_tensor_threads = 256;
 
-#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
-// CUDA 12.1 and newer accept 32764 bytes of kernel parameters on sm_70 and newer (lockstep builds for sm_80 and
-// sm_90): one launch covers 4096 blocks of 16K elements (64M elements), enough to fill an H100.
-inline constexpr std::size_t multi_tensor_param_bytes = 32764;
-inline constexpr int multi_tensor_max_groups = 96;
-inline constexpr int multi_tensor_max_blocks = 4096;
-#else
-// The 4 KiB of kernel parameters every GPU and CUDA version accept: 320 blocks of 16K elements per launch.
-inline constexpr std::size_t multi_tensor_param_bytes = 4096;
-inline constexpr int multi_tensor_max_groups = 24;
-inline constexpr int multi_tensor_max_blocks = 320;
-#endif
-
-template <int K>
+// Kernel parameter tables of two sizes. Every GPU and CUDA version accepts 4 KiB of kernel parameters: 320 blocks of
+// 16K elements per launch. CUDA 12.1 and newer accept 32764 bytes on sm_70 and newer (lockstep builds for sm_80 and
+// sm_90), but only with a driver of CUDA 12.1 or newer: a 12.1 build on an older driver would fail every launch with
+// the large table, so the driver is asked at run time (multi_tensor_large_tables) and the small table used otherwise.
+// The large one covers 4096 blocks of 16K elements (64M elements), enough to fill an H100.
+template <int K, int Groups, int Blocks>
 struct multi_tensor_table {
-  // Sized so that the table and a functor stay under the kernel parameter limit (above).
-  static constexpr int max_groups = multi_tensor_max_groups;
-  static constexpr int max_blocks = multi_tensor_max_blocks;
+  static constexpr int max_groups = Groups;
+  static constexpr int max_blocks = Blocks;
   tensor_group<K> groups[max_groups];
   std::uint8_t block_group[max_blocks];
   std::uint32_t block_chunk[max_blocks];
 };
+inline constexpr std::size_t multi_tensor_small_param_bytes = 4096;
+template <int K>
+using multi_tensor_small_table = multi_tensor_table<K, 24, 320>;
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+inline constexpr std::size_t multi_tensor_large_param_bytes = 32764;
+template <int K>
+using multi_tensor_large_table = multi_tensor_table<K, 96, 4096>;
+#endif
 
 #if LOCKSTEP_HAS_CUDA
 // A functor from an anonymous namespace makes the kernel internal, where the visibility attribute does not apply
 // (#1407): harmless, silenced as for elementwise_kernel (launch_cuda.cuh).
 #pragma nv_diagnostic push
 #pragma nv_diag_suppress 1407
-template <int K, class F>
-__global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table, F f) {
+template <class Table, int K, class F>
+__global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(Table table, F f) {
   const tensor_group<K>& g = table.groups[table.block_group[blockIdx.x]];
   const std::size_t begin = static_cast<std::size_t>(table.block_chunk[blockIdx.x]) * multi_tensor_chunk;
   const std::size_t end = begin + multi_tensor_chunk < g.size ? begin + multi_tensor_chunk : g.size;
@@ -76,17 +75,30 @@ __global__ LOCKSTEP_HIDDEN void multi_tensor_kernel(multi_tensor_table<K> table,
 }
 #pragma nv_diagnostic pop
 
-template <int K, class F>
-void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
-  using table_t = multi_tensor_table<K>;
-  static_assert(sizeof(table_t) + sizeof(F) <= multi_tensor_param_bytes, "kernel parameters must fit the limit");
+/// True when the driver accepts the large parameter tables (CUDA 12.1 or newer), asked once per process.
+inline bool multi_tensor_large_tables() {
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+  static const bool large = [] {
+    int version = 0;
+    const bool known = cudaDriverGetVersion(&version) == cudaSuccess;
+    (void)cudaGetLastError();
+    return known && version >= 12010;
+  }();
+  return large;
+#else
+  return false;
+#endif
+}
+
+template <class table_t, int K, class F>
+void launch_multi_tensor_tables(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
   const device d = s.get_device();
   device_guard guard(d);
   table_t table{};
   int n_groups = 0, n_blocks = 0;
   auto flush = [&] {
     if (n_blocks == 0) return;
-    multi_tensor_kernel<K, F><<<n_blocks, multi_tensor_threads, 0, s.cuda_stream()>>>(table, f);
+    multi_tensor_kernel<table_t, K, F><<<n_blocks, multi_tensor_threads, 0, s.cuda_stream()>>>(table, f);
     check_launch(s.cuda_stream(), LOCKSTEP_SITE, "launching ", what, " over ", n_groups, " tensors on ", d.str());
     n_groups = n_blocks = 0;
   };
@@ -108,6 +120,21 @@ void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stre
     ++n_groups;
   }
   flush();
+}
+
+template <int K, class F>
+void launch_multi_tensor_cuda(std::span<const tensor_group<K>> groups, F f, stream_ref s, const char* what) {
+  static_assert(sizeof(multi_tensor_small_table<K>) + sizeof(F) <= multi_tensor_small_param_bytes,
+                "kernel parameters must fit the limit every driver accepts");
+#if defined(CUDART_VERSION) && CUDART_VERSION >= 12010
+  static_assert(sizeof(multi_tensor_large_table<K>) + sizeof(F) <= multi_tensor_large_param_bytes,
+                "kernel parameters must fit the limit of CUDA 12.1");
+  if (multi_tensor_large_tables()) {
+    launch_multi_tensor_tables<multi_tensor_large_table<K>>(groups, f, s, what);
+    return;
+  }
+#endif
+  launch_multi_tensor_tables<multi_tensor_small_table<K>>(groups, f, s, what);
 }
 #endif
 

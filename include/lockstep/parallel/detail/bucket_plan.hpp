@@ -101,7 +101,7 @@ struct bucket_plan {
 /// The type a gradient of type `grad` travels in: `hook` is the comm hook's type (f32 when none).
 [[nodiscard]] inline dtype wire_type(dtype grad, const bucket_plan_options& o, dtype hook) noexcept {
   if (o.deterministic) return dtype::i64;  // exact accumulators (kernels/exact.hpp)
-  if (o.own_type) return grad;             // in place, reduced in fp32 by host and MPI communicators
+  if (o.own_type) return grad;             // in place, summed in fp32 (gradient_sync.hpp widens them for NCCL)
   return hook;
 }
 

@@ -8,6 +8,7 @@
 
 #include <algorithm>
 #include <cstddef>
+#include <cstdint>
 #include <span>
 #include <vector>
 
@@ -36,6 +37,20 @@ class gradient_sync {
 
   /// Buckets whose collectives were queued this backward.
   [[nodiscard]] std::size_t launched() const noexcept { return next_launch_; }
+
+  /// ZeRO with f16/bf16 gradients on a communicator that adds them in their type (NCCL: reduces_in_f32() is
+  /// false): allocates the f32 buffer their buckets are reduce-scattered in (the largest such bucket, plus a
+  /// shard for the result), on the communication stream. Nothing otherwise.
+  void create_staging() {
+    if (!r_->sharded || r_->deterministic || r_->comm.reduces_in_f32()) return;
+    std::size_t n = 0;
+    for (const auto& b : r_->buckets) {
+      if (b.layout.wire != dtype::f32) n = std::max(n, b.layout.elements + b.layout.shard_elements);
+    }
+    if (n > 0) staging_ = tensor(shape{static_cast<std::int64_t>(n)}, dtype::f32, r_->comm_stream);
+  }
+  /// Bytes of the f32 staging buffer (create_staging).
+  [[nodiscard]] std::uint64_t staging_bytes() const noexcept { return staging_.capacity_bytes(); }
 
   /// Before a synchronized backward: no bucket ready, none launched.
   void begin() {
@@ -116,9 +131,8 @@ class gradient_sync {
       case sync_kind::exact_gathered:
         partials_->collect(b, cs);
         break;
-      case sync_kind::reduce_scatter:  // in place: this rank's range of the buffer receives the sum of everyone's
-        r_->comm.reduce_scatter(b.flat->data(), static_cast<std::byte*>(b.flat->data()) + l.rank_offset(r_->comm.rank()) * size_of(l.wire),
-                                l.shard_elements, l.wire, op_, cs);
+      case sync_kind::reduce_scatter:  // this rank's range of the buffer receives the sum of everyone's
+        reduce_scatter(b, cs);
         break;
       case sync_kind::exact_words:
       case sync_kind::all_reduce:
@@ -130,6 +144,30 @@ class gradient_sync {
     b.done->record(cs);
   }
 
+  // ZeRO: this rank's range of bucket b's buffer receives the sum of every rank's, on `cs`. In place, in the
+  // gradients' type, when the communicator sums in f32 (f32 gradients; host cliques and MPI widen f16/bf16 and
+  // round once). Otherwise (f16/bf16 on NCCL) the bucket is widened into the f32 staging buffer, reduce-scattered
+  // there (out of place) and this rank's range rounded back into the bucket once: DDP's fp32 sum and cast, not a
+  // rounding at every step of NCCL's ring. The staging buffer serves one bucket after the other, in order on `cs`.
+  void reduce_scatter(ddp_bucket& b, stream_ref cs) {
+    const bucket_layout& l = b.layout;
+    const std::size_t at = l.rank_offset(r_->comm.rank());
+    if (l.wire == dtype::f32 || staging_.empty()) {
+      r_->comm.reduce_scatter(b.flat->data(), static_cast<std::byte*>(b.flat->data()) + at * size_of(l.wire),
+                              l.shard_elements, l.wire, op_, cs);
+      return;
+    }
+    const auto n = static_cast<std::int64_t>(l.elements);
+    const auto m = static_cast<std::int64_t>(l.shard_elements);
+    const tensor_view grads(b.flat->data(), l.wire, shape{n}, r_->get_device());
+    const tensor_view wide(staging_.data(), dtype::f32, shape{n + m}, r_->get_device());
+    const element_range whole{0, n}, mine{static_cast<std::int64_t>(at), static_cast<std::int64_t>(at) + m},
+        result{n, n + m};
+    convert_floating(grads, flat_part(wide, whole), cs);
+    r_->comm.reduce_scatter(wide.data(), flat_part(wide, result).data(), l.shard_elements, dtype::f32, op_, cs);
+    convert_floating(flat_part(wide, result), flat_part(grads, mine), cs);
+  }
+
   ddp_replica* r_;
   reduce_op op_;
   exact_partials* partials_;
@@ -137,6 +175,7 @@ class gradient_sync {
   timeline* timeline_;
   std::vector<bool> reported_;   // this backward: parameters whose gradients were reported complete
   std::size_t next_launch_ = 0;  // the next bucket to launch, in bucket order
+  tensor staging_;               // ZeRO, f16/bf16 on NCCL: the f32 buffer of their reduce-scatters (create_staging)
 };
 
 LOCKSTEP_DETAIL_END

@@ -6,6 +6,7 @@
 #pragma once
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <memory>
 #include <mutex>
@@ -115,6 +116,25 @@ class runtime {
   /// host_strictness::strict (the same for every device).
   [[nodiscard]] bool strict() const noexcept { return strict_; }
 
+  /// Peer access, as on GPUs: whether work on host device `from` may touch the memory of host device `to` directly
+  /// (a collective reading a peer's buffer). On a GPU that takes cudaDeviceEnablePeerAccess and, for memory of a
+  /// stream-ordered pool (all of lockstep's), cudaMemPoolSetAccess; enable_peer_access (runtime/memory.hpp) grants
+  /// both, and host devices keep the same grants so that strict mode can refuse what a GPU would fault on. Copies
+  /// need no grant (a GPU stages them). Indices are valid device indices (the caller checks).
+  void set_peer_access(int from, int to, bool allowed) noexcept {
+    auto& bits = peers_[static_cast<std::size_t>(from)];
+    const std::uint64_t bit = std::uint64_t{1} << to;
+    if (allowed) {
+      bits.fetch_or(bit, std::memory_order_acq_rel);
+    } else {
+      bits.fetch_and(~bit, std::memory_order_acq_rel);
+    }
+  }
+  [[nodiscard]] bool peer_access(int from, int to) const noexcept {
+    return from == to ||
+           (peers_[static_cast<std::size_t>(from)].load(std::memory_order_acquire) & (std::uint64_t{1} << to)) != 0;
+  }
+
   /// The state of host device `index`; throws device_error naming the visible count when out of range.
   device_runtime& device(int index) {
     if (index < 0 || index >= device_count()) {
@@ -134,6 +154,7 @@ class runtime {
 
   const bool strict_;
   std::vector<std::unique_ptr<device_runtime>> devices_;
+  std::array<std::atomic<std::uint64_t>, 64> peers_{};  // peers_[from] bit `to`: set_peer_access
 };
 
 }  // namespace lockstep::host_backend
