@@ -9,6 +9,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <barrier>
 #include <bit>
 #include <chrono>
 #include <cmath>
@@ -570,22 +571,40 @@ TEST_P(clique, a_collective_captured_into_a_cuda_graph_runs_when_the_graph_is_la
   std::vector<std::vector<float>> in(static_cast<std::size_t>(k_));
   for (int r = 0; r < k_; ++r) in[static_cast<std::size_t>(r)] = input<float>(r, n);
   const auto expected = reference(in, reduce_op::sum, 0, n);
+  std::barrier captures(k_);  // no rank allocates or synchronizes while another captures (global mode forbids it)
   on_each_rank(k_, [&](int r) {
     auto buf = to_device(in[static_cast<std::size_t>(r)], s(r));
+    // A collective outside the capture, still in flight when it starts, on a stream of its own: the watchdog
+    // queries its events meanwhile, which must neither be refused nor invalidate the capture (global mode).
+    stream other(dev(r));
+    auto busy = to_device(std::vector<float>(n, 1.0f), other);
+    comm(r).all_reduce(busy.span(), reduce_op::sum, other);
     s(r).synchronize();
     cudaStream_t st = s(r).cuda_stream();
-    ASSERT_EQ(cudaStreamBeginCapture(st, cudaStreamCaptureModeThreadLocal), cudaSuccess);
-    comm(r).all_reduce(buf.span(), reduce_op::sum, s(r));
-    EXPECT_CONTAINS(message_of<precondition_error>([&] { comm(r).synchronize(s(r)); }), "captured into a CUDA graph");
     cudaGraph_t graph = nullptr;
-    ASSERT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);
+    captures.arrive_and_wait();
+    if (cudaStreamBeginCapture(st, cudaStreamCaptureModeGlobal) == cudaSuccess) {
+      comm(r).all_reduce(buf.span(), reduce_op::sum, s(r));
+      EXPECT_CONTAINS(message_of<precondition_error>([&] { comm(r).synchronize(s(r)); }), "captured into a CUDA graph");
+      std::this_thread::sleep_for(std::chrono::milliseconds(100));  // several watchdog rounds during the capture
+      EXPECT_EQ(cudaStreamEndCapture(st, &graph), cudaSuccess);  // always ended: the other ranks do not wait
+    } else {
+      ADD_FAILURE() << "cudaStreamBeginCapture failed on rank " << r;
+    }
+    captures.arrive_and_wait();
     cudaGraphExec_t exec = nullptr;
-    ASSERT_EQ(cudaGraphInstantiate(&exec, graph, 0), cudaSuccess);
-    ASSERT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    if (graph != nullptr && cudaGraphInstantiate(&exec, graph, 0) == cudaSuccess) {
+      EXPECT_EQ(cudaGraphLaunch(exec, st), cudaSuccess);
+    } else {
+      ADD_FAILURE() << "the captured graph could not be instantiated on rank " << r;
+    }
     comm(r).synchronize(s(r));
+    comm(r).synchronize(other);
     EXPECT_SAME(to_vector(device_span<const float>(buf.span()), s(r)), expected, "rank " << r);
-    EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    EXPECT_SAME(to_vector(device_span<const float>(busy.span()), other), std::vector<float>(n, static_cast<float>(k_)),
+                "rank " << r << ", the collective outside the capture");
+    if (exec != nullptr) EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    if (graph != nullptr) EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
   });
 #endif
 }
@@ -819,7 +838,8 @@ TEST(host_clique, a_collective_between_devices_without_peer_access_is_refused_as
   } restore{devs};
   disable_peer_access(devs);
   const std::string m = message_of<precondition_error>([&] { p.c(0).all_reduce(a.span(), reduce_op::sum, p.s(0)); });
-  EXPECT_CONTAINS(m, "all_reduce on rank 0 (host:0) would read and write the buffers of rank 1 (host:1) directly");
+  EXPECT_CONTAINS(m, "all_reduce on rank 0 (host:0): rank 0 (host:0) would read and write the buffers of rank 1 "
+                     "(host:1) directly, but host:0 was never given access to the memory of host:1");
   EXPECT_CONTAINS(m, "cudaErrorIllegalAddress");
   EXPECT_CONTAINS(m, "enable_peer_access(devices)");
   EXPECT_CONTAINS(message_of<precondition_error>([&] { p.c(1).broadcast(b.span(), 0, p.s(1)); }),

@@ -526,6 +526,7 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
       auto m = nlohmann::json::parse(in);
       m["files"]["training.safetensors"]["bytes"] = out.size();
       m["files"]["training.safetensors"]["xxh3_64"] = detail::checksum_of(out);
+      m["checksum"] = detail::manifest_checksum(m);
       std::ofstream(v / "manifest.json") << m.dump();
     });
   };
@@ -556,9 +557,37 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
                     std::ifstream in(v / "manifest.json");
                     auto m = nlohmann::json::parse(in);
                     m["files"]["training.safetensors"]["xxh3_64"] = detail::checksum_of(b);
+                    m["checksum"] = detail::manifest_checksum(m);
                     std::ofstream(v / "manifest.json") << m.dump();
                   })),
                   "over the limit of 100000000");
+  // An edited position (issue 27, item 6): the manifest's checksum of itself; rehashed, or without a checksum (as
+  // older lockstep wrote them), the step the tensors' files were saved at.
+  const auto edit_manifest = [&](const std::string& name, auto&& edit) {
+    return variant(name, [&](const fs::path& v) {
+      std::ifstream in(v / "manifest.json");
+      auto m = nlohmann::json::parse(in);
+      edit(m);
+      std::ofstream(v / "manifest.json") << m.dump(1);
+    });
+  };
+  for (const char* field : {"step", "epoch", "epoch_samples"}) {
+    EXPECT_CONTAINS(attempt(edit_manifest(std::string("edited_") + field,
+                                          [&](nlohmann::json& m) { m["position"][field] = 1000; })),
+                    "the manifest was changed after it was written");
+  }
+  EXPECT_CONTAINS(attempt(edit_manifest("rehashed_step",
+                                        [](nlohmann::json& m) {
+                                          m["position"]["step"] = 1000;
+                                          m["checksum"] = detail::manifest_checksum(m);
+                                        })),
+                  "manifest.json says step 1000 but model.safetensors was saved at step ");
+  EXPECT_CONTAINS(attempt(edit_manifest("unhashed_step",
+                                        [](nlohmann::json& m) {
+                                          m["position"]["step"] = 1000;
+                                          m.erase("checksum");
+                                        })),
+                  "manifest.json says step 1000 but model.safetensors was saved at step ");
   // another optimizer, and no scaler where one is expected
   {
     run sgd_run(d, dtype::f16, false);

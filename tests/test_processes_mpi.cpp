@@ -1,8 +1,9 @@
 // One rank per process, chosen by device kind (comm/processes.hpp): under `mpirun -np N` every process takes
 // process_device() and make_process_communicator() for it. Compiled by nvcc when the CUDA backend is on, so that on
 // a machine with GPUs each process takes GPU local_rank and talks through NCCL (the id sent over MPI); elsewhere
-// host:0 and MPI. Either way: all-reduce, all-gather and broadcast of 4 MiB (large enough for NCCL's direct peer
-// path), and a GPU refused clearly where there is none (or the translation unit has no GPU backend).
+// host:0 and MPI. Either way: all-reduce, all-gather and broadcast of 4 MiB, and a GPU refused clearly where there
+// is none (or the translation unit has no GPU backend). With fewer GPUs than processes on the node, process_device
+// refuses (NCCL cannot use one GPU as two ranks): checked, and nothing more runs then.
 //
 //   mpirun -np 2 --allow-run-as-root --oversubscribe ./test_processes_mpi
 //
@@ -40,10 +41,22 @@ int main(int argc, char** argv) {
   int world_size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   try {
-    const device dev = process_device();
     const bool gpus = LOCKSTEP_HAS_CUDA && cuda_available();
-    const device expected = gpus ? device{device_kind::cuda, local_rank() % device_count(device_kind::cuda)}
-                                 : device{device_kind::host, 0};
+    if (gpus && local_size() > device_count(device_kind::cuda)) {
+      std::string message;
+      try {
+        (void)process_device();
+      } catch (const device_error& e) {
+        message = e.what();
+      }
+      check(message.find("NCCL cannot use one GPU as two ranks") != std::string::npos,
+            "more processes than GPUs on the node are refused: \"" + message + "\"");
+      int failed = failures > 0 ? 1 : 0;
+      MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+      return failed;
+    }
+    const device dev = process_device();
+    const device expected = gpus ? device{device_kind::cuda, local_rank()} : device{device_kind::host, 0};
     check(dev == expected, "process_device() is " + dev.str() + ", expected " + expected.str());
 
     communicator comm = make_process_communicator(dev);

@@ -411,22 +411,25 @@ class clique_member final : public communicator_impl {
   }
 
  private:
-  /// Strict mode: this rank's share of a collective reads and writes its peers' buffers directly, as NCCL does
+  /// Strict mode: every rank's share of a collective reads and writes its peers' buffers directly, as NCCL does
   /// between the GPUs of one process; a GPU faults (cudaErrorIllegalAddress) or hangs on memory of a peer's
-  /// stream-ordered pool that it was never given access to, so a host device without the grant is refused.
+  /// stream-ordered pool that it was never given access to, so a clique with a pair of devices without the grant
+  /// is refused, on every rank alike (each checks every pair, so none is left waiting for the others).
   void expect_peer_access(const collective_call& c) const {
-    const device self = get_device();
     auto& host = host_backend::runtime::instance();
-    for (int r = 0; r < state_->size(); ++r) {
-      const device peer = state_->device_of(r);
-      if (host.peer_access(self.index, peer.index)) continue;
-      throw precondition_error(concat(
-          name_of(c.kind), " on ", rank_name(rank_, self), " would read and write the buffers of ", rank_name(r, peer),
-          " directly, but ", self.str(), " was never given access to the memory of ", peer.str(),
-          ": on GPUs, NCCL reads peers' memory directly within a process, and memory of a stream-ordered pool that "
-          "was not granted (enable_peer_access: cudaDeviceEnablePeerAccess and cudaMemPoolSetAccess) faults with "
-          "cudaErrorIllegalAddress or hangs. make_host_clique and make_nccl_clique grant it; call "
-          "enable_peer_access(devices) again after disable_peer_access [host_strictness::strict]"));
+    for (int a = 0; a < state_->size(); ++a) {
+      for (int b = 0; b < state_->size(); ++b) {
+        const device from = state_->device_of(a), to = state_->device_of(b);
+        if (host.peer_access(from.index, to.index)) continue;
+        throw precondition_error(concat(
+            name_of(c.kind), " on ", rank_name(rank_, get_device()), ": ", rank_name(a, from),
+            " would read and write the buffers of ", rank_name(b, to), " directly, but ", from.str(),
+            " was never given access to the memory of ", to.str(),
+            ": on GPUs, NCCL reads peers' memory directly within a process, and memory of a stream-ordered pool "
+            "that was not granted (enable_peer_access: cudaDeviceEnablePeerAccess and cudaMemPoolSetAccess) faults "
+            "with cudaErrorIllegalAddress or hangs. make_host_clique and make_nccl_clique grant it; call "
+            "enable_peer_access(devices) again after disable_peer_access [host_strictness::strict]"));
+      }
     }
   }
 

@@ -42,12 +42,13 @@
 #include <array>
 #include <atomic>
 #include <chrono>
-#include <cstdlib>
 #include <climits>
+#include <cstdlib>
 #include <condition_variable>
 #include <cstdio>
 #include <cstring>
 #include <exception>
+#include <initializer_list>
 #include <limits>
 #include <memory>
 #include <mutex>
@@ -968,31 +969,50 @@ inline void abort_mpi_job(const char* program, const std::exception& e, int stat
   if (running) (void)MPI_Abort(MPI_COMM_WORLD, status);
 }
 
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+/// The first of the launcher's variables `names` that holds a number of at least `least`, else the rank (or size,
+/// `size`) in MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED): local_rank() and local_size().
+inline int node_local(std::initializer_list<const char*> names, int least, bool size, const char* what) {
+  for (const char* name : names) {
+    if (const char* v = std::getenv(name); v != nullptr) {
+      const int n = parse_index(v);
+      if (n >= least) return n;
+    }
+  }
+  int initialized = 0;
+  LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
+  LOCKSTEP_EXPECTS(initialized, what, ": no launcher variable (", *names.begin(),
+                   ", ...) is set and MPI is not initialized; create a lockstep::mpi_session first");
+  MPI_Comm local = MPI_COMM_NULL;
+  LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local),
+                     "splitting MPI_COMM_WORLD by node");
+  int n = 0;
+  const int status = size ? MPI_Comm_size(local, &n) : MPI_Comm_rank(local, &n);
+  (void)MPI_Comm_free(&local);
+  LOCKSTEP_MPI_CHECK(status, what, ": asking MPI within the node");
+  return n;
+}
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
 /// This process's rank among the processes of its node, to pick its local device: OMPI_COMM_WORLD_LOCAL_RANK
 /// (OpenMPI), MPI_LOCALRANKID (MPICH), MV2_COMM_WORLD_LOCAL_RANK or SLURM_LOCALID when set; otherwise the rank
 /// in MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED), which is collective over MPI_COMM_WORLD and
 /// needs MPI initialized.
 inline int local_rank() {
-  for (const char* name :
-       {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"}) {
-    if (const char* v = std::getenv(name); v != nullptr) {
-      const int r = detail::parse_index(v);
-      if (r >= 0) return r;
-    }
-  }
-  int initialized = 0;
-  LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
-  LOCKSTEP_EXPECTS(initialized,
-                   "local_rank(): no launcher variable (OMPI_COMM_WORLD_LOCAL_RANK, ...) is set and MPI "
-                   "is not initialized; create a lockstep::mpi_session first");
-  MPI_Comm local = MPI_COMM_NULL;
-  LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local),
-                     "splitting MPI_COMM_WORLD by node");
-  int r = 0;
-  const int status = MPI_Comm_rank(local, &r);
-  (void)MPI_Comm_free(&local);
-  LOCKSTEP_MPI_CHECK(status, "asking for the rank within the node");
-  return r;
+  return detail::node_local({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"},
+                            0, false, "local_rank()");
+}
+
+/// The number of processes of this job on this process's node: OMPI_COMM_WORLD_LOCAL_SIZE (OpenMPI),
+/// MPI_LOCALNRANKS (MPICH) or MV2_COMM_WORLD_LOCAL_SIZE when set; otherwise the size of that split (collective over
+/// MPI_COMM_WORLD, needs MPI initialized).
+inline int local_size() {
+  return detail::node_local({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE"}, 1, true,
+                            "local_size()");
 }
 
 /// This process's communicator over `comm` (every process of `comm` calls it, in the same order as its other

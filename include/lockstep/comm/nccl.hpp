@@ -392,6 +392,12 @@ class shared_comms {
   /// The watchdog thread: see the file comment.
   void watch() noexcept {
     if (!endpoints_.empty()) (void)cudaSetDevice(endpoints_.front()->dev.index);  // never a context on GPU 0
+    // While another thread captures a CUDA graph in cudaStreamCaptureModeGlobal (the default), a query from this
+    // thread would be refused (cudaErrorStreamCaptureUnsupported) and would invalidate the user's capture; the
+    // watchdog's events are never part of a capture, so its queries are safe in relaxed mode.
+    cudaStreamCaptureMode relaxed = cudaStreamCaptureModeRelaxed;
+    (void)cudaThreadExchangeStreamCaptureMode(&relaxed);
+    (void)cudaGetLastError();
     std::unique_lock wait_lock(watch_mutex_);
     while (!watch_cv_.wait_for(wait_lock, std::chrono::milliseconds(20), [this] { return stopping_; })) {
       if (aborted()) continue;
@@ -423,7 +429,7 @@ class shared_comms {
         pending& p = e.in_flight.front();
         if (!p.started) {  // the clock starts when the stream reaches the collective, not when it was queued
           const cudaError_t b = cudaEventQuery(p.before);
-          if (b == cudaErrorNotReady) {
+          if (b == cudaErrorNotReady || b == cudaErrorStreamCaptureUnsupported) {  // (a capture elsewhere: later)
             (void)cudaGetLastError();
             break;
           }
@@ -431,7 +437,7 @@ class shared_comms {
           p.started = now;
         }
         const cudaError_t r = cudaEventQuery(p.done);
-        if (r == cudaErrorNotReady) {
+        if (r == cudaErrorNotReady || r == cudaErrorStreamCaptureUnsupported) {
           (void)cudaGetLastError();
           if (now - *p.started > timeout_) {
             return concat(p.what, " did not finish within ", format_duration(timeout_),

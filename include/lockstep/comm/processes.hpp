@@ -22,13 +22,22 @@
 
 LOCKSTEP_ABI_BEGIN
 
-/// The device of this process in a job of one rank per process: GPU local_rank() (modulo the visible GPUs, so
-/// processes share GPUs when there are more of them than GPUs) when default_devices() finds GPUs, else host:0 (each
-/// process has its own host devices). Choose the job's GPUs with CUDA_VISIBLE_DEVICES.
+/// The device of this process in a job of one rank per process: GPU local_rank() when default_devices() finds
+/// GPUs, else host:0 (each process has its own host devices). Choose the job's GPUs with CUDA_VISIBLE_DEVICES.
+/// Throws device_error when a node runs more processes than it has GPUs: NCCL refuses one GPU as two ranks of a
+/// communicator ("Duplicate GPU detected"), so processes cannot share them.
 inline device process_device() {
   const device_selection selection = default_devices();
   if (selection.devices.kind() != device_kind::cuda) return device{device_kind::host, 0};
-  return selection.devices[static_cast<std::size_t>(local_rank()) % selection.devices.size()];
+  const int gpus = static_cast<int>(selection.devices.size());
+  const int here = local_size();
+  if (here > gpus) {
+    throw device_error(detail::concat("process_device(): ", here, " processes of this job run on this node but ", gpus,
+                                      " GPU", gpus == 1 ? " is" : "s are", " visible (", selection.devices.str(),
+                                      "): NCCL cannot use one GPU as two ranks; start at most ", gpus,
+                                      " processes per node (mpirun -np ", gpus, "), or make more GPUs visible"));
+  }
+  return selection.devices[static_cast<std::size_t>(local_rank())];
 }
 
 /// This process's communicator over the processes of `comm`, for its device `local`: make_nccl_communicator for a

@@ -149,6 +149,17 @@ class content_hash {
   XXH3_state_t state_;
 };
 
+/// The checksum a manifest keeps of itself ("checksum"): XXH3-64 of its compact JSON without that entry (keys in
+/// nlohmann's order, sorted), so that an edited position (step, epoch, epoch_samples) or file entry is found on load.
+inline std::string manifest_checksum(const nlohmann::json& manifest) {
+  nlohmann::json rest = manifest;
+  rest.erase("checksum");
+  const std::string text = rest.dump();
+  content_hash h;
+  h.update(std::as_bytes(std::span(text)));
+  return h.hex();
+}
+
 /// The XXH3-64 checksum of `data` (16 hex digits).
 inline std::string checksum_of(std::span<const std::byte> data) {
   content_hash h;
@@ -849,6 +860,7 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     training_writer.join();
     if (training_failure) std::rethrow_exception(training_failure);
     manifest["files"][training_file_name] = std::move(training_entry);
+    manifest["checksum"] = manifest_checksum(manifest);  // last: it covers everything above
     {
       const std::string text = manifest.dump(1) + "\n";
       posix_file out(tmp / manifest_file_name, O_WRONLY | O_CREAT | O_TRUNC);
@@ -1008,12 +1020,19 @@ class checkpointer {
     pending_ = false;
     // the other ranks wait for rank 0's write in rounds shorter than the communicator's timeout, not in one
     // collective (a large save on a slow disk may take longer than the timeout)
-    if (ranks_) detail::wait_for_root(*ranks_, *stream_, [this](std::chrono::milliseconds d) { return written(d); });
-    if (writer_.joinable()) writer_.join();
-    if (staged_) {
-      spare_ = std::move(staged_->staging);  // reused by the next snapshot
-      staged_.reset();
+    if (ranks_) {
+      try {
+        detail::wait_for_root(*ranks_, *stream_, [this](std::chrono::milliseconds d) { return written(d); });
+      } catch (...) {
+        // A round failed (a peer gone, an abort): the write still reads the staged snapshot; let it end before
+        // anything else may start, and forget its outcome (the run has failed on every rank).
+        finish_writer();
+        failure_ = nullptr;
+        written_.reset();
+        throw;
+      }
     }
+    finish_writer();
     std::string message;
     if (failure_) {
       try {
@@ -1030,6 +1049,15 @@ class checkpointer {
   }
 
  private:
+  /// Joins the writer thread (if any) and keeps the snapshot's staging memory for the next save.
+  void finish_writer() {
+    if (writer_.joinable()) writer_.join();
+    if (staged_) {
+      spare_ = std::move(staged_->staging);  // reused by the next snapshot
+      staged_.reset();
+    }
+  }
+
   void start(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks, detail::staging how) {
     wait();
     ranks_ = ranks && ranks->size() > 1 ? ranks : std::nullopt;
@@ -1133,6 +1161,18 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
         throw data_error(detail::concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
                                         ", newer than this lockstep's ", checkpoint_format_version));
       }
+      // Checkpoints of lockstep before 0.x have no checksum of their manifest: the tensors' own step still is
+      // compared below.
+      if (manifest.contains("checksum")) {
+        const std::string kept = manifest.at("checksum").get<std::string>();
+        const std::string now = detail::manifest_checksum(manifest);
+        if (kept != now) {
+          throw data_error(detail::concat(
+              path.string(), ": the manifest was changed after it was written (it hashes to ", now,
+              ", its checksum says ", kept, "): an edited position (step, epoch, epoch_samples) would resume the run "
+              "at the wrong place. Restore the file, or resume from another checkpoint"));
+        }
+      }
     } catch (const nlohmann::json::exception& e) {
       throw data_error(detail::concat(path.string(), ": not a valid manifest (", e.what(), ")"));
     }
@@ -1153,6 +1193,16 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     }
     detail::expect_no_extra_tensors(training);
     const run_position position = detail::position_from_json(manifest.at("position"));
+    // The tensors' files (checked by their checksums above) carry the step they were saved at.
+    for (const detail::loaded_file* f : {&model, &training}) {
+      const auto step = f->header.metadata.find("lockstep.step");
+      if (step != f->header.metadata.end() && step->second != std::to_string(position.step)) {
+        throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, " says step ", position.step,
+                                        " but ", f->path.filename().string(), " was saved at step ", step->second,
+                                        ": the manifest was edited or belongs to another checkpoint; resume from "
+                                        "another checkpoint"));
+      }
+    }
     // The optimizer's and the scaler's state belong to a precision (an f16 scale means nothing to bf16).
     for (const auto& p : state.model()) {
       if (p.param->compute_type() != position.precision) {

@@ -242,8 +242,9 @@ class data_parallel {
     }
   }
 
-  /// The pairs of GPUs (from, to) where `from` reaches `to`'s memory directly (enable_peer_access): copies between
-  /// other pairs are staged by the driver through host memory. Empty on host devices and single GPUs.
+  /// The pairs of devices (from, to) where `from` reaches `to`'s memory directly (enable_peer_access): copies
+  /// between other pairs of GPUs are staged by the driver through host memory. Host devices: every pair (one
+  /// address space; the grants are kept for strict mode's checks). A single device: none.
   [[nodiscard]] const std::vector<std::pair<device, device>>& peer_pairs() const noexcept { return peer_pairs_; }
 
   /// Peak memory and the time each device spent computing, communicating and idle since construction (or

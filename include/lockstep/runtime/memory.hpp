@@ -64,6 +64,11 @@ inline std::array<std::uint64_t, 64>& peer_access_done() {
   static std::array<std::uint64_t, 64> done{};
   return done;
 }
+/// The pairs whose cudaDeviceEnablePeerAccess lockstep made (not found enabled already): the ones it may disable.
+inline std::array<std::uint64_t, 64>& peer_access_ours() {
+  static std::array<std::uint64_t, 64> ours{};
+  return ours;
+}
 
 inline std::uint64_t cuda_pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, device d) {
   std::uint64_t value = 0;
@@ -302,12 +307,13 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
         device_guard guard(from);
         const cudaError_t e = cudaDeviceEnablePeerAccess(to.index, 0);
         if (e == cudaErrorPeerAccessAlreadyEnabled) {
-          (void)cudaGetLastError();  // enabled by the user or another library: fine
+          (void)cudaGetLastError();  // enabled by the user or another library: fine (and theirs to disable)
         } else if (e == cudaErrorTooManyPeers || e == cudaErrorPeerAccessUnsupported) {
           (void)cudaGetLastError();  // beyond the hardware's peer limit, or refused after all: not connected
           continue;
         } else {
           LOCKSTEP_CUDA_CHECK(e, "enabling peer access from ", from.str(), " to ", to.str());
+          detail::peer_access_ours()[static_cast<std::size_t>(from.index)] |= bit;
         }
       }
       auto& acc = detail::cuda_accounting(to.index);
@@ -331,9 +337,11 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
   return enabled;
 }
 
-/// Takes back what enable_peer_access gave between the devices of `devices`: cudaDeviceDisablePeerAccess and the
-/// pools' access lists on GPUs, the grants on host devices. Collectives between them then fault on a GPU and are
-/// refused in strict host mode (how the tests show that a clique needs the grants); copies still work. Idempotent.
+/// Takes back what enable_peer_access gave between the devices of `devices`: the pools' access lists and the peer
+/// access lockstep itself enabled (not one the user or NCCL had enabled before) on GPUs, the grants on host devices.
+/// Collectives between them then fault on a GPU and are refused in strict host mode (how the tests show that a
+/// clique needs the grants); copies still work. Only while nothing uses the access: no clique or data_parallel
+/// of these devices alive, their streams synchronized. Idempotent.
 inline void disable_peer_access(std::span<const device> devices) {
   for (const device from : devices) {
     for (const device to : devices) {
@@ -366,7 +374,8 @@ inline void disable_peer_access(std::span<const device> devices) {
       access.flags = cudaMemAccessFlagsProtNone;
       LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1), "taking back ", from.str(),
                           "'s access to the memory pool of ", to.str());
-      {
+      auto& ours = detail::peer_access_ours()[static_cast<std::size_t>(from.index)];
+      if ((ours & bit) != 0) {
         device_guard guard(from);
         const cudaError_t e = cudaDeviceDisablePeerAccess(to.index);
         if (e == cudaErrorPeerAccessNotEnabled) {
@@ -374,6 +383,7 @@ inline void disable_peer_access(std::span<const device> devices) {
         } else {
           LOCKSTEP_CUDA_CHECK(e, "disabling peer access from ", from.str(), " to ", to.str());
         }
+        ours &= ~bit;
       }
       done[static_cast<std::size_t>(from.index)] &= ~bit;
     }
