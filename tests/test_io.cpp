@@ -612,6 +612,60 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
   EXPECT_EQ(target.fingerprint(), origin.fingerprint());
 }
 
+// Issue 27, item 7: a root whose newest checkpoint is corrupt names the newest intact one and how to load it.
+TEST(checkpoint, a_corrupt_newest_checkpoint_names_the_newest_intact_one) {
+  scratch dir;
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  checkpointer saver(dir.path());
+  std::vector<fs::path> saved;
+  for (int i = 0; i < 3; ++i) {
+    r.train(1);
+    auto st = r.state();
+    saved.push_back(saver.save(st, r.s));
+  }
+  const auto flip = [](const fs::path& file) {
+    auto b = file_bytes(file);
+    b[b.size() - 3] ^= std::byte{0x40};
+    write_bytes(file, b);
+  };
+  run target(device{device_kind::host, 0}, dtype::f32, false);
+  auto ts = target.state();
+  flip(saved[2] / "model.safetensors");
+  std::string m = message_of<data_error>([&] { load_checkpoint(dir.path(), ts, target.s); });
+  EXPECT_CONTAINS(m, "checksum mismatch");
+  EXPECT_CONTAINS(m, "The newest intact checkpoint before it is " + saved[1].string());
+  EXPECT_CONTAINS(m, "--resume " + saved[1].string());
+  fs::remove(saved[1] / "training.safetensors");  // a missing file: io_error, with the same hint
+  EXPECT_CONTAINS(message_of<io_error>([&] { load_checkpoint(saved[1], ts, target.s); }),
+                  "The newest intact checkpoint before it is " + saved[0].string());
+  EXPECT_CONTAINS(message_of<data_error>([&] { load_checkpoint(dir.path(), ts, target.s); }),
+                  "The newest intact checkpoint before it is " + saved[0].string());
+  flip(saved[0] / "training.safetensors");
+  EXPECT_CONTAINS(message_of<data_error>([&] { load_checkpoint(dir.path(), ts, target.s); }),
+                  "No intact checkpoint before it is under " + dir.path().string());
+}
+
+// Issue 27, item 7: pruning renames a checkpoint out of its step-N name before removing it, so a kill during the
+// removal leaves no step-N directory that looks complete; a later save removes what such a kill left.
+TEST(checkpoint, what_an_interrupted_pruning_leaves_is_no_checkpoint_and_is_removed_later) {
+  scratch dir;
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  const fs::path left = dir.path() / ".step-000000000001.tmp.999999999.pruned";  // no such process
+  fs::create_directories(left);
+  write_bytes(left / "manifest.json", std::vector<std::byte>(3, std::byte{'{'}));
+  EXPECT_EQ(latest_checkpoint(dir.path()), std::nullopt);
+  checkpointer saver(dir.path(), {.keep_last = 1});
+  for (int i = 0; i < 2; ++i) {
+    r.train(1);
+    auto st = r.state();
+    saver.save(st, r.s);
+  }
+  std::vector<std::string> names;
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000002"}));
+}
+
 TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_complete) {
   scratch dir;
   run r(device{device_kind::host, 0}, dtype::f32, false);

@@ -902,7 +902,13 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
   if (o.keep_last > 0) {
     std::error_code ec;
     while (others.size() > o.keep_last - 1) {
-      std::filesystem::remove_all(others.front().second, ec);
+      // Out of the step-N name first (one rename), then removed: a kill during the removal leaves a
+      // ".step-N.tmp.<pid>.pruned" directory, which is no checkpoint and which a later save removes.
+      const std::filesystem::path doomed = others.front().second;
+      const std::filesystem::path aside =
+          root / ("." + doomed.filename().string() + ".tmp." + std::to_string(::getpid()) + ".pruned");
+      std::filesystem::rename(doomed, aside, ec);
+      std::filesystem::remove_all(ec ? doomed : aside, ec);
       others.erase(others.begin());
     }
   }
@@ -1120,6 +1126,77 @@ inline std::optional<std::filesystem::path> latest_checkpoint(const std::filesys
   return all.back().second;
 }
 
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// Reads and checks `dir`/manifest.json: its format, version and its checksum of itself. Throws data_error or
+/// io_error.
+inline nlohmann::json read_manifest(const std::filesystem::path& dir) {
+  const auto path = dir / manifest_file_name;
+  posix_file in(path, O_RDONLY);
+  std::string text(in.size(), '\0');
+  in.read_all(std::as_writable_bytes(std::span(text)));
+  nlohmann::json manifest;
+  try {
+    manifest = nlohmann::json::parse(text);
+    if (!manifest.is_object() || manifest.value("format", "") != "lockstep-checkpoint") {
+      throw data_error(concat(path.string(), ": not a lockstep checkpoint manifest"));
+    }
+    if (manifest.value("version", 0) > checkpoint_format_version) {
+      throw data_error(concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
+                              ", newer than this lockstep's ", checkpoint_format_version));
+    }
+      // Checkpoints of lockstep before 0.x have no checksum of their manifest: the tensors' own step still is
+      // compared below.
+      if (manifest.contains("checksum")) {
+        const std::string kept = manifest.at("checksum").get<std::string>();
+        const std::string now = manifest_checksum(manifest);
+        if (kept != now) {
+          throw data_error(concat(
+              path.string(), ": the manifest was changed after it was written (it hashes to ", now,
+              ", its checksum says ", kept, "): an edited position (step, epoch, epoch_samples) would resume the run "
+              "at the wrong place. Restore the file, or resume from another checkpoint"));
+        }
+      }
+  } catch (const nlohmann::json::exception& e) {
+    throw data_error(concat(path.string(), ": not a valid manifest (", e.what(), ")"));
+  }
+  return manifest;
+}
+
+/// Whether the checkpoint in `dir` reads back whole: its manifest and both files' sizes and checksums (what a load
+/// checks before it looks at the content).
+inline bool checkpoint_intact(const std::filesystem::path& dir) noexcept {
+  try {
+    const nlohmann::json manifest = read_manifest(dir);
+    const auto& files = manifest.at("files");
+    for (const char* file : {model_file_name, training_file_name}) (void)read_safetensors_file(dir / file, &files.at(file));
+    return true;
+  } catch (...) {
+    return false;
+  }
+}
+
+/// For the error of a checkpoint `bad` that did not load: the newest intact checkpoint of its root before it, and
+/// how to load it ("" when `bad` is not a step-N directory).
+inline std::string newest_intact_hint(const std::filesystem::path& bad) {
+  const std::int64_t bad_step = step_of_dir_name(bad.filename().string());
+  if (bad_step < 0) return {};
+  const auto all = complete_checkpoints(bad.parent_path());
+  for (auto it = all.rbegin(); it != all.rend(); ++it) {
+    if (it->first >= bad_step || !checkpoint_intact(it->second)) continue;
+    return concat(". The newest intact checkpoint before it is ", it->second.string(),
+                  ": load that directory by name (load_checkpoint(\"", it->second.string(), "\", ...); the sample: "
+                  "--resume ", it->second.string(), "), or remove the broken one");
+  }
+  return concat(". No intact checkpoint before it is under ", bad.parent_path().string());
+}
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
 /// Loads a checkpoint into `state` onto the device of `s`: `where` is a checkpoint directory, or a root whose
 /// newest complete checkpoint is taken. Reads and checks everything first (checksums, every tensor's name,
 /// dtype and shape, the optimizer's kind and groups), then writes the model's master values (and refreshes
@@ -1146,38 +1223,8 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     }
     dir = *latest;
   }
-  nlohmann::json manifest;
-  {
-    const auto path = dir / detail::manifest_file_name;
-    detail::posix_file in(path, O_RDONLY);
-    std::string text(in.size(), '\0');
-    in.read_all(std::as_writable_bytes(std::span(text)));
-    try {
-      manifest = nlohmann::json::parse(text);
-      if (!manifest.is_object() || manifest.value("format", "") != "lockstep-checkpoint") {
-        throw data_error(detail::concat(path.string(), ": not a lockstep checkpoint manifest"));
-      }
-      if (manifest.value("version", 0) > checkpoint_format_version) {
-        throw data_error(detail::concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
-                                        ", newer than this lockstep's ", checkpoint_format_version));
-      }
-      // Checkpoints of lockstep before 0.x have no checksum of their manifest: the tensors' own step still is
-      // compared below.
-      if (manifest.contains("checksum")) {
-        const std::string kept = manifest.at("checksum").get<std::string>();
-        const std::string now = detail::manifest_checksum(manifest);
-        if (kept != now) {
-          throw data_error(detail::concat(
-              path.string(), ": the manifest was changed after it was written (it hashes to ", now,
-              ", its checksum says ", kept, "): an edited position (step, epoch, epoch_samples) would resume the run "
-              "at the wrong place. Restore the file, or resume from another checkpoint"));
-        }
-      }
-    } catch (const nlohmann::json::exception& e) {
-      throw data_error(detail::concat(path.string(), ": not a valid manifest (", e.what(), ")"));
-    }
-  }
   try {
+    const nlohmann::json manifest = detail::read_manifest(dir);
     const auto& files = manifest.at("files");
     detail::loaded_file model = detail::read_safetensors_file(dir / detail::model_file_name, &files.at(detail::model_file_name));
     detail::loaded_file training =
@@ -1218,9 +1265,12 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     state.position = position;
     state.user = manifest.value("user", nlohmann::json::object());
   } catch (const nlohmann::json::exception& e) {
-    throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, ": malformed (", e.what(), ")"));
+    throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, ": malformed (", e.what(), ")",
+                                    detail::newest_intact_hint(dir)));
   } catch (const data_error& e) {
-    throw data_error(detail::concat("loading checkpoint ", dir.string(), ": ", e.what()));
+    throw data_error(detail::concat("loading checkpoint ", dir.string(), ": ", e.what(), detail::newest_intact_hint(dir)));
+  } catch (const io_error& e) {
+    throw io_error(detail::concat(e.what(), detail::newest_intact_hint(dir)), e.code());
   }
   return dir;
 }

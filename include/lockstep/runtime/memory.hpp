@@ -70,12 +70,41 @@ inline std::array<std::uint64_t, 64>& peer_access_ours() {
   return ours;
 }
 
+/// Gives GPU `from` read and write access to the memory pool of GPU `to` (cudaMemPoolSetAccess), or takes it back.
+inline void set_pool_access(device from, device to, bool allowed) {
+  auto& acc = cuda_accounting(to.index);
+  cudaMemPool_t pool = nullptr;
+  {
+    std::lock_guard pool_lock(acc.mutex);
+    device_guard guard(to);
+    pool = cuda_pool(to, acc);
+  }
+  cudaMemAccessDesc access{};
+  access.location.type = cudaMemLocationTypeDevice;
+  access.location.id = from.index;
+  access.flags = allowed ? cudaMemAccessFlagsProtReadWrite : cudaMemAccessFlagsProtNone;
+  LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1), allowed ? "giving " : "taking back ", from.str(),
+                      allowed ? " access to the memory pool of " : "'s access to the memory pool of ", to.str());
+}
+
 inline std::uint64_t cuda_pool_attribute(cudaMemPool_t pool, cudaMemPoolAttr attr, device d) {
   std::uint64_t value = 0;
   LOCKSTEP_CUDA_CHECK(cudaMemPoolGetAttribute(pool, attr, &value), "reading memory statistics of ", d.str());
   return value;
 }
 #endif
+
+/// Host devices keep the peer-access grants of enable_peer_access / disable_peer_access (every pair of `devices`).
+inline void set_host_peer_access(std::span<const device> devices, bool allowed) {
+  for (const device from : devices) {
+    for (const device to : devices) {
+      if (!from.is_host() || !to.is_host() || from == to) continue;
+      auto& host = host_backend::runtime::instance();
+      (void)host.device(from.index), (void)host.device(to.index);  // both exist, or device_error
+      host.set_peer_access(from.index, to.index, allowed);
+    }
+  }
+}
 
 /// `bytes` of memory on the stream's device, usable in stream order on `s` (cudaMallocAsync semantics).
 /// Zero bytes gives nullptr. Throws out_of_memory_error naming the device, the request and the usage.
@@ -277,13 +306,10 @@ inline memory_stats get_memory_stats(device d) {
 /// makes each device current in turn and restores the caller's.
 inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const device> devices) {
   std::vector<std::pair<device, device>> enabled;
+  detail::set_host_peer_access(devices, true);
   for (const device from : devices) {
     for (const device to : devices) {
-      if (!from.is_host() || !to.is_host() || from == to) continue;
-      auto& host = host_backend::runtime::instance();
-      (void)host.device(from.index), (void)host.device(to.index);  // both exist, or device_error
-      host.set_peer_access(from.index, to.index, true);
-      enabled.emplace_back(from, to);
+      if (from.is_host() && to.is_host() && from != to) enabled.emplace_back(from, to);
     }
   }
 #if LOCKSTEP_HAS_CUDA
@@ -316,19 +342,7 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
           detail::peer_access_ours()[static_cast<std::size_t>(from.index)] |= bit;
         }
       }
-      auto& acc = detail::cuda_accounting(to.index);
-      cudaMemPool_t pool = nullptr;
-      {
-        std::lock_guard pool_lock(acc.mutex);
-        device_guard guard(to);
-        pool = detail::cuda_pool(to, acc);
-      }
-      cudaMemAccessDesc access{};
-      access.location.type = cudaMemLocationTypeDevice;
-      access.location.id = from.index;
-      access.flags = cudaMemAccessFlagsProtReadWrite;
-      LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1), "giving ", from.str(), " access to the memory pool of ",
-                          to.str());
+      detail::set_pool_access(from, to, true);
       done[static_cast<std::size_t>(from.index)] |= bit;
       enabled.emplace_back(from, to);
     }
@@ -343,14 +357,7 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
 /// clique needs the grants); copies still work. Only while nothing uses the access: no clique or data_parallel
 /// of these devices alive, their streams synchronized. Idempotent.
 inline void disable_peer_access(std::span<const device> devices) {
-  for (const device from : devices) {
-    for (const device to : devices) {
-      if (!from.is_host() || !to.is_host() || from == to) continue;
-      auto& host = host_backend::runtime::instance();
-      (void)host.device(from.index), (void)host.device(to.index);
-      host.set_peer_access(from.index, to.index, false);
-    }
-  }
+  detail::set_host_peer_access(devices, false);
 #if LOCKSTEP_HAS_CUDA
   std::lock_guard lock(detail::peer_access_mutex());
   auto& done = detail::peer_access_done();
@@ -361,19 +368,7 @@ inline void disable_peer_access(std::span<const device> devices) {
       detail::check_cuda_index(to);
       const std::uint64_t bit = std::uint64_t{1} << to.index;
       if ((done[static_cast<std::size_t>(from.index)] & bit) == 0) continue;
-      auto& acc = detail::cuda_accounting(to.index);
-      cudaMemPool_t pool = nullptr;
-      {
-        std::lock_guard pool_lock(acc.mutex);
-        device_guard guard(to);
-        pool = detail::cuda_pool(to, acc);
-      }
-      cudaMemAccessDesc access{};
-      access.location.type = cudaMemLocationTypeDevice;
-      access.location.id = from.index;
-      access.flags = cudaMemAccessFlagsProtNone;
-      LOCKSTEP_CUDA_CHECK(cudaMemPoolSetAccess(pool, &access, 1), "taking back ", from.str(),
-                          "'s access to the memory pool of ", to.str());
+      detail::set_pool_access(from, to, false);
       auto& ours = detail::peer_access_ours()[static_cast<std::size_t>(from.index)];
       if ((ours & bit) != 0) {
         device_guard guard(from);
