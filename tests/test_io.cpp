@@ -593,8 +593,10 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
     run sgd_run(d, dtype::f16, false);
     auto ss = sgd_run.state();
     const auto b = sgd_run.fingerprint();
-    EXPECT_CONTAINS(message_of<data_error>([&] { load_checkpoint(good, ss, sgd_run.s); }),
-                    "the checkpoint's optimizer is adamw, this run's is sgd");
+    const std::string mismatch = message_of<data_error>([&] { load_checkpoint(good, ss, sgd_run.s); });
+    EXPECT_CONTAINS(mismatch, "the checkpoint's optimizer is adamw, this run's is sgd");
+    EXPECT_EQ(mismatch.find("intact"), std::string::npos) << "an intact checkpoint that does not match the run is not "
+                                                             "damaged: no other one is offered";
     EXPECT_EQ(sgd_run.fingerprint(), b);
   }
   {
@@ -650,9 +652,13 @@ TEST(checkpoint, a_corrupt_newest_checkpoint_names_the_newest_intact_one) {
 TEST(checkpoint, what_an_interrupted_pruning_leaves_is_no_checkpoint_and_is_removed_later) {
   scratch dir;
   run r(device{device_kind::host, 0}, dtype::f32, false);
-  const fs::path left = dir.path() / ".step-000000000001.tmp.999999999.pruned";  // no such process
-  fs::create_directories(left);
-  write_bytes(left / "manifest.json", std::vector<std::byte>(3, std::byte{'{'}));
+  // set aside by this very pid (a restarted container's trainer gets its old pid), and an unpublished save of a
+  // process that no longer exists
+  for (const std::string& left : {".step-000000000001.tmp." + std::to_string(::getpid()) + ".pruned",
+                                  std::string(".step-000000000000.tmp.999999999")}) {
+    fs::create_directories(dir.path() / left);
+    write_bytes(dir.path() / left / "manifest.json", std::vector<std::byte>(3, std::byte{'{'}));
+  }
   EXPECT_EQ(latest_checkpoint(dir.path()), std::nullopt);
   checkpointer saver(dir.path(), {.keep_last = 1});
   for (int i = 0; i < 2; ++i) {

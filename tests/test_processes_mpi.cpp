@@ -42,6 +42,13 @@ int main(int argc, char** argv) {
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
   try {
     const bool gpus = LOCKSTEP_HAS_CUDA && cuda_available();
+    if (gpus && device_count(device_kind::cuda) == 1 && local_size() > 1) {
+      // One GPU seen by several processes: each was given its own (CUDA_VISIBLE_DEVICES), or they share one, which
+      // NCCL refuses itself. Either way cuda:0; the collectives need a GPU per process.
+      check(process_device() == device{device_kind::cuda, 0}, "one visible GPU is cuda:0");
+      std::printf("[rank %d] one GPU visible to %d processes: the collectives are not run\n", world_rank, local_size());
+      return failures > 0 ? 1 : 0;
+    }
     if (gpus && local_size() > device_count(device_kind::cuda)) {
       std::string message;
       try {

@@ -2,7 +2,7 @@
 // by the kind of device in one place, so that the same program runs on host devices and on GPUs.
 //
 //   lockstep::mpi_session session(&argc, &argv);
-//   const lockstep::device dev = lockstep::process_device();                 // cuda:(local_rank % GPUs), else host:0
+//   const lockstep::device dev = lockstep::process_device();                 // cuda:local_rank, else host:0
 //   lockstep::communicator comm = lockstep::make_process_communicator(dev);  // NCCL on a GPU, MPI on a host device
 //
 // Needs lockstep::mpi (LOCKSTEP_WITH_MPI); NCCL needs the translation unit compiled by nvcc (lockstep_use_cuda_for).
@@ -22,22 +22,27 @@
 
 LOCKSTEP_ABI_BEGIN
 
-/// The device of this process in a job of one rank per process: GPU local_rank() when default_devices() finds
-/// GPUs, else host:0 (each process has its own host devices). Choose the job's GPUs with CUDA_VISIBLE_DEVICES.
-/// Throws device_error when a node runs more processes than it has GPUs: NCCL refuses one GPU as two ranks of a
-/// communicator ("Duplicate GPU detected"), so processes cannot share them.
+/// The device of this process in a job of one rank per process: when default_devices() finds GPUs, cuda:0 if the
+/// process sees one GPU (each process given its own through CUDA_VISIBLE_DEVICES, as Slurm's --gpus-per-task does),
+/// else GPU local_rank(); without GPUs host:0 (each process has its own host devices). Every process of the job
+/// calls it: without a launcher's variables, local_rank() and local_size() are collective over MPI_COMM_WORLD.
+/// Throws device_error when a node runs more processes than the GPUs they all see: NCCL refuses one GPU as two
+/// ranks of a communicator ("Duplicate GPU detected"), so processes cannot share them.
 inline device process_device() {
   const device_selection selection = default_devices();
   if (selection.devices.kind() != device_kind::cuda) return device{device_kind::host, 0};
   const int gpus = static_cast<int>(selection.devices.size());
+  if (gpus == 1) return selection.devices[0];
   const int here = local_size();
-  if (here > gpus) {
-    throw device_error(detail::concat("process_device(): ", here, " processes of this job run on this node but ", gpus,
-                                      " GPU", gpus == 1 ? " is" : "s are", " visible (", selection.devices.str(),
-                                      "): NCCL cannot use one GPU as two ranks; start at most ", gpus,
-                                      " processes per node (mpirun -np ", gpus, "), or make more GPUs visible"));
+  const int rank = local_rank();
+  if (here > gpus || rank >= gpus) {
+    throw device_error(detail::concat("process_device(): ", here, " processes of this job run on this node (this one is "
+                                      "local rank ", rank, ") but ", gpus, " GPUs are visible (",
+                                      selection.devices.str(), "): NCCL cannot use one GPU as two ranks; start at "
+                                      "most ", gpus, " processes per node (mpirun -np ", gpus,
+                                      "), or give each process its own GPU (CUDA_VISIBLE_DEVICES)"));
   }
-  return selection.devices[static_cast<std::size_t>(local_rank())];
+  return selection.devices[static_cast<std::size_t>(rank)];
 }
 
 /// This process's communicator over the processes of `comm`, for its device `local`: make_nccl_communicator for a

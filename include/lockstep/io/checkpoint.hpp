@@ -788,18 +788,23 @@ inline nlohmann::json write_staged_file(const std::filesystem::path& path, const
   return {{"bytes", bytes}, {"xxh3_64", hash.hex()}};
 }
 
-/// Removes what earlier saves left behind when their process died before publishing: ".step-*.tmp.<pid>"
-/// directories under `root` whose process no longer exists (a save in progress elsewhere is left alone).
+/// Removes what earlier saves left behind when their process died before publishing or while pruning:
+/// ".step-*.tmp.<pid>" directories (with ".old" or ".pruned" after the pid: set aside to be removed) under `root`.
+/// A save runs under the root's writer lock, so none of them belongs to a save in progress: those of a process
+/// that no longer exists, of this process (a failed removal, or a restarted container's trainer with the same pid),
+/// and every one set aside are removed; an unpublished one of another live process is left alone (a save of a
+/// process that does not take the lock).
 inline void remove_leftovers(const std::filesystem::path& root) {
   std::error_code ec;
   for (const auto& e : std::filesystem::directory_iterator(root, ec)) {
     const std::string name = e.path().filename().string();
     const auto mark = name.rfind(".tmp.");
     if (name.rfind(".step-", 0) != 0 || mark == std::string::npos) continue;
-    const long pid = std::strtol(name.c_str() + mark + 5, nullptr, 10);
-    if (pid > 0 && pid != ::getpid() && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH) {
-      std::filesystem::remove_all(e.path(), ec);
-    }
+    char* end = nullptr;
+    const long pid = std::strtol(name.c_str() + mark + 5, &end, 10);
+    const bool set_aside = *end == '.';  // ".old", ".pruned"
+    const bool gone = pid > 0 && ::kill(static_cast<pid_t>(pid), 0) != 0 && errno == ESRCH;
+    if (set_aside || gone || pid == ::getpid()) std::filesystem::remove_all(e.path(), ec);
   }
 }
 
@@ -1039,10 +1044,13 @@ class checkpointer {
       }
     }
     finish_writer();
+    // This save's outcome, taken out first: whatever happens below, a later save starts without it.
+    const std::exception_ptr failure = std::exchange(failure_, nullptr);
+    std::optional<std::filesystem::path> written = std::exchange(written_, std::nullopt);
     std::string message;
-    if (failure_) {
+    if (failure) {
       try {
-        std::rethrow_exception(failure_);
+        std::rethrow_exception(failure);
       } catch (const std::exception& e) {
         message = e.what();
       } catch (...) {
@@ -1050,8 +1058,8 @@ class checkpointer {
       }
     }
     if (ranks_) detail::agree_on_save(*ranks_, *stream_, message);
-    if (failure_) std::rethrow_exception(std::exchange(failure_, nullptr));
-    return std::exchange(written_, std::nullopt);
+    if (failure) std::rethrow_exception(failure);
+    return written;
   }
 
  private:
@@ -1147,18 +1155,18 @@ inline nlohmann::json read_manifest(const std::filesystem::path& dir) {
       throw data_error(concat(path.string(), ": written in checkpoint format ", manifest.value("version", 0),
                               ", newer than this lockstep's ", checkpoint_format_version));
     }
-      // Checkpoints of lockstep before 0.x have no checksum of their manifest: the tensors' own step still is
-      // compared below.
-      if (manifest.contains("checksum")) {
-        const std::string kept = manifest.at("checksum").get<std::string>();
-        const std::string now = manifest_checksum(manifest);
-        if (kept != now) {
-          throw data_error(concat(
-              path.string(), ": the manifest was changed after it was written (it hashes to ", now,
-              ", its checksum says ", kept, "): an edited position (step, epoch, epoch_samples) would resume the run "
-              "at the wrong place. Restore the file, or resume from another checkpoint"));
-        }
+    // Manifests written before lockstep checksummed them have none: the step the files were saved at is still
+    // compared with the position's on load.
+    if (manifest.contains("checksum")) {
+      const std::string kept = manifest.at("checksum").get<std::string>();
+      const std::string now = manifest_checksum(manifest);
+      if (kept != now) {
+        throw data_error(concat(
+            path.string(), ": the manifest was changed after it was written (it hashes to ", now,
+            ", its checksum says ", kept, "): an edited position (step, epoch, epoch_samples) would resume the run "
+            "at the wrong place. Restore the file, or resume from another checkpoint"));
       }
+    }
   } catch (const nlohmann::json::exception& e) {
     throw data_error(concat(path.string(), ": not a valid manifest (", e.what(), ")"));
   }
@@ -1178,19 +1186,24 @@ inline bool checkpoint_intact(const std::filesystem::path& dir) noexcept {
   }
 }
 
-/// For the error of a checkpoint `bad` that did not load: the newest intact checkpoint of its root before it, and
-/// how to load it ("" when `bad` is not a step-N directory).
-inline std::string newest_intact_hint(const std::filesystem::path& bad) {
+/// For the error of a checkpoint `bad` that did not load: when it does not read back whole (corrupt, cut short, a file
+/// missing), the newest intact checkpoint of its root before it and how to load it; "" when `bad` is intact (the
+/// error is a mismatch with the run, not damage) or not a step-N directory. Reads the checkpoints' files again: for
+/// the failure path only.
+inline std::string newest_intact_hint(const std::filesystem::path& given) {
+  std::filesystem::path bad = given.lexically_normal();
+  if (bad.filename().empty()) bad = bad.parent_path();  // "ck/step-N/"
   const std::int64_t bad_step = step_of_dir_name(bad.filename().string());
-  if (bad_step < 0) return {};
-  const auto all = complete_checkpoints(bad.parent_path());
+  if (bad_step < 0 || checkpoint_intact(bad)) return {};
+  const std::filesystem::path root = bad.has_parent_path() ? bad.parent_path() : std::filesystem::path(".");
+  const auto all = complete_checkpoints(root);
   for (auto it = all.rbegin(); it != all.rend(); ++it) {
     if (it->first >= bad_step || !checkpoint_intact(it->second)) continue;
     return concat(". The newest intact checkpoint before it is ", it->second.string(),
                   ": load that directory by name (load_checkpoint(\"", it->second.string(), "\", ...); the sample: "
                   "--resume ", it->second.string(), "), or remove the broken one");
   }
-  return concat(". No intact checkpoint before it is under ", bad.parent_path().string());
+  return concat(". No intact checkpoint before it is under ", root.string());
 }
 
 LOCKSTEP_DETAIL_END
