@@ -40,6 +40,12 @@ int main(int argc, char** argv) {
   MPI_Comm_rank(MPI_COMM_WORLD, &world_rank);
   int world_size = 1;
   MPI_Comm_size(MPI_COMM_WORLD, &world_size);
+  // Every rank exits with the same status: non-zero when a check failed on any rank.
+  const auto finish = [] {
+    int failed = failures > 0 ? 1 : 0;
+    MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
+    return failed;
+  };
   try {
     const bool gpus = LOCKSTEP_HAS_CUDA && cuda_available();
     if (gpus && device_count(device_kind::cuda) == 1 && local_size() > 1) {
@@ -47,7 +53,7 @@ int main(int argc, char** argv) {
       // NCCL refuses itself. Either way cuda:0; the collectives need a GPU per process.
       check(process_device() == device{device_kind::cuda, 0}, "one visible GPU is cuda:0");
       std::printf("[rank %d] one GPU visible to %d processes: the collectives are not run\n", world_rank, local_size());
-      return failures > 0 ? 1 : 0;
+      return finish();
     }
     if (gpus && local_size() > device_count(device_kind::cuda)) {
       std::string message;
@@ -58,9 +64,7 @@ int main(int argc, char** argv) {
       }
       check(message.find("NCCL cannot use one GPU as two ranks") != std::string::npos,
             "more processes than GPUs on the node are refused: \"" + message + "\"");
-      int failed = failures > 0 ? 1 : 0;
-      MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-      return failed;
+      return finish();
     }
     const device dev = process_device();
     const device expected = gpus ? device{device_kind::cuda, local_rank()} : device{device_kind::host, 0};
@@ -105,7 +109,5 @@ int main(int argc, char** argv) {
     abort_mpi_job("test_processes_mpi", e);
     return 1;
   }
-  int failed = failures > 0 ? 1 : 0;
-  MPI_Allreduce(MPI_IN_PLACE, &failed, 1, MPI_INT, MPI_MAX, MPI_COMM_WORLD);
-  return failed;
+  return finish();
 }
