@@ -5,7 +5,8 @@
 #   2. with g++ alone, AddressSanitizer and UndefinedBehaviorSanitizer: the host backend;
 #   3. with g++ and ThreadSanitizer: the stream, event and memory tests;
 #   4. with clang: the libFuzzer targets of the parsers (tests/fuzz), each for LOCKSTEP_FUZZ_SECONDS (default 30);
-#   5. README.md's install commands, as written: `cmake --install` of a configured tree into a fresh prefix, then
+#   5. with clang (the oldest Debian's, 14): a user's training file built and run, so the headers stay portable;
+#   6. README.md's install commands, as written: `cmake --install` of a configured tree into a fresh prefix, then
 #      examples/consumer built against it and run.
 # Prints each ctest summary and a final one; exits non-zero if anything failed.
 #
@@ -67,6 +68,22 @@ if command -v clang++ >/dev/null; then
     configure_build_test "$build_root/fuzz" "fuzz" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_COMPILER=clang++ \
     -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_FUZZ=ON -DLOCKSTEP_FUZZ_SECONDS="${LOCKSTEP_FUZZ_SECONDS:-30}" \
     -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TOOLS=OFF
+fi
+
+clang_consumer() {  # a user's training file (bench/compile_time/training_file.cpp) built by clang and run
+  local dir="$build_root/clang"
+  cmake -S "$root" -B "$dir" -G Ninja "${launcher[@]}" -DCMAKE_BUILD_TYPE=Release -DCMAKE_CXX_COMPILER=clang++ \
+    -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_BUILD_TESTS=OFF -DLOCKSTEP_BUILD_EXAMPLES=OFF -DLOCKSTEP_BUILD_TOOLS=OFF \
+    >"$dir.configure.log" 2>&1 || { cat "$dir.configure.log"; return 1; }
+  clang++ --version | head -1
+  cmake --build "$dir" --target compile_time_training_file || return 1
+  rm -rf "$dir/checkpoints"
+  LOCKSTEP_HOST_DEVICES=2 LOCKSTEP_HOST_STRICT=1 "$dir/bench/compile_time_training_file" "$dir/checkpoints" \
+    | tee /dev/stderr | grep -Eq 'loss [0-9.]+, saved .*step-0+3'
+}
+if command -v clang++ >/dev/null; then
+  stage "clang build of a user's training file (graph, custom layer, DDP, f16, AdamW, loader, checkpointer), run" \
+    clang_consumer
 fi
 
 consumer() {  # README.md's install and consumer commands, exactly as written there, with PREFIX a fresh directory

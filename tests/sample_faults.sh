@@ -3,7 +3,7 @@
 # step after the fault. The last rank fails (LOCKSTEP_FAULT) at step 1, at a middle step and at the last step
 # (while the others wait in its all-reduce), with LOCKSTEP_COMM_TIMEOUT=3:
 #   sample_faults.sh KIND RANKS MLP_TRAIN [MPIRUN...]
-# KIND: throw, oom, comm, kill or stop; RANKS: the number of ranks; with MPIRUN (the launcher and its options)
+# KIND: throw, oom, comm, kill, stop or stall (stall: processes only); RANKS: the number of ranks; with MPIRUN (the launcher and its options)
 # the ranks are processes, else threads of one process (host devices). Checks, for each fault step:
 #   - the run exits non-zero within LOCKSTEP_COMM_TIMEOUT + 5 s of the fault (the time the rank printed);
 #   - the failing rank's own message (or, for kill and stop, the sentence that names it) is printed;
@@ -23,7 +23,8 @@ case $kind in
   comm)  expect="LOCKSTEP_FAULT: an injected failure on the communication stream" ;;
   kill)  expect="rank $last with PID [0-9]* on node .* exited on signal 9" ;;
   stop)  expect="rank $last did not reach it within $timeout_s s" ;;
-  *) echo "usage: sample_faults.sh throw|oom|comm|kill|stop RANKS MLP_TRAIN [MPIRUN...]"; exit 2 ;;
+  stall) expect="rank $last did not answer within .* when asked where it is" ;;
+  *) echo "usage: sample_faults.sh throw|oom|comm|kill|stop|stall RANKS MLP_TRAIN [MPIRUN...]"; exit 2 ;;
 esac
 
 failures=0

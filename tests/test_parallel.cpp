@@ -1274,6 +1274,68 @@ TEST_P(ddp_test, ranks_with_different_models_are_rejected_with_the_rank_and_para
   EXPECT_CONTAINS(types, "of rank 1 is 'fc1.weight' [32, 20] f16 but rank 0's is 'fc1.weight' [32, 20] f32");
 }
 
+// Issue 27 item 8: ranks started with other hyperparameters are refused at the first synchronized backward that can
+// see the difference (the optimizer's at the first, the clipper's and the loss scaler's, set at the first step, at
+// the second), naming the setting and both values, on every rank; the same settings train on.
+TEST_P(ddp_test, ranks_with_different_optimizer_options_or_clipping_are_refused_naming_both_values) {
+  if (!require_devices(2)) return;
+  // rank 1's learning rate and max_norm (0: no clipping); returns each rank's refusal (empty: none) and its steps
+  const auto run = [&](float lr1, float clip1) {
+    std::array<std::string, 2> errors;
+    std::array<int, 2> steps{};
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      const auto r = static_cast<std::size_t>(rc.rank());
+      context ctx(rc.compute_stream());
+      graph model = make_model(ctx);
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+      const auto params = parameters_of(model);
+      sgd opt(params.pointers(), {.lr = rc.rank() == 0 ? 0.1f : lr1, .momentum = 0.9f});
+      gradient_clipper clipper(rc.compute_stream());
+      const float max_norm = rc.rank() == 0 ? 1.0f : clip1;
+      softmax_cross_entropy loss;
+      const auto x = inputs();
+      const auto y = labels();
+      try {
+        for (int step = 0; step < 3; ++step) {
+          tensor xb = device_tensor(slice(x, 0, 8, features), shape{8, features}, rc.compute_stream());
+          tensor yb = device_labels(slice(y, 0, 8, 1), rc.compute_stream());
+          opt.zero_grad();
+          loss.forward(ddp.forward(xb), yb, ctx);
+          ddp.backward(loss.backward(ctx));
+          const step_inputs in = max_norm > 0.0f ? clipper.clip_grad_norm(params.pointers(), {.max_norm = max_norm},
+                                                                          rc.compute_stream())
+                                                 : step_inputs{};
+          opt.step(rc.compute_stream(), in);
+          ++steps[r];
+        }
+        rc.comm().synchronize(rc.compute_stream());
+      } catch (const precondition_error& e) {
+        errors[r] = e.what();
+      }
+    });
+    return std::pair(errors, steps);
+  };
+  const auto [same, all_steps] = run(0.1f, 1.0f);
+  EXPECT_EQ(same[0], "");
+  EXPECT_EQ(same[1], "");
+  EXPECT_EQ(all_steps[0], 3);
+  const auto [lr, lr_steps] = run(5.0f, 1.0f);
+  for (const auto& e : lr) {
+    EXPECT_CONTAINS(e, "the ranks do not train with the same settings: for the optimizer of 'fc1.weight', rank 0 has "
+                       "sgd(lr=0.1, momentum=0.9, dampening=0, weight_decay=0, nesterov=no) and rank 1 has sgd(lr=5, "
+                       "momentum=0.9");
+  }
+  EXPECT_EQ(lr_steps[0], 0);  // refused at the first backward: no step taken
+  EXPECT_EQ(lr_steps[1], 0);
+  const auto [clip, clip_steps] = run(0.1f, 0.0f);
+  for (const auto& e : clip) {
+    EXPECT_CONTAINS(e, "for the gradient clipping of 'fc1.weight', rank 0 has clip_grad_norm(max_norm=1, norm=l2) and "
+                       "rank 1 has none");
+  }
+  EXPECT_EQ(clip_steps[0], 1);  // the clipper sets its settings at the first step: refused at the second backward
+  EXPECT_EQ(clip_steps[1], 1);
+}
+
 TEST_P(ddp_test, a_rank_that_throws_makes_the_others_fail_fast) {
   if (!require_devices(3)) return;
   const auto start = std::chrono::steady_clock::now();

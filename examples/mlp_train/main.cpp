@@ -39,6 +39,7 @@
 #include <mutex>
 #include <optional>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "options.hpp"
@@ -455,8 +456,10 @@ class run_checkpoints {
 // LOCKSTEP_FAULT=RANK:STEP:KIND makes rank RANK fail at the start of its step STEP (1-based, or "last"), for the
 // failure tests (tests/sample_faults.sh): throw (an exception on the training thread), oom (a real
 // out-of-memory error: an allocation larger than the device), comm (an exception on the communication stream,
-// where the step's all-reduces then run), kill (SIGKILL) or stop (SIGSTOP: a rank that stalls). The rank says so
-// on stderr first, with the time, so that the tests can measure how long the others take to end.
+// where the step's all-reduces then run), kill (SIGKILL), stop (SIGSTOP: a rank that stalls before its step's
+// collectives) or stall (SIGSTOP from the communication stream 0.3 s into the step, when the step's collectives are
+// queued and their call records sent: a rank stopped inside a collective; processes only). The rank says so on
+// stderr first, with the time, so that the tests can measure how long the others take to end.
 class fault_injection {
  public:
   static fault_injection from_environment() {
@@ -467,7 +470,7 @@ class fault_injection {
     const auto a = t.find(':'), b = a == std::string::npos ? a : t.find(':', a + 1);
     const auto bad = [&] {
       return precondition_error("LOCKSTEP_FAULT='" + t + "' is not RANK:STEP:KIND (e.g. 1:5:throw; STEP a number or "
-                                "last; KIND throw, oom, comm, kill or stop)");
+                                "last; KIND throw, oom, comm, kill, stop or stall)");
     };
     if (b == std::string::npos) throw bad();
     const std::string rank = t.substr(0, a), step = t.substr(a + 1, b - a - 1);
@@ -481,7 +484,8 @@ class fault_injection {
     } else {
       throw bad();
     }
-    if (f.kind_ != "throw" && f.kind_ != "oom" && f.kind_ != "comm" && f.kind_ != "kill" && f.kind_ != "stop") {
+    if (f.kind_ != "throw" && f.kind_ != "oom" && f.kind_ != "comm" && f.kind_ != "kill" && f.kind_ != "stop" &&
+        f.kind_ != "stall") {
       throw bad();
     }
     return f;
@@ -512,6 +516,14 @@ class fault_injection {
       if (!comm_stream.get_device().is_host()) throw error("LOCKSTEP_FAULT: comm faults are injected on host devices");
       detail::enqueue_host(comm_stream, [] { throw error("LOCKSTEP_FAULT: an injected failure on the communication "
                                                          "stream"); }, "injected fault");
+      return;
+    }
+    if (kind_ == "stall") {
+      if (!comm_stream.get_device().is_host()) throw error("LOCKSTEP_FAULT: stall faults are injected on host devices");
+      detail::enqueue_host(comm_stream, [] {
+        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        std::raise(SIGSTOP);
+      }, "injected stall");
       return;
     }
     std::raise(kind_ == "kill" ? SIGKILL : SIGSTOP);

@@ -110,7 +110,8 @@ inline constexpr const char* usage_text =
     "  LOCKSTEP_COMM_CHECK         1 (default): check that all ranks issue the same collectives; 0: do not\n"
     "  LOCKSTEP_FAULT              RANK:STEP:KIND, for failure tests: rank RANK fails at the start of step STEP\n"
     "                              (or \"last\") by KIND: throw, oom, comm (an exception where the step's\n"
-    "                              all-reduces run), kill (SIGKILL) or stop (SIGSTOP)\n"
+    "                              all-reduces run), kill (SIGKILL), stop (SIGSTOP) or stall (SIGSTOP\n"
+    "                              inside the step's collectives; processes only)\n"
     "  LOCKSTEP_HOST_DEVICES       number of host devices (default: 2)\n"
     "  CUDA_VISIBLE_DEVICES        the GPUs this process sees\n";
 

@@ -124,6 +124,15 @@ class loss_scaler {
     expect_attached("loss_scaler::unscale_and_check");
     detail::expect_ranks_for_shards(params, ranks.has_value(), "loss_scaler::unscale_and_check",
                             "so that every rank skips the same steps");
+    if (!settings_) {
+      settings_ = std::make_shared<const std::string>(detail::concat(
+          options_.dynamic ? "dynamic" : "static", "(initial_scale=", options_.initial_scale, ", growth_factor=",
+          options_.growth_factor, ", backoff_factor=", options_.backoff_factor, ", growth_interval=",
+          options_.growth_interval, ", min_scale=", options_.min_scale, ", max_scale=", options_.max_scale, ")"));
+    }
+    for (parameter* p : params) {
+      if (p->update_settings(update_role::loss_scaler) != settings_) p->set_update_settings(update_role::loss_scaler, settings_);
+    }
     launch_elementwise(1, kernels::begin_check_op{state()}, s, "loss scaler check");
     for_each_gradient_type(params, s, [&]<class T>(std::span<const tensor_group<1>> groups) {
       launch_multi_tensor<1>(groups, kernels::count_non_finite_op<T>{state()}, s, "non-finite gradient count");
@@ -227,6 +236,7 @@ class loss_scaler {
   }
 
   loss_scaler_options options_;
+  std::shared_ptr<const std::string> settings_;  // the options, as parameters carry them (set_update_settings)
   device_buffer<std::uint8_t> state_;
   bool unscaled_ = false;
   mutable bool handed_out_ = false;  // scale() was given to a context

@@ -317,7 +317,8 @@ class clique_state {
         // this rank's share of the elements: every rank's terms summed exactly, rounded once and written into
         // every rank's recv. A piece at a time, the peers' terms first copied into a buffer of this thread: a
         // memcpy streams another core's cache lines twice as fast as the sum's loop reading them in place.
-        const auto [begin, end] = chunk_of(c.count, k, rank, es);
+        const auto share = chunk_of(c.count, k, rank, es);
+        const std::size_t begin = share.first, end = share.second;  // captured below: no structured binding
         if (begin == end) return;
         std::vector<std::int64_t> outside(std::max<std::size_t>(c.tensors, 1), 0);
         dispatch_floating(c.type, "all_reduce_exact", [&]<class T>() {

@@ -312,6 +312,8 @@ class state {
  public:
   static constexpr int control_tag = 7;
   static constexpr int check_tag = 8;  // call records (on the control communicator)
+  static constexpr int census_query_tag = 9;   // "where are you?", after a collective timed out
+  static constexpr int census_reply_tag = 10;  // the answer: the collectives a rank entered and completed
   static constexpr std::size_t control_capacity = 1024;
 
   state(MPI_Comm data, MPI_Comm control, device dev, std::chrono::milliseconds timeout, bool check_calls)
@@ -321,6 +323,9 @@ class state {
     LOCKSTEP_MPI_CHECK(MPI_Irecv(control_buffer_.data(), static_cast<int>(control_capacity), MPI_CHAR, MPI_ANY_SOURCE,
                                  control_tag, control_, &control_recv_),
                        "posting the receive of abort messages");
+    LOCKSTEP_MPI_CHECK(MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_,
+                                 &census_recv_),
+                       "posting the receive of census queries");
   }
   state(const state&) = delete;
   state& operator=(const state&) = delete;
@@ -333,9 +338,10 @@ class state {
       leak_staging();
       return;
     }
-    if (control_recv_ != MPI_REQUEST_NULL) {
-      (void)MPI_Cancel(&control_recv_);
-      (void)MPI_Wait(&control_recv_, MPI_STATUS_IGNORE);
+    for (MPI_Request* r : {&control_recv_, &census_recv_}) {
+      if (*r == MPI_REQUEST_NULL) continue;
+      (void)MPI_Cancel(r);
+      (void)MPI_Wait(r, MPI_STATUS_IGNORE);
     }
     for (auto& s : sends_) {
       int flag = 0;
@@ -354,6 +360,14 @@ class state {
               MPI_SUCCESS ||
           !flag) {
         (void)new (std::nothrow) std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
+      }
+    }
+    for (auto& c : abandoned_census_) {
+      int flag = 0;
+      if (MPI_Testall(static_cast<int>(c->requests.size()), c->requests.data(), &flag, MPI_STATUSES_IGNORE) !=
+              MPI_SUCCESS ||
+          !flag) {
+        (void)new (std::nothrow) std::shared_ptr<census_round>(std::move(c));  // MPI may still write the answers
       }
     }
     (void)MPI_Comm_free(&data_);
@@ -424,36 +438,27 @@ class state {
       throw;
     }
     pass_turn(seq);
+    entered_.store(seq, std::memory_order_relaxed);
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     const wait_result result = wait_request(
         request, deadline, [this] { return poll_control(); }, where.c_str());
     if (result == wait_result::done) {
       finish(c, *staging);
+      completed_.store(seq, std::memory_order_relaxed);
       return;
     }
     abandon(request, std::move(staging));
     if (result == wait_result::timed_out) {
-      std::string who;
-      if (size_ == 2) {
-        who = concat("rank ", 1 - rank_, " did not join");
-      } else {
-        who = "one or more of ranks ";
-        bool first = true;
-        for (int r = 0; r < size_; ++r) {
-          if (r == rank_) continue;
-          who += concat(first ? "" : ", ", r);
-          first = false;
-        }
-        who += check_calls_ ? " did not complete it (every rank queued it: their call records arrived; MPI does not "
-                              "tell which stopped)"
-                            : " did not join (MPI does not tell which)";
-      }
+      // MPI does not say which rank is missing: ask every other one where it is. Ranks waiting in a collective
+      // answer at once (they poll); one that is stopped, dead or stuck outside lockstep does not.
+      const std::string who = census(seq);
       const std::string text =
-          concat(where, ": ", who, " within ", format_duration(timeout_),
-                 "; it may have failed, exited or be stuck (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT). "
-                 "MPI cannot cancel the started collective, so this communicator is unusable: end the job "
-                 "(MPI_Abort)");
-      break_communicator(concat(where, " timed out"), notify::peers);
+          concat(where, " did not complete within ", format_duration(timeout_), ": ", who,
+                 " (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT). MPI cannot cancel the started "
+                 "collective, so this communicator is unusable: end the job (MPI_Abort)");
+      // the reason the other ranks and this rank's later calls report: the same names
+      break_communicator(concat(where, " did not complete within ", format_duration(timeout_), ": ", who),
+                         notify::peers);
       throw timeout_error(text);
     }
     throw error(concat(where, " was aborted: ", reason()));
@@ -538,6 +543,7 @@ class state {
     if (broken_.load(std::memory_order_acquire)) return true;
     std::unique_lock lock(control_mutex_, std::try_to_lock);
     if (!lock.owns_lock() || control_recv_ == MPI_REQUEST_NULL) return broken_.load(std::memory_order_acquire);
+    answer_census();
     int flag = 0;
     MPI_Status status{};
     if (MPI_Test(&control_recv_, &flag, &status) != MPI_SUCCESS) return false;
@@ -562,6 +568,106 @@ class state {
         sends_.push_back(std::move(s));
       }
     }
+  }
+
+  /// One census: this rank's query and every other rank's answer ({entered, completed}), with their requests.
+  struct census_round {
+    std::uint64_t query = 0;
+    std::vector<std::array<std::uint64_t, 2>> answers;
+    std::vector<MPI_Request> requests;  // rank r's answer at 2r, the query to it at 2r + 1 (null for this rank)
+  };
+
+  /// Answers a census query that arrived (under control_mutex_): the last collective this rank entered and the
+  /// last it completed, then waits for the next query.
+  void answer_census() {
+    if (census_recv_ == MPI_REQUEST_NULL) return;
+    int flag = 0;
+    MPI_Status status{};
+    if (MPI_Test(&census_recv_, &flag, &status) != MPI_SUCCESS || !flag) return;
+    const std::uint64_t where[2] = {entered_.load(std::memory_order_relaxed),
+                                    completed_.load(std::memory_order_relaxed)};
+    pending_send s{MPI_REQUEST_NULL, std::make_unique<std::string>(reinterpret_cast<const char*>(where), sizeof where)};
+    if (MPI_Isend(s.text->data(), static_cast<int>(s.text->size()), MPI_CHAR, status.MPI_SOURCE, census_reply_tag,
+                  control_, &s.request) == MPI_SUCCESS) {
+      sends_.push_back(std::move(s));
+    }
+    if (MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_, &census_recv_) !=
+        MPI_SUCCESS) {
+      census_recv_ = MPI_REQUEST_NULL;  // no more answers: the others then name this rank as silent
+    }
+  }
+
+  /// After collective `seq` timed out here: asks every other rank which collectives it entered and completed,
+  /// waits a short while (a quarter of the timeout, 0.1 to 2 s) for the answers, and says who is missing: ranks
+  /// that did not answer (stopped, dead, or stuck outside lockstep), ranks that answered from an earlier
+  /// collective, and the ranks waiting in this one.
+  std::string census(std::uint64_t seq) {
+    const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank_);
+    auto round = std::make_shared<census_round>();
+    round->query = seq;
+    constexpr std::uint64_t none = ~std::uint64_t{0};  // no answer written (no collective number is this large)
+    round->answers.assign(n, {none, none});
+    round->requests.assign(2 * n, MPI_REQUEST_NULL);
+    for (std::size_t r = 0; r < n; ++r) {
+      if (r == me) continue;
+      const int to = static_cast<int>(r);
+      if (MPI_Irecv(round->answers[r].data(), 16, MPI_CHAR, to, census_reply_tag, control_, &round->requests[2 * r]) !=
+          MPI_SUCCESS) {
+        round->requests[2 * r] = MPI_REQUEST_NULL;
+      }
+      if (MPI_Isend(&round->query, 1, MPI_UINT64_T, to, census_query_tag, control_, &round->requests[2 * r + 1]) !=
+          MPI_SUCCESS) {
+        round->requests[2 * r + 1] = MPI_REQUEST_NULL;
+      }
+    }
+    const auto window = std::clamp<std::chrono::milliseconds>(timeout_ / 4, std::chrono::milliseconds(100),
+                                                              std::chrono::milliseconds(2000));
+    // answers of ranks that are still alive arrive within the window; abort messages end the wait early
+    (void)wait_requests(
+        round->requests.data(), static_cast<int>(round->requests.size()), std::chrono::steady_clock::now() + window,
+        [this] { return poll_control(); }, "the census of a timed-out collective");
+    std::string silent, behind, waiting = concat(rank_);
+    int silent_count = 0, waiting_count = 1;
+    bool complete = true;
+    for (std::size_t r = 0; r < n; ++r) {
+      if (r == me) continue;
+      // a request is null once complete (here, or in wait_requests' MPI_Testall), or when it could not be posted
+      for (const std::size_t i : {2 * r, 2 * r + 1}) {
+        int done = 0;
+        MPI_Request& q = round->requests[i];
+        if (q != MPI_REQUEST_NULL) (void)MPI_Test(&q, &done, MPI_STATUS_IGNORE);
+        complete = complete && q == MPI_REQUEST_NULL;
+      }
+      if (round->requests[2 * r] != MPI_REQUEST_NULL || round->answers[r][0] == none) {
+        silent += concat(silent.empty() ? "" : ", ", r);
+        ++silent_count;
+        continue;
+      }
+      const auto [entered, completed] = round->answers[r];
+      if (entered >= seq) {
+        waiting += concat(", ", r);
+        ++waiting_count;
+      } else {
+        behind += concat(behind.empty() ? "" : "; ", "rank ", r, " has not reached it (the last collective it ",
+                         "entered is #", entered, ", completed #", completed, ")");
+      }
+    }
+    if (!complete) {
+      std::lock_guard lock(control_mutex_);
+      abandoned_census_.push_back(round);  // MPI may still write the answers or read the query
+    }
+    std::string who;
+    if (silent_count > 0) {
+      who = concat("rank", silent_count == 1 ? " " : "s ", silent, " did not answer within ", format_duration(window),
+                   " when asked where ", silent_count == 1 ? "it is: it has" : "they are: they have",
+                   " failed, exited or stopped, or ", silent_count == 1 ? "is" : "are", " stuck outside lockstep");
+    }
+    if (!behind.empty()) who += concat(who.empty() ? "" : "; ", behind);
+    if (who.empty()) {
+      who = "every rank entered it, but its data did not arrive (a network failure, or MPI stuck)";
+    }
+    return concat(who, "; rank", waiting_count == 1 ? " " : "s ", waiting, waiting_count == 1 ? " is" : " are",
+                  " waiting in it");
   }
 
   void abandon(MPI_Request request, std::unique_ptr<buffers> staging) {
@@ -648,6 +754,9 @@ class state {
     for (auto& a : abandoned_) (void)a.staging.release();
     for (auto& k : abandoned_checks_) {
       (void)new (std::nothrow) std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
+    }
+    for (auto& c : abandoned_census_) {
+      (void)new (std::nothrow) std::shared_ptr<census_round>(std::move(c));  // MPI may still write the answers
     }
     for (auto& s : sends_) (void)s.text.release();
   }
@@ -799,6 +908,11 @@ class state {
   std::vector<pending_send> sends_;
   std::vector<abandoned_request> abandoned_;
   std::vector<std::shared_ptr<call_check>> abandoned_checks_;
+  // the census: the last collective this rank entered and completed (what it answers), the query receive
+  std::atomic<std::uint64_t> entered_{0}, completed_{0};
+  std::uint64_t census_query_ = 0;
+  MPI_Request census_recv_ = MPI_REQUEST_NULL;
+  std::vector<std::shared_ptr<census_round>> abandoned_census_;
 };
 
 /// One process's endpoint.

@@ -22,6 +22,7 @@
 #endif
 #endif
 #if LOCKSTEP_BLAS_X86_SIMD
+#include <cpuid.h>
 #include <immintrin.h>
 #endif
 
@@ -88,8 +89,11 @@ void store_run_portable(const float* __restrict acc, T* __restrict c, std::int64
 
 inline bool has_avx2_f16c() noexcept {
   static const bool yes = [] {
+    // F16C from CPUID leaf 1 (ECX bit 29): __builtin_cpu_supports("f16c") is unknown to clang before 15.
+    unsigned a = 0, b = 0, c = 0, d = 0;
+    if (__get_cpuid(1, &a, &b, &c, &d) == 0 || (c & (1u << 29)) == 0) return false;
     __builtin_cpu_init();
-    return __builtin_cpu_supports("avx2") && __builtin_cpu_supports("f16c");
+    return __builtin_cpu_supports("avx2") != 0;
   }();
   return yes;
 }

@@ -130,8 +130,10 @@ LOCKSTEP_ABI_BEGIN
 class any_layer {
  public:
   any_layer() = default;
-  template <layer L>
-    requires(!std::same_as<std::remove_cvref_t<L>, any_layer>)
+  // any_layer is excluded before `layer` is checked: checking layer<any_layer> inside any_layer's own
+  // constructor would recurse (clang rejects it).
+  template <class L>
+    requires(!std::same_as<std::remove_cvref_t<L>, any_layer> && layer<L>)
   any_layer(L l)  // NOLINT(google-explicit-constructor): wrapping is the point
       : self_(std::make_unique<model<L>>(std::move(l))) {}
 

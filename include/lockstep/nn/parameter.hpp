@@ -22,6 +22,7 @@
 // the master values outside the shard are not kept at all (`value()` then refuses, naming the way to get them).
 #pragma once
 
+#include <array>
 #include <memory>
 #include <optional>
 #include <span>
@@ -98,6 +99,13 @@ class parameter_sharding {
   /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
   virtual void materialize_gradient(stream_ref s) = 0;
 };
+
+/// Who sets a parameter's update settings (parameter::set_update_settings).
+enum class update_role : std::uint8_t { optimizer, loss_scaler, clipping };
+inline constexpr std::size_t update_role_count = 3;
+[[nodiscard]] constexpr const char* name_of(update_role r) noexcept {
+  return r == update_role::optimizer ? "optimizer" : r == update_role::loss_scaler ? "loss scaler" : "gradient clipping";
+}
 
 class parameter {
  public:
@@ -341,6 +349,17 @@ class parameter {
   void set_owner(const void* owner) noexcept { owner_ = owner; }
   [[nodiscard]] const void* owner() const noexcept { return owner_; }
 
+  /// What updates this parameter, and with which options: a description set by the optimizer (when the parameter
+  /// joins one of its groups), the loss scaler and the gradient clipper (when they first handle it).
+  /// distributed_data_parallel compares them across ranks, so that ranks started with other options (another
+  /// learning rate, no clipping) fail at their first backward naming both values instead of training apart.
+  void set_update_settings(update_role role, std::shared_ptr<const std::string> text) noexcept {
+    settings_[static_cast<std::size_t>(role)] = std::move(text);
+  }
+  [[nodiscard]] const std::shared_ptr<const std::string>& update_settings(update_role role) const noexcept {
+    return settings_[static_cast<std::size_t>(role)];
+  }
+
   /// A copy of this parameter on the device of `s` (values copied in stream order on `s`; the caller makes
   /// `s` wait for the work that produced the source values). The gradient starts zero.
   [[nodiscard]] parameter clone(stream_ref s) const {
@@ -361,6 +380,7 @@ class parameter {
   std::string name_;
   shape dims_;
   const void* owner_ = nullptr;  // the data-parallel wrapper of the parameter, if any
+  std::array<std::shared_ptr<const std::string>, update_role_count> settings_;  // see set_update_settings
   maybe_owned_tensor value_;    // the fp32 master values (under ZeRO f16/bf16: the shard's); f32: shared by ZeRO
   maybe_owned_tensor working_;  // the working copy (f16/bf16; empty under f32), shared by ZeRO
   maybe_owned_tensor grad_;     // the gradient, shared by DDP's buckets

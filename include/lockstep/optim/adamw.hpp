@@ -13,6 +13,12 @@ struct adamw_options {
   float beta2 = 0.999f;
   float eps = 1e-8f;
   float weight_decay = 1e-2f;
+
+  /// "adamw(lr=..., ...)": what distributed_data_parallel compares across ranks.
+  [[nodiscard]] std::string describe() const {
+    return detail::concat("adamw(lr=", lr, ", beta1=", beta1, ", beta2=", beta2, ", eps=", eps,
+                          ", weight_decay=", weight_decay, ")");
+  }
 };
 
 /// First and second moments are fp32 on the parameters' device, allocated (zeroed) at the first step. The

@@ -71,6 +71,14 @@ class gradient_clipper {
     detail::expect_pointer_on_device(d, in.skip, "clip_grad_norm's skip flag (step_inputs)");
     detail::expect_ranks_for_shards(params, shards.has_value(), "clip_grad_norm",
                                     "(`shards`) so that the norm covers every rank's shard");
+    if (!settings_ || options.max_norm != last_.max_norm || options.norm != last_.norm) {
+      settings_ = std::make_shared<const std::string>(detail::concat(
+          "clip_grad_norm(max_norm=", options.max_norm, ", norm=", options.norm == grad_norm::l2 ? "l2" : "inf", ")"));
+      last_ = options;
+    }
+    for (parameter* p : params) {
+      if (p->update_settings(update_role::clipping) != settings_) p->set_update_settings(update_role::clipping, settings_);
+    }
     const bool l2 = options.norm == grad_norm::l2;
     partials_.ensure(shape{static_cast<std::int64_t>(params.empty() ? 1 : params.size())}, dtype::f32, s);
     const device_span<float> partials = partials_.view().span<float>();
@@ -123,6 +131,8 @@ class gradient_clipper {
   tensor state_;      // one kernels::clip_state
   tensor partials_;   // [params] f32: each gradient's sum of squares or max |g|
   tensor workspace_;  // the reductions' temporary storage on a GPU
+  clip_options last_;  // the options settings_ describes
+  std::shared_ptr<const std::string> settings_;  // as parameters carry them (set_update_settings)
 };
 
 LOCKSTEP_ABI_END

@@ -51,6 +51,8 @@ class optimizer_core {
         for (parameter* q : other.params)
           LOCKSTEP_EXPECTS(q != p, "parameter ", p->name(), " is in two optimizer groups");
     }
+    const auto settings = std::make_shared<const std::string>(options.describe());
+    for (parameter* p : g.params) p->set_update_settings(update_role::optimizer, settings);
     groups_.push_back(std::move(g));
   }
 

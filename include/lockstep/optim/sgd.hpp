@@ -18,6 +18,13 @@ struct sgd_options {
   float dampening = 0.0f;
   float weight_decay = 0.0f;
   lockstep::nesterov nesterov = lockstep::nesterov::no;
+
+  /// "sgd(lr=..., ...)": what distributed_data_parallel compares across ranks.
+  [[nodiscard]] std::string describe() const {
+    return detail::concat("sgd(lr=", lr, ", momentum=", momentum, ", dampening=", dampening,
+                          ", weight_decay=", weight_decay, ", nesterov=", nesterov == lockstep::nesterov::yes ? "yes" : "no",
+                          ")");
+  }
 };
 
 /// Momentum buffers are fp32 on the parameters' device, allocated (zeroed) at the first step, and only for

@@ -238,6 +238,7 @@ class distributed_data_parallel {
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
                      "built (its buckets hold ", replica_.deterministic ? "exact sums" : "gradients", "); build the "
                      "wrapper after setting the mode");
+    agree_on_settings();
     partials_.begin_backward(syncing_, accumulated_);
     gathered_partials_ = partials_.gathering();
     // A rank without rows whose forward (on no rows) went through the replica group (a synchronized batch norm)
@@ -581,6 +582,30 @@ class distributed_data_parallel {
   bool buffers_stale_ = false;      // a synchronized backward ran since their last broadcast
   bool accumulated_ = false;        // no_sync() backward calls since the last synchronized one
   bool gathered_partials_ = false;  // deterministic mode: the last backward gathered partial gradients
+  int settings_compared_ = 0;  // synchronized backward calls that compared the settings (the first two do)
+
+  /// At the first two synchronized backward calls (every rank the same ones: the loss scaler and the clipper set
+  /// their settings at the first step, after the first backward), the settings compared across ranks
+  /// (detail::check_same_settings), one blocking exchange each. Ranks started with another learning rate, scaler,
+  /// clipping or precision then fail at once, naming both values, instead of training apart.
+  void agree_on_settings() {
+    if (!syncing_ || settings_compared_ >= 2) return;
+    ++settings_compared_;
+    const context& ctx = *replica_.ctx;
+    std::vector<std::string> lines{detail::concat("precision: compute in ", name_of(ctx.compute_type()),
+                                                  ctx.deterministic() ? ", deterministic" : "")};
+    for (std::size_t r = 0; r < update_role_count; ++r) {
+      const std::string* last = nullptr;
+      for (const auto& p : replica_.params) {
+        const std::string* text = p.param->update_settings(static_cast<update_role>(r)).get();
+        if (text == last) continue;
+        last = text;
+        lines.push_back(detail::concat(name_of(static_cast<update_role>(r)), " of '", p.name, "': ",
+                                       text != nullptr ? *text : std::string("none")));
+      }
+    }
+    detail::check_same_settings(lines, replica_.comm, replica_.comm_stream);
+  }
 };
 
 LOCKSTEP_ABI_END

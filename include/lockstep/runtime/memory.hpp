@@ -69,6 +69,19 @@ inline std::array<std::uint64_t, 64>& peer_access_ours() {
   static std::array<std::uint64_t, 64> ours{};
   return ours;
 }
+/// f(from, to, bit) for each ordered pair of distinct GPUs of `devices` (both indices checked), where `bit` is
+/// `to`'s bit in the words of peer_access_done / peer_access_ours.
+template <class F>
+void for_each_gpu_pair(std::span<const device> devices, F&& f) {
+  for (const device from : devices) {
+    for (const device to : devices) {
+      if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
+      check_cuda_index(from);
+      check_cuda_index(to);
+      f(from, to, std::uint64_t{1} << to.index);
+    }
+  }
+}
 
 /// Gives GPU `from` read and write access to the memory pool of GPU `to` (cudaMemPoolSetAccess), or takes it back.
 inline void set_pool_access(device from, device to, bool allowed) {
@@ -315,38 +328,32 @@ inline std::vector<std::pair<device, device>> enable_peer_access(std::span<const
 #if LOCKSTEP_HAS_CUDA
   std::lock_guard lock(detail::peer_access_mutex());
   auto& done = detail::peer_access_done();
-  for (const device from : devices) {
-    for (const device to : devices) {
-      if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
-      detail::check_cuda_index(from);
-      detail::check_cuda_index(to);
-      const std::uint64_t bit = std::uint64_t{1} << to.index;
-      if ((done[static_cast<std::size_t>(from.index)] & bit) != 0) {
-        enabled.emplace_back(from, to);
-        continue;
-      }
-      int can = 0;
-      LOCKSTEP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from.index, to.index), "asking whether ", from.str(),
-                          " can reach ", to.str());
-      if (can == 0) continue;
-      {
-        device_guard guard(from);
-        const cudaError_t e = cudaDeviceEnablePeerAccess(to.index, 0);
-        if (e == cudaErrorPeerAccessAlreadyEnabled) {
-          (void)cudaGetLastError();  // enabled by the user or another library: fine (and theirs to disable)
-        } else if (e == cudaErrorTooManyPeers || e == cudaErrorPeerAccessUnsupported) {
-          (void)cudaGetLastError();  // beyond the hardware's peer limit, or refused after all: not connected
-          continue;
-        } else {
-          LOCKSTEP_CUDA_CHECK(e, "enabling peer access from ", from.str(), " to ", to.str());
-          detail::peer_access_ours()[static_cast<std::size_t>(from.index)] |= bit;
-        }
-      }
-      detail::set_pool_access(from, to, true);
-      done[static_cast<std::size_t>(from.index)] |= bit;
+  detail::for_each_gpu_pair(devices, [&](device from, device to, std::uint64_t bit) {
+    if ((done[static_cast<std::size_t>(from.index)] & bit) != 0) {
       enabled.emplace_back(from, to);
+      return;
     }
-  }
+    int can = 0;
+    LOCKSTEP_CUDA_CHECK(cudaDeviceCanAccessPeer(&can, from.index, to.index), "asking whether ", from.str(),
+                        " can reach ", to.str());
+    if (can == 0) return;
+    {
+      device_guard guard(from);
+      const cudaError_t e = cudaDeviceEnablePeerAccess(to.index, 0);
+      if (e == cudaErrorPeerAccessAlreadyEnabled) {
+        (void)cudaGetLastError();  // enabled by the user or another library: fine (and theirs to disable)
+      } else if (e == cudaErrorTooManyPeers || e == cudaErrorPeerAccessUnsupported) {
+        (void)cudaGetLastError();  // beyond the hardware's peer limit, or refused after all: not connected
+        return;
+      } else {
+        LOCKSTEP_CUDA_CHECK(e, "enabling peer access from ", from.str(), " to ", to.str());
+        detail::peer_access_ours()[static_cast<std::size_t>(from.index)] |= bit;
+      }
+    }
+    detail::set_pool_access(from, to, true);
+    done[static_cast<std::size_t>(from.index)] |= bit;
+    enabled.emplace_back(from, to);
+  });
 #endif
   return enabled;
 }
@@ -361,28 +368,22 @@ inline void disable_peer_access(std::span<const device> devices) {
 #if LOCKSTEP_HAS_CUDA
   std::lock_guard lock(detail::peer_access_mutex());
   auto& done = detail::peer_access_done();
-  for (const device from : devices) {
-    for (const device to : devices) {
-      if (!from.is_cuda() || !to.is_cuda() || from == to) continue;
-      detail::check_cuda_index(from);
-      detail::check_cuda_index(to);
-      const std::uint64_t bit = std::uint64_t{1} << to.index;
-      if ((done[static_cast<std::size_t>(from.index)] & bit) == 0) continue;
-      detail::set_pool_access(from, to, false);
-      auto& ours = detail::peer_access_ours()[static_cast<std::size_t>(from.index)];
-      if ((ours & bit) != 0) {
-        device_guard guard(from);
-        const cudaError_t e = cudaDeviceDisablePeerAccess(to.index);
-        if (e == cudaErrorPeerAccessNotEnabled) {
-          (void)cudaGetLastError();
-        } else {
-          LOCKSTEP_CUDA_CHECK(e, "disabling peer access from ", from.str(), " to ", to.str());
-        }
-        ours &= ~bit;
+  detail::for_each_gpu_pair(devices, [&](device from, device to, std::uint64_t bit) {
+    if ((done[static_cast<std::size_t>(from.index)] & bit) == 0) return;
+    detail::set_pool_access(from, to, false);
+    auto& ours = detail::peer_access_ours()[static_cast<std::size_t>(from.index)];
+    if ((ours & bit) != 0) {
+      device_guard guard(from);
+      const cudaError_t e = cudaDeviceDisablePeerAccess(to.index);
+      if (e == cudaErrorPeerAccessNotEnabled) {
+        (void)cudaGetLastError();
+      } else {
+        LOCKSTEP_CUDA_CHECK(e, "disabling peer access from ", from.str(), " to ", to.str());
       }
-      done[static_cast<std::size_t>(from.index)] &= ~bit;
+      ours &= ~bit;
     }
-  }
+    done[static_cast<std::size_t>(from.index)] &= ~bit;
+  });
 #endif
 }
 

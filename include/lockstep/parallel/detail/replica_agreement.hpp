@@ -97,6 +97,67 @@ inline void check_same_parameters(const parameter_list& params, communicator_ref
   }
 }
 
+/// Every rank must train with the same settings: `lines` (one setting each, the same order on every rank: "optimizer
+/// for 'fc1.weight': sgd(lr=0.05, ...)") are gathered on `s` (the first 4 KiB, and a hash of all of them) and
+/// compared with rank 0's. Throws precondition_error naming the first setting that differs and both values.
+inline void check_same_settings(const std::vector<std::string>& lines, communicator_ref comm, stream_ref s) {
+  const int world = comm.size();
+  if (world == 1) return;
+  std::string text;
+  for (const auto& l : lines) text += l + '\n';
+  constexpr std::size_t record = 4096, kept = record - 8;
+  std::uint64_t hash = 0xcbf29ce484222325ull;  // FNV-1a of the whole text
+  for (const char c : text) hash = (hash ^ static_cast<std::uint8_t>(c)) * 0x100000001b3ull;
+  std::vector<std::uint8_t> mine(record, 0);
+  std::memcpy(mine.data(), &hash, 8);
+  std::memcpy(mine.data() + 8, text.data(), std::min(text.size(), kept));
+  auto mine_dev = to_device(mine, s);
+  device_buffer<std::uint8_t> all(record * static_cast<std::size_t>(world), s);
+  comm.all_gather(device_span<const std::uint8_t>(mine_dev.span()), all.span(), s);
+  comm.synchronize(s);
+  const auto everyone = to_vector(device_span<const std::uint8_t>(all.span()), s);
+  const auto lines_of = [&](int r) {
+    const char* at = reinterpret_cast<const char*>(everyone.data() + static_cast<std::size_t>(r) * record + 8);
+    const std::string t(at, strnlen(at, kept));
+    std::vector<std::string> out;
+    for (std::size_t begin = 0; begin < t.size();) {
+      const std::size_t end = std::min(t.find('\n', begin), t.size());
+      out.push_back(t.substr(begin, end - begin));
+      begin = end + 1;
+    }
+    return out;
+  };
+  for (int r = 1; r < world; ++r) {
+    if (std::memcmp(everyone.data(), everyone.data() + static_cast<std::size_t>(r) * record, 8) == 0) continue;
+    // each line is "what: value" (what: "optimizer of 'fc1.weight'"); a setting one rank lacks is "none"
+    const auto split = [](const std::string& line) {
+      const std::size_t colon = line.find(": ");
+      return colon == std::string::npos ? std::pair<std::string, std::string>(line, "")
+                                        : std::pair<std::string, std::string>(line.substr(0, colon), line.substr(colon + 2));
+    };
+    const auto value_in = [&](const std::vector<std::string>& in, const std::string& what) -> std::string {
+      for (const auto& l : in) {
+        if (auto [w, v] = split(l); w == what) return v;
+      }
+      return "none";
+    };
+    const auto first = lines_of(0), theirs = lines_of(r);
+    std::string difference = "(the difference lies past the first 4 KiB of their settings)";
+    bool found = false;
+    for (const auto* in : {&first, &theirs}) {
+      for (const auto& l : *in) {
+        const std::string what = split(l).first, a = value_in(first, what), b = value_in(theirs, what);
+        if (found || a == b) continue;
+        difference = concat("for the ", what, ", rank 0 has ", a, " and rank ", r, " has ", b);
+        found = true;  // the first difference is enough
+      }
+    }
+    throw precondition_error(concat("distributed_data_parallel: the ranks do not train with the same settings: ",
+                                    difference, ". Every rank must use the same optimizer options, loss scaler, "
+                                    "gradient clipping and precision (were the ranks started with other options?)"));
+  }
+}
+
 /// Rank 0's fp32 values to every rank, packed into one buffer, on `s` (after the whole device's work: the
 /// model's initialization ran on some stream); working copies refreshed. Returns when done.
 inline void broadcast_parameters(const parameter_list& params, communicator_ref comm, stream_ref s) {
