@@ -39,8 +39,11 @@ struct run {
     if (scaler) st.scaler(*scaler);
     st.position.step = step;
     st.position.precision = ctx.compute_type();
+    st.run_id = run_id;  // every state of this run saves as the same run
     return st;
   }
+
+  std::string run_id = detail::new_run_id();
 
   void train(int n) {
     const auto x = inputs();

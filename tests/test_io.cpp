@@ -699,17 +699,45 @@ TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_c
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000003", "step-000000000004"}));
-  // a new run from step 0 into the same root: its checkpoint stays (with keep_last 2: it and step 4, which
-  // loading the root would still take, with a warning)
+  // Issue 27 item 4: a new run from step 0 (it forgot to resume) into the same root is refused before it writes
+  // (keep_last would delete the other run's checkpoints, and loading the root would take the other run's step 4),
+  // by expect_own_root before training and by the save itself, naming the other run's checkpoints
   run again(device{device_kind::host, 0}, dtype::f32, false);
   again.train(1);
   auto st2 = again.state();
-  checkpointer restart(dir.path(), {.keep_last = 2});
-  EXPECT_EQ(restart.save(st2, again.s), dir.path() / "step-000000000001");
+  {
+    checkpointer restart(dir.path(), {.keep_last = 1});
+    const std::string early = message_of<precondition_error>([&] { restart.expect_own_root(st2); });
+    EXPECT_CONTAINS(early, "holds checkpoints of another run (step-000000000004, step-000000000003, run " + r.run_id);
+    EXPECT_CONTAINS(early, "Resume that run");
+    EXPECT_EQ(message_of<precondition_error>([&] { restart.save(st2, again.s); }), early);
+  }
   names.clear();
   for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
   std::sort(names.begin(), names.end());
-  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000001", "step-000000000004"}));
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000003", "step-000000000004"}));
+  // the run that resumed from the root saves there: its own checkpoints
+  {
+    run resumed(device{device_kind::host, 0}, dtype::f32, false);
+    auto rs = resumed.state();
+    EXPECT_EQ(load_checkpoint(dir.path(), rs, resumed.s), dir.path() / "step-000000000004");
+    EXPECT_EQ(rs.run_id, r.run_id);
+    checkpointer same(dir.path(), {.keep_last = 2});
+    same.expect_own_root(rs);
+    rs.position.step = 5;
+    EXPECT_EQ(same.save(rs, resumed.s), dir.path() / "step-000000000005");
+  }
+  // with overwrite, the new run's first checkpoint replaces the other run's
+  {
+    checkpointer replace(dir.path(), {.keep_last = 2, .overwrite = true});
+    replace.expect_own_root(st2);
+    EXPECT_EQ(replace.save(st2, again.s), dir.path() / "step-000000000001");
+  }
+  names.clear();
+  for (const auto& e : fs::directory_iterator(dir.path())) names.push_back(e.path().filename().string());
+  std::sort(names.begin(), names.end());
+  EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000001"}));
+  EXPECT_EQ(latest_checkpoint(dir.path()), dir.path() / "step-000000000001");
 }
 
 TEST(checkpoint, a_diverged_model_is_never_saved_and_the_finite_checkpoints_stay) {

@@ -126,7 +126,7 @@ int main(int argc, char** argv) {
     checkpoint_state state(params);
     state.optimizer(opt).scaler(scaler);
     state.position.step = 3;
-    checkpointer saver(save);
+    checkpointer saver(save, {.overwrite = true});  // each run of this program replaces the previous one's
     const auto where = saver.save(state, ctx.stream(), rc.comm());
     if (rc.rank() == 0) std::printf("loss %.4f, saved %s\n", static_cast<double>(global), where.string().c_str());
   });

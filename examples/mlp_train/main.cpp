@@ -352,7 +352,8 @@ class run_checkpoints {
       // rank 0 writes (and checks now, before any training, that it can); the others never write
       saver_.emplace(o.save, checkpoint_options{.keep_last = static_cast<std::size_t>(o.keep_last),
                                                 .check_root = comm && comm->rank() != 0 ? root_check::at_first_save
-                                                                                        : root_check::at_construction});
+                                                                                        : root_check::at_construction,
+                                                .overwrite = o.overwrite});
       // one run writes a root at a time: a root another run is writing is refused now, before training
       if (!comm || comm->rank() == 0) saver_->lock();
     }
@@ -362,10 +363,14 @@ class run_checkpoints {
   /// (distributed_data_parallel::consolidated). Loading, saving and hashing go through it.
   void set_whole(std::function<void(const std::function<void()>&)> whole) { whole_ = std::move(whole); }
 
-  /// Loads --load-model or --resume; returns where the loop starts.
+  /// Loads --load-model or --resume; returns where the loop starts. Refuses a --save DIR that holds another run's
+  /// checkpoints (without --overwrite) now, before training.
   run_position start() {
     if (!o_.load_model.empty()) whole_([&] { load_model(o_.load_model, state_.model(), s_); });
-    if (o_.resume.empty()) return state_.position;
+    if (o_.resume.empty()) {
+      expect_own_root();
+      return state_.position;
+    }
     std::filesystem::path dir;
     whole_([&] { dir = load_checkpoint(o_.resume, state_, s_); });
     // What shapes the model, the data order or the learning rates must be as it was (the schedule's length
@@ -389,7 +394,13 @@ class run_checkpoints {
       for (const std::string& c : changed_) std::printf("resumed with %s, from step %lld on\n", c.c_str(),
                                                          static_cast<long long>(state_.position.step + 1));
     }
+    expect_own_root();
     return state_.position;
+  }
+
+  /// On the writing rank: a --save DIR with another run's checkpoints is refused unless --overwrite.
+  void expect_own_root() const {
+    if (saver_ && (!comm_ || comm_->rank() == 0)) saver_->expect_own_root(state_);
   }
 
   /// Saves at `at` (every rank calls it at the same steps); r.checkpoint gets the directory written.
@@ -453,11 +464,13 @@ class run_checkpoints {
   std::function<void(const std::function<void()>&)> whole_ = [](const std::function<void()>& body) { body(); };
 };
 
+bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
+
 // LOCKSTEP_FAULT=RANK:STEP:KIND makes rank RANK fail at the start of its step STEP (1-based, or "last"), for the
 // failure tests (tests/sample_faults.sh): throw (an exception on the training thread), oom (a real
 // out-of-memory error: an allocation larger than the device), comm (an exception on the communication stream,
 // where the step's all-reduces then run), kill (SIGKILL), stop (SIGSTOP: a rank that stalls before its step's
-// collectives) or stall (SIGSTOP from the communication stream 0.3 s into the step, when the step's collectives are
+// collectives) or stall (SIGSTOP from the communication stream 1 s into the step, when the step's collectives are
 // queued and their call records sent: a rank stopped inside a collective; processes only). The rank says so on
 // stderr first, with the time, so that the tests can measure how long the others take to end.
 class fault_injection {
@@ -491,8 +504,12 @@ class fault_injection {
     return f;
   }
 
-  /// Throws precondition_error when LOCKSTEP_FAULT names a rank the run does not have (it would never fire).
-  void check_rank(int world) const {
+  /// Throws precondition_error when LOCKSTEP_FAULT names a rank the run does not have (it would never fire), or a
+  /// stall in a run of threads (SIGSTOP would stop every rank: nothing would notice).
+  void check_rank(int world, bool processes) const {
+    if (kind_ == "stall" && !processes) {
+      throw precondition_error("LOCKSTEP_FAULT: a stall stops the whole process: inject it under mpirun --mode ddp");
+    }
     if (rank_ < world) return;
     throw precondition_error(detail::concat("LOCKSTEP_FAULT names rank ", rank_, ", but this run has ", world,
                                             " rank", world == 1 ? "" : "s", " (0 to ", world - 1, ")"));
@@ -521,7 +538,7 @@ class fault_injection {
     if (kind_ == "stall") {
       if (!comm_stream.get_device().is_host()) throw error("LOCKSTEP_FAULT: stall faults are injected on host devices");
       detail::enqueue_host(comm_stream, [] {
-        std::this_thread::sleep_for(std::chrono::milliseconds(300));
+        std::this_thread::sleep_for(std::chrono::seconds(1));
         std::raise(SIGSTOP);
       }, "injected stall");
       return;
@@ -748,7 +765,7 @@ run_result train_ddp_rank(const mlp_options& o, const datasets& data, context& c
   }
   loss_watch watch(o, compute);
   const fault_injection fault = fault_injection::from_environment();
-  fault.check_rank(world);
+  fault.check_rank(world, under_mpirun() && o.mode == "ddp");
   const std::int64_t last_step = total_steps(o, loader.batches_per_epoch());
   ddp.reset_report();
   run_epochs(
@@ -851,7 +868,6 @@ run_result train_ddp_mpi(const mlp_options& o, const datasets& data, int& world_
 }
 #endif
 
-bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
 
 std::string device_label(const device_report& d, std::size_t rank, bool processes) {
   return processes ? "rank " + std::to_string(rank) + " " + d.device.str() : d.device.str();

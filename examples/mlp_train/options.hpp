@@ -48,6 +48,7 @@ struct mlp_options {
   std::string save;             // checkpoint root; empty: no checkpoints
   std::int64_t save_every = 0;  // steps between checkpoints; 0: only at the end (and on SIGTERM/SIGINT)
   int keep_last = 3;
+  bool overwrite = false;       // save into a --save DIR that holds another run's checkpoints, removing them
   std::string resume;           // a checkpoint, or a root whose newest checkpoint is taken
   std::int64_t stop_after = 0;  // end the run after this many steps, the schedule still spanning --epochs
   std::string load_model;       // initial weights (safetensors)
@@ -94,6 +95,8 @@ inline constexpr const char* usage_text =
     "                        10 steps, all at the same one)\n"
     "  --save-every N        also save every N steps (default: only at the end)\n"
     "  --keep-last K         keep the newest K checkpoints under DIR, 0 for all (default 3)\n"
+    "  --overwrite           save into a DIR that holds another run's checkpoints (one this run did not\n"
+    "                        --resume from), replacing them; without it such a DIR is refused before training\n"
     "  --resume DIR          continue the run saved in DIR (a step-N directory, or a --save DIR: its newest)\n"
     "                        with the same --hidden, --optimizer, --precision, --batch, --seed, --lr-schedule,\n"
     "                        --epochs and --max-steps (the devices and the mode may change)\n"
@@ -267,6 +270,8 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--keep-last") {
       o.keep_last = parse_number<int>(flag, value());
       if (o.keep_last < 0) throw usage_error("--keep-last must be >= 0 (0 keeps every checkpoint)");
+    } else if (flag == "--overwrite") {
+      o.overwrite = true;
     } else if (flag == "--resume") {
       o.resume = value();
       if (o.resume.empty()) throw usage_error("--resume needs a directory");
@@ -288,6 +293,9 @@ inline mlp_options parse_options(int argc, char** argv) {
   // An option whose effect depends on another must not be silently ignored without it.
   if (was_given("--keep-last") && o.save.empty()) {
     throw usage_error("--keep-last prunes the checkpoints under --save DIR: give --save DIR too");
+  }
+  if (o.overwrite && o.save.empty()) {
+    throw usage_error("--overwrite replaces another run's checkpoints under --save DIR: give --save DIR too");
   }
   if (was_given("--chunk-rows") && !o.deterministic) {
     throw usage_error("--chunk-rows sets the chunks of --deterministic: give --deterministic too");

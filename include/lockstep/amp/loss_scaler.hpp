@@ -125,10 +125,12 @@ class loss_scaler {
     detail::expect_ranks_for_shards(params, ranks.has_value(), "loss_scaler::unscale_and_check",
                             "so that every rank skips the same steps");
     if (!settings_) {
+      using detail::shortest;
       settings_ = std::make_shared<const std::string>(detail::concat(
-          options_.dynamic ? "dynamic" : "static", "(initial_scale=", options_.initial_scale, ", growth_factor=",
-          options_.growth_factor, ", backoff_factor=", options_.backoff_factor, ", growth_interval=",
-          options_.growth_interval, ", min_scale=", options_.min_scale, ", max_scale=", options_.max_scale, ")"));
+          options_.dynamic ? "dynamic" : "static", "(initial_scale=", shortest(options_.initial_scale),
+          ", growth_factor=", shortest(options_.growth_factor), ", backoff_factor=", shortest(options_.backoff_factor),
+          ", growth_interval=", options_.growth_interval, ", min_scale=", shortest(options_.min_scale),
+          ", max_scale=", shortest(options_.max_scale), ")"));
     }
     for (parameter* p : params) {
       if (p->update_settings(update_role::loss_scaler) != settings_) p->set_update_settings(update_role::loss_scaler, settings_);

@@ -323,9 +323,13 @@ class state {
     LOCKSTEP_MPI_CHECK(MPI_Irecv(control_buffer_.data(), static_cast<int>(control_capacity), MPI_CHAR, MPI_ANY_SOURCE,
                                  control_tag, control_, &control_recv_),
                        "posting the receive of abort messages");
-    LOCKSTEP_MPI_CHECK(MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_,
-                                 &census_recv_),
-                       "posting the receive of census queries");
+    if (const int e = MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_,
+                                &census_recv_);
+        e != MPI_SUCCESS) {
+      (void)MPI_Cancel(&control_recv_);  // no destructor runs: the control receive must not outlive its buffer
+      (void)MPI_Wait(&control_recv_, MPI_STATUS_IGNORE);
+      LOCKSTEP_MPI_CHECK(e, "posting the receive of census queries");
+    }
   }
   state(const state&) = delete;
   state& operator=(const state&) = delete;
@@ -437,21 +441,26 @@ class state {
       pass_turn(seq);
       throw;
     }
+    raise_to(entered_, seq);  // (before the next collective may start: the numbers only grow)
     pass_turn(seq);
-    entered_.store(seq, std::memory_order_relaxed);
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     const wait_result result = wait_request(
         request, deadline, [this] { return poll_control(); }, where.c_str());
     if (result == wait_result::done) {
       finish(c, *staging);
-      completed_.store(seq, std::memory_order_relaxed);
+      raise_to(completed_, seq);  // collectives on several streams may complete out of order
       return;
     }
     abandon(request, std::move(staging));
     if (result == wait_result::timed_out) {
       // MPI does not say which rank is missing: ask every other one where it is. Ranks waiting in a collective
       // answer at once (they poll); one that is stopped, dead or stuck outside lockstep does not.
-      const std::string who = census(seq);
+      std::string who;
+      try {
+        who = census(seq);
+      } catch (const std::exception& e) {  // out of memory, or MPI failing: the communicator breaks all the same
+        who = concat("the other ranks could not be asked where they are (", e.what(), ")");
+      }
       const std::string text =
           concat(where, " did not complete within ", format_duration(timeout_), ": ", who,
                  " (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT). MPI cannot cancel the started "
@@ -580,10 +589,17 @@ class state {
   /// Answers a census query that arrived (under control_mutex_): the last collective this rank entered and the
   /// last it completed, then waits for the next query.
   void answer_census() {
-    if (census_recv_ == MPI_REQUEST_NULL) return;
+    // every query that arrived (when many ranks time out together, each asks every other one)
+    for (int answered = 0; answered < size_ && answer_one_census_query(); ++answered) {
+    }
+  }
+
+  /// Answers one census query if one arrived; whether it did.
+  bool answer_one_census_query() {
+    if (census_recv_ == MPI_REQUEST_NULL) return false;
     int flag = 0;
     MPI_Status status{};
-    if (MPI_Test(&census_recv_, &flag, &status) != MPI_SUCCESS || !flag) return;
+    if (MPI_Test(&census_recv_, &flag, &status) != MPI_SUCCESS || !flag) return false;
     const std::uint64_t where[2] = {entered_.load(std::memory_order_relaxed),
                                     completed_.load(std::memory_order_relaxed)};
     pending_send s{MPI_REQUEST_NULL, std::make_unique<std::string>(reinterpret_cast<const char*>(where), sizeof where)};
@@ -594,6 +610,13 @@ class state {
     if (MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_, &census_recv_) !=
         MPI_SUCCESS) {
       census_recv_ = MPI_REQUEST_NULL;  // no more answers: the others then name this rank as silent
+    }
+    return true;
+  }
+
+  static void raise_to(std::atomic<std::uint64_t>& a, std::uint64_t v) noexcept {
+    std::uint64_t now = a.load(std::memory_order_relaxed);
+    while (now < v && !a.compare_exchange_weak(now, v, std::memory_order_relaxed)) {
     }
   }
 
@@ -608,6 +631,26 @@ class state {
     constexpr std::uint64_t none = ~std::uint64_t{0};  // no answer written (no collective number is this large)
     round->answers.assign(n, {none, none});
     round->requests.assign(2 * n, MPI_REQUEST_NULL);
+    // MPI may write the answers (and read the query) until the requests complete: on every exit that leaves one
+    // pending, the round is kept (abandoned_census_) rather than freed
+    struct keep_pending {
+      state* self;
+      std::shared_ptr<census_round> round;
+      ~keep_pending() {
+        for (MPI_Request& q : round->requests) {
+          int done = 0;
+          if (q != MPI_REQUEST_NULL && (MPI_Test(&q, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done)) {
+            try {
+              std::lock_guard lock(self->control_mutex_);
+              self->abandoned_census_.push_back(round);
+            } catch (...) {
+              (void)new (std::nothrow) std::shared_ptr<census_round>(round);  // leaked rather than written when freed
+            }
+            return;
+          }
+        }
+      }
+    } keep{this, round};
     for (std::size_t r = 0; r < n; ++r) {
       if (r == me) continue;
       const int to = static_cast<int>(r);
@@ -623,12 +666,14 @@ class state {
     const auto window = std::clamp<std::chrono::milliseconds>(timeout_ / 4, std::chrono::milliseconds(100),
                                                               std::chrono::milliseconds(2000));
     // answers of ranks that are still alive arrive within the window; abort messages end the wait early
-    (void)wait_requests(
+    const wait_result waited = wait_requests(
         round->requests.data(), static_cast<int>(round->requests.size()), std::chrono::steady_clock::now() + window,
         [this] { return poll_control(); }, "the census of a timed-out collective");
-    std::string silent, behind, waiting = concat(rank_);
+    if (waited == wait_result::stopped) {  // another rank broke the communicator first: its reason says more
+      return concat("another rank ended the communicator while this one asked where the ranks are: ", reason());
+    }
+    std::string silent, behind, completed_by, waiting = concat(rank_);
     int silent_count = 0, waiting_count = 1;
-    bool complete = true;
     for (std::size_t r = 0; r < n; ++r) {
       if (r == me) continue;
       // a request is null once complete (here, or in wait_requests' MPI_Testall), or when it could not be posted
@@ -636,7 +681,6 @@ class state {
         int done = 0;
         MPI_Request& q = round->requests[i];
         if (q != MPI_REQUEST_NULL) (void)MPI_Test(&q, &done, MPI_STATUS_IGNORE);
-        complete = complete && q == MPI_REQUEST_NULL;
       }
       if (round->requests[2 * r] != MPI_REQUEST_NULL || round->answers[r][0] == none) {
         silent += concat(silent.empty() ? "" : ", ", r);
@@ -644,17 +688,15 @@ class state {
         continue;
       }
       const auto [entered, completed] = round->answers[r];
-      if (entered >= seq) {
+      if (completed >= seq) {
+        completed_by += concat(completed_by.empty() ? "" : ", ", r);
+      } else if (entered >= seq) {
         waiting += concat(", ", r);
         ++waiting_count;
       } else {
         behind += concat(behind.empty() ? "" : "; ", "rank ", r, " has not reached it (the last collective it ",
                          "entered is #", entered, ", completed #", completed, ")");
       }
-    }
-    if (!complete) {
-      std::lock_guard lock(control_mutex_);
-      abandoned_census_.push_back(round);  // MPI may still write the answers or read the query
     }
     std::string who;
     if (silent_count > 0) {
@@ -667,7 +709,7 @@ class state {
       who = "every rank entered it, but its data did not arrive (a network failure, or MPI stuck)";
     }
     return concat(who, "; rank", waiting_count == 1 ? " " : "s ", waiting, waiting_count == 1 ? " is" : " are",
-                  " waiting in it");
+                  " waiting in it", completed_by.empty() ? std::string() : concat(" (completed by ", completed_by, ")"));
   }
 
   void abandon(MPI_Request request, std::unique_ptr<buffers> staging) {

@@ -5,6 +5,7 @@
 // and text, and what was being done. They are built only on failure.
 #pragma once
 
+#include <charconv>
 #include <sstream>
 #include <stdexcept>
 #include <string>
@@ -121,6 +122,14 @@ std::string concat(Args&&... args) {
   std::ostringstream os;
   (os << ... << std::forward<Args>(args));
   return os.str();
+}
+
+/// The shortest decimal that reads back as `v` exactly ("0.1", "1e-08"): for descriptions compared across
+/// processes, where streaming's 6 significant digits would hide a difference.
+inline std::string shortest(float v) {
+  char text[32];
+  const auto r = std::to_chars(text, text + sizeof text, v);
+  return std::string(text, r.ptr);
 }
 
 /// The function name of a stringized call expression: "cudaMemcpyAsync(dst, ...)" -> "cudaMemcpyAsync".

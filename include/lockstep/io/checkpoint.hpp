@@ -38,6 +38,8 @@
 #endif
 #include <signal.h>
 #include <stdio.h>  // renameat2
+#include <sys/random.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -117,6 +119,12 @@ struct checkpoint_options {
   /// (a distributed save writes on rank 0 only, whose root may not exist on the others' machines). (The writer
   /// lock is checkpointer::lock()'s, or the first save's.)
   root_check check_root = root_check::at_construction;
+  /// Save into a root that holds checkpoints of other runs (another checkpoint_state::run_id: a run that was not
+  /// resumed from them): they are removed once this run's first checkpoint there is complete. Off (the default),
+  /// such a save is refused before it writes anything, naming them (checkpointer::expect_own_root says so before
+  /// training): a fresh run that forgot to resume would otherwise mix its steps with the other run's (loading the
+  /// root takes the latest step, whichever run wrote it) and keep_last would delete the other run's.
+  bool overwrite = false;
 };
 
 LOCKSTEP_ABI_END
@@ -127,6 +135,18 @@ inline constexpr const char* model_file_name = "model.safetensors";
 inline constexpr const char* training_file_name = "training.safetensors";
 inline constexpr const char* manifest_file_name = "manifest.json";
 inline constexpr const char* module_prefix = "module.";
+
+/// A new run's identity: 16 hex digits from the kernel's random source (the time and the pid if it fails).
+inline std::string new_run_id() {
+  std::uint64_t v = 0;
+  if (::getrandom(&v, sizeof v, 0) != static_cast<ssize_t>(sizeof v)) {
+    v = static_cast<std::uint64_t>(std::chrono::system_clock::now().time_since_epoch().count()) * 0x9e3779b97f4a7c15ull ^
+        static_cast<std::uint64_t>(::getpid());
+  }
+  char out[17];
+  std::snprintf(out, sizeof out, "%016llx", static_cast<unsigned long long>(v));
+  return out;
+}
 
 inline std::vector<std::int64_t> dims_of(const shape& s) {
   std::vector<std::int64_t> out;
@@ -662,6 +682,11 @@ class checkpoint_state {
 
   /// The loop's position: set it before saving; load_checkpoint sets it.
   run_position position;
+  /// The run's identity, recorded in every checkpoint it saves: a new one for each state, the loaded checkpoint's
+  /// after load_checkpoint (a resumed run goes on as the same run; empty for a checkpoint written before runs had
+  /// identities). A checkpointer saves only into a root whose checkpoints are this run's (checkpoint_options::
+  /// overwrite). Every rank of a distributed save may hold another one until they resume: rank 0's is written.
+  std::string run_id = detail::new_run_id();
   /// The program's own entries, saved in the manifest and restored by load_checkpoint.
   nlohmann::json user = nlohmann::json::object();
 
@@ -762,6 +787,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   manifest["version"] = checkpoint_format_version;
   manifest["lockstep_version"] = meta.at("lockstep.version");
   manifest["position"] = position_json(st.position);
+  manifest["run"] = st.run_id;
   manifest["tensors"] = {{model_file_name, out->model.names()}, {training_file_name, out->training.names()}};
   manifest["user"] = st.user;
   out->manifest = std::move(manifest);
@@ -820,11 +846,67 @@ inline std::vector<std::pair<std::int64_t, std::filesystem::path>> complete_chec
   return out;
 }
 
+/// The run that wrote the checkpoint in `dir` (its manifest's "run"; empty for one written before runs had
+/// identities), or nullopt when its manifest cannot be read (a damaged checkpoint: whose it is cannot be told).
+inline std::optional<std::string> manifest_run(const std::filesystem::path& dir) {
+  try {
+    posix_file in(dir / manifest_file_name, O_RDONLY);
+    std::string text(in.size(), '\0');
+    in.read_all(std::as_writable_bytes(std::span(text)));
+    const auto manifest = nlohmann::json::parse(text);
+    if (!manifest.is_object()) return std::nullopt;
+    const auto run = manifest.find("run");
+    return run != manifest.end() && run->is_string() ? run->get<std::string>() : std::string();
+  } catch (...) {
+    return std::nullopt;
+  }
+}
+
+/// The complete checkpoints under `root` that another run than `run` wrote, oldest first.
+inline std::vector<std::pair<std::int64_t, std::filesystem::path>> other_runs_checkpoints(
+    const std::filesystem::path& root, const std::string& run) {
+  auto all = complete_checkpoints(root);
+  std::erase_if(all, [&](const auto& e) {
+    const auto theirs = manifest_run(e.second);
+    return !theirs || *theirs == run;
+  });
+  return all;
+}
+
+/// The refusal of a save into a root that holds other runs' checkpoints.
+inline std::string other_runs_refusal(const std::filesystem::path& root,
+                                      const std::vector<std::pair<std::int64_t, std::filesystem::path>>& others) {
+  std::string names;
+  for (std::size_t i = 0; i < others.size() && i < 3; ++i) {
+    names += concat(i == 0 ? "" : ", ", others[others.size() - 1 - i].second.filename().string());
+  }
+  if (others.size() > 3) names += concat(" and ", others.size() - 3, " more");
+  const std::string run = manifest_run(others.back().second).value_or("");
+  return concat("checkpointer: ", root.string(), " holds checkpoints of another run (", names,
+                run.empty() ? std::string(", written before runs had identities") : concat(", run ", run),
+                "): this run did not resume from them, and saving beside them would mix the two runs (loading the "
+                "root takes the latest step, whichever run wrote it) and let keep_last delete the other run's. Resume "
+                "that run (load_checkpoint of the root before training; mlp_train --resume ", root.string(),
+                "), save under another root, or replace them (checkpoint_options::overwrite; mlp_train --overwrite)");
+}
+
+/// Takes checkpoint `dir` out of its step-N name first (one rename), then removes it: a kill during the removal
+/// leaves a ".step-N.tmp.<pid>.pruned" directory, which is no checkpoint and which a later save removes.
+inline void remove_checkpoint(const std::filesystem::path& root, const std::filesystem::path& dir) {
+  std::error_code ec;
+  const std::filesystem::path aside = root / ("." + dir.filename().string() + ".tmp." + std::to_string(::getpid()) + ".pruned");
+  std::filesystem::rename(dir, aside, ec);
+  std::filesystem::remove_all(ec ? dir : aside, ec);
+}
+
 /// Writes a staged checkpoint under `root` atomically; returns its directory.
 inline std::filesystem::path write_checkpoint(const std::filesystem::path& root, staged_checkpoint& c,
                                               const checkpoint_options& o) {
   make_directories(root);
   remove_leftovers(root);
+  // another run's checkpoints: refused before anything is written, or (overwrite) removed once this one is published
+  const auto other_runs = other_runs_checkpoints(root, c.manifest.value("run", std::string()));
+  if (!other_runs.empty() && !o.overwrite) throw precondition_error(other_runs_refusal(root, other_runs));
   const std::string name = checkpoint_dir_name(c.step);
   const std::filesystem::path tmp = root / ("." + name + ".tmp." + std::to_string(::getpid()));
   const std::filesystem::path final_dir = root / name;
@@ -902,18 +984,14 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
   }
   // keep_last counts the checkpoint just written and the newest others by step number. Checkpoints of later
   // steps that stay (an earlier run that went further) get a warning: loading the root takes the latest step.
+  for (const auto& [step, dir] : other_runs) {
+    if (step != c.step) remove_checkpoint(root, dir);  // (one of the same step was exchanged with this one)
+  }
   auto others = complete_checkpoints(root);
   std::erase_if(others, [&](const auto& e) { return e.first == c.step; });
   if (o.keep_last > 0) {
-    std::error_code ec;
     while (others.size() > o.keep_last - 1) {
-      // Out of the step-N name first (one rename), then removed: a kill during the removal leaves a
-      // ".step-N.tmp.<pid>.pruned" directory, which is no checkpoint and which a later save removes.
-      const std::filesystem::path doomed = others.front().second;
-      const std::filesystem::path aside =
-          root / ("." + doomed.filename().string() + ".tmp." + std::to_string(::getpid()) + ".pruned");
-      std::filesystem::rename(doomed, aside, ec);
-      std::filesystem::remove_all(ec ? doomed : aside, ec);
+      remove_checkpoint(root, others.front().second);
       others.erase(others.begin());
     }
   }
@@ -1003,6 +1081,15 @@ class checkpointer {
   }
 
   [[nodiscard]] const std::filesystem::path& root() const noexcept { return root_; }
+
+  /// Throws precondition_error when the root holds complete checkpoints of another run than `state`'s
+  /// (checkpoint_state::run_id) and checkpoint_options::overwrite is off, as the first save would: call it before
+  /// training (after loading what the run resumes from) to refuse at once. On the rank that writes.
+  void expect_own_root(const checkpoint_state& state) const {
+    if (options_.overwrite) return;
+    const auto others = detail::other_runs_checkpoints(root_, state.run_id);
+    if (!others.empty()) throw precondition_error(detail::other_runs_refusal(root_, others));
+  }
 
   /// Saves `state` as root/step-<position.step> and returns that directory, once it is complete. With a
   /// communicator of several ranks every rank calls it with the same position: rank 0 writes (its state is
@@ -1277,6 +1364,7 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     s.synchronize();
     state.position = position;
     state.user = manifest.value("user", nlohmann::json::object());
+    state.run_id = manifest.value("run", std::string());  // the resumed run goes on as itself
   } catch (const nlohmann::json::exception& e) {
     throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, ": malformed (", e.what(), ")",
                                     detail::newest_intact_hint(dir)));

@@ -16,8 +16,9 @@ struct adamw_options {
 
   /// "adamw(lr=..., ...)": what distributed_data_parallel compares across ranks.
   [[nodiscard]] std::string describe() const {
-    return detail::concat("adamw(lr=", lr, ", beta1=", beta1, ", beta2=", beta2, ", eps=", eps,
-                          ", weight_decay=", weight_decay, ")");
+    using detail::shortest;
+    return detail::concat("adamw(lr=", shortest(lr), ", beta1=", shortest(beta1), ", beta2=", shortest(beta2),
+                          ", eps=", shortest(eps), ", weight_decay=", shortest(weight_decay), ")");
   }
 };
 

@@ -73,7 +73,7 @@ class gradient_clipper {
                                     "(`shards`) so that the norm covers every rank's shard");
     if (!settings_ || options.max_norm != last_.max_norm || options.norm != last_.norm) {
       settings_ = std::make_shared<const std::string>(detail::concat(
-          "clip_grad_norm(max_norm=", options.max_norm, ", norm=", options.norm == grad_norm::l2 ? "l2" : "inf", ")"));
+          "clip_grad_norm(max_norm=", detail::shortest(options.max_norm), ", norm=", options.norm == grad_norm::l2 ? "l2" : "inf", ")"));
       last_ = options;
     }
     for (parameter* p : params) {

@@ -21,9 +21,10 @@ struct sgd_options {
 
   /// "sgd(lr=..., ...)": what distributed_data_parallel compares across ranks.
   [[nodiscard]] std::string describe() const {
-    return detail::concat("sgd(lr=", lr, ", momentum=", momentum, ", dampening=", dampening,
-                          ", weight_decay=", weight_decay, ", nesterov=", nesterov == lockstep::nesterov::yes ? "yes" : "no",
-                          ")");
+    using detail::shortest;
+    return detail::concat("sgd(lr=", shortest(lr), ", momentum=", shortest(momentum), ", dampening=",
+                          shortest(dampening), ", weight_decay=", shortest(weight_decay),
+                          ", nesterov=", nesterov == lockstep::nesterov::yes ? "yes" : "no", ")");
   }
 };
 

@@ -590,21 +590,23 @@ class distributed_data_parallel {
   /// clipping or precision then fail at once, naming both values, instead of training apart.
   void agree_on_settings() {
     if (!syncing_ || settings_compared_ >= 2) return;
-    ++settings_compared_;
     const context& ctx = *replica_.ctx;
-    std::vector<std::string> lines{detail::concat("precision: compute in ", name_of(ctx.compute_type()),
-                                                  ctx.deterministic() ? ", deterministic" : "")};
+    std::vector<std::string> lines{detail::settings_line(
+        "precision", 0, "", detail::concat("compute in ", name_of(ctx.compute_type()),
+                                           ctx.deterministic() ? ", deterministic" : ""))};
+    // per role, a line where the setting changes along the parameters (in their order, the same on every rank)
     for (std::size_t r = 0; r < update_role_count; ++r) {
-      const std::string* last = nullptr;
-      for (const auto& p : replica_.params) {
-        const std::string* text = p.param->update_settings(static_cast<update_role>(r)).get();
-        if (text == last) continue;
-        last = text;
-        lines.push_back(detail::concat(name_of(static_cast<update_role>(r)), " of '", p.name, "': ",
-                                       text != nullptr ? *text : std::string("none")));
+      std::string last;
+      for (std::size_t i = 0; i < replica_.params.size(); ++i) {
+        const auto& text = replica_.params[i].param->update_settings(static_cast<update_role>(r));
+        const std::string value = text != nullptr ? *text : std::string("none");
+        if (i > 0 && value == last) continue;
+        last = value;
+        lines.push_back(detail::settings_line(name_of(static_cast<update_role>(r)), i, replica_.params[i].name, value));
       }
     }
     detail::check_same_settings(lines, replica_.comm, replica_.comm_stream);
+    ++settings_compared_;  // (after the check: a refused backward called again checks again)
   }
 };
 

@@ -6,8 +6,10 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <string>
+#include <string_view>
 #include <vector>
 
 #include "lockstep/comm/communicator.hpp"
@@ -97,9 +99,16 @@ inline void check_same_parameters(const parameter_list& params, communicator_ref
   }
 }
 
-/// Every rank must train with the same settings: `lines` (one setting each, the same order on every rank: "optimizer
-/// for 'fc1.weight': sgd(lr=0.05, ...)") are gathered on `s` (the first 4 KiB, and a hash of all of them) and
-/// compared with rank 0's. Throws precondition_error naming the first setting that differs and both values.
+/// One line of the settings check_same_settings compares: "ROLE#INDEX 'NAME': VALUE", where the setting of role
+/// ROLE is VALUE from parameter INDEX (named NAME) on, until the next line of the same role.
+inline std::string settings_line(std::string_view role, std::size_t index, const std::string& name,
+                                 const std::string& value) {
+  return concat(role, '#', index, " '", name, "': ", value);
+}
+
+/// Every rank must train with the same settings: `lines` (settings_line, the same order on every rank) are gathered
+/// on `s` (the first 4 KiB, and a hash of all of them) and compared with rank 0's. Throws precondition_error naming
+/// the first setting that differs, its parameter and both values.
 inline void check_same_settings(const std::vector<std::string>& lines, communicator_ref comm, stream_ref s) {
   const int world = comm.size();
   if (world == 1) return;
@@ -116,39 +125,45 @@ inline void check_same_settings(const std::vector<std::string>& lines, communica
   comm.all_gather(device_span<const std::uint8_t>(mine_dev.span()), all.span(), s);
   comm.synchronize(s);
   const auto everyone = to_vector(device_span<const std::uint8_t>(all.span()), s);
-  const auto lines_of = [&](int r) {
+  struct setting {
+    std::string role, name, value;
+    std::size_t index = 0;
+  };
+  const auto settings_of = [&](int r) {
     const char* at = reinterpret_cast<const char*>(everyone.data() + static_cast<std::size_t>(r) * record + 8);
     const std::string t(at, strnlen(at, kept));
-    std::vector<std::string> out;
+    std::vector<setting> out;
     for (std::size_t begin = 0; begin < t.size();) {
       const std::size_t end = std::min(t.find('\n', begin), t.size());
-      out.push_back(t.substr(begin, end - begin));
+      const std::string line = t.substr(begin, end - begin);
       begin = end + 1;
+      const std::size_t hash_mark = line.find('#'), quote = line.find(" '"), colon = line.find("': ");
+      if (hash_mark == std::string::npos || quote == std::string::npos || colon == std::string::npos) continue;
+      out.push_back({line.substr(0, hash_mark), line.substr(quote + 2, colon - quote - 2), line.substr(colon + 3),
+                     static_cast<std::size_t>(std::strtoull(line.c_str() + hash_mark + 1, nullptr, 10))});
     }
     return out;
   };
+  // the value of `role` at parameter `index`: the last line of that role at or before it
+  const auto value_at = [](const std::vector<setting>& in, const std::string& role, std::size_t index) {
+    std::string v = "none";
+    for (const auto& e : in) {
+      if (e.role == role && e.index <= index) v = e.value;
+    }
+    return v;
+  };
   for (int r = 1; r < world; ++r) {
     if (std::memcmp(everyone.data(), everyone.data() + static_cast<std::size_t>(r) * record, 8) == 0) continue;
-    // each line is "what: value" (what: "optimizer of 'fc1.weight'"); a setting one rank lacks is "none"
-    const auto split = [](const std::string& line) {
-      const std::size_t colon = line.find(": ");
-      return colon == std::string::npos ? std::pair<std::string, std::string>(line, "")
-                                        : std::pair<std::string, std::string>(line.substr(0, colon), line.substr(colon + 2));
-    };
-    const auto value_in = [&](const std::vector<std::string>& in, const std::string& what) -> std::string {
-      for (const auto& l : in) {
-        if (auto [w, v] = split(l); w == what) return v;
-      }
-      return "none";
-    };
-    const auto first = lines_of(0), theirs = lines_of(r);
+    const auto first = settings_of(0), theirs = settings_of(r);
     std::string difference = "(the difference lies past the first 4 KiB of their settings)";
     bool found = false;
     for (const auto* in : {&first, &theirs}) {
-      for (const auto& l : *in) {
-        const std::string what = split(l).first, a = value_in(first, what), b = value_in(theirs, what);
+      for (const auto& e : *in) {
+        const std::string a = value_at(first, e.role, e.index), b = value_at(theirs, e.role, e.index);
         if (found || a == b) continue;
-        difference = concat("for the ", what, ", rank 0 has ", a, " and rank ", r, " has ", b);
+        difference = e.name.empty() ? concat("for the ", e.role, ", rank 0 has ", a, " and rank ", r, " has ", b)
+                                    : concat("for the ", e.role, " of '", e.name, "', rank 0 has ", a, " and rank ",
+                                             r, " has ", b);
         found = true;  // the first difference is enough
       }
     }
