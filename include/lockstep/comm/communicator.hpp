@@ -24,6 +24,7 @@
 #include <chrono>
 #include <cstddef>
 #include <cstdint>
+#include <functional>
 #include <cstdlib>
 #include <limits>
 #include <memory>
@@ -204,6 +205,28 @@ struct comm_options {
 }  // namespace lockstep
 
 LOCKSTEP_DETAIL_BEGIN
+
+/// Where the other ranks of a multi-process communicator are when a collective times out: what a timeout message
+/// needs to name a stopped rank, since neither MPI nor NCCL says which peer a started collective waits for. Each
+/// rank records the collectives it entered and completed and answers the others' questions while it waits
+/// (answer()); the rank whose collective timed out asks (ask()). Implemented over MPI (mpi.hpp: mpi_comm::census)
+/// for MPI communicators and for NCCL communicators made over MPI.
+class rank_census {
+ public:
+  rank_census() = default;
+  rank_census(const rank_census&) = delete;
+  rank_census& operator=(const rank_census&) = delete;
+  virtual ~rank_census() = default;
+  virtual void entered(std::uint64_t seq) noexcept = 0;
+  virtual void completed(std::uint64_t seq) noexcept = 0;
+  /// Answers the questions that arrived; never blocks. Call it often while waiting for a collective.
+  virtual void answer() noexcept = 0;
+  /// Asks every other rank, waits a short while, and says who is missing from collective `seq` ("rank 2 did not
+  /// answer within 750 ms ...; ranks 0, 1 are waiting in it"). Stops early when `stop()` becomes true (the
+  /// communicator was aborted), saying so with `why()`. Never throws.
+  virtual std::string ask(std::uint64_t seq, const std::function<bool()>& stop,
+                          const std::function<std::string()>& why) noexcept = 0;
+};
 
 /// What a backend implements. The public types check every argument before calling `enqueue`.
 class communicator_impl {

@@ -307,29 +307,229 @@ inline void divide(float* p, std::size_t n, int k) noexcept {
   for (std::size_t i = 0; i < n; ++i) p[i] /= d;
 }
 
+/// rank_census over MPI: questions and answers travel on `comm` (a communicator of lockstep's own, with tags no
+/// other message uses). A question is a collective number; an answer is {entered, completed}, the last collective
+/// the rank entered and the last it completed.
+class census final : public rank_census {
+ public:
+  static constexpr int query_tag = 9;
+  static constexpr int reply_tag = 10;
+
+  /// Posts the receive of questions on `comm` (not owned: close() before freeing it). Throws mpi_error.
+  census(MPI_Comm comm, std::chrono::milliseconds timeout) : comm_(comm), timeout_(timeout) {
+    LOCKSTEP_MPI_CHECK(MPI_Comm_rank(comm_, &rank_), "asking for this process's rank");
+    LOCKSTEP_MPI_CHECK(MPI_Comm_size(comm_, &size_), "asking for the communicator's size");
+    LOCKSTEP_MPI_CHECK(MPI_Irecv(&query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, query_tag, comm_, &recv_),
+                       "posting the receive of census questions");
+  }
+  ~census() override { close(); }
+
+  /// Cancels the question receive; keeps (leaks) the buffers of what MPI may still read or write. Idempotent.
+  void close() noexcept {
+    std::lock_guard lock(mutex_);
+    int finalized = 1;
+    const bool alive = MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized;
+    if (alive && recv_ != MPI_REQUEST_NULL) {
+      (void)MPI_Cancel(&recv_);
+      (void)MPI_Wait(&recv_, MPI_STATUS_IGNORE);
+    }
+    recv_ = MPI_REQUEST_NULL;
+    for (auto& s : sends_) {
+      int done = 0;
+      if (!alive || MPI_Test(&s.request, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done) {
+        (void)new (std::nothrow) std::shared_ptr<answer_buffer>(std::move(s.answer));
+      }
+    }
+    sends_.clear();
+    for (auto& r : abandoned_) {
+      int done = 0;
+      if (!alive || MPI_Testall(static_cast<int>(r->requests.size()), r->requests.data(), &done,
+                                MPI_STATUSES_IGNORE) != MPI_SUCCESS || !done) {
+        (void)new (std::nothrow) std::shared_ptr<round>(std::move(r));
+      }
+    }
+    abandoned_.clear();
+  }
+
+  void entered(std::uint64_t seq) noexcept override { raise_to(entered_, seq); }
+  void completed(std::uint64_t seq) noexcept override { raise_to(completed_, seq); }
+
+  void answer() noexcept override {
+    std::unique_lock lock(mutex_, std::try_to_lock);
+    if (!lock.owns_lock()) return;  // another thread answers
+    // every question that arrived (when many ranks time out together, each asks every other one)
+    for (int answered = 0; answered < size_ && recv_ != MPI_REQUEST_NULL; ++answered) {
+      int flag = 0;
+      MPI_Status status{};
+      if (MPI_Test(&recv_, &flag, &status) != MPI_SUCCESS || !flag) return;
+      try {
+        auto a = std::make_shared<answer_buffer>();
+        *a = {entered_.load(std::memory_order_relaxed), completed_.load(std::memory_order_relaxed)};
+        pending_answer s{MPI_REQUEST_NULL, a};
+        if (MPI_Isend(a->data(), 2, MPI_UINT64_T, status.MPI_SOURCE, reply_tag, comm_, &s.request) == MPI_SUCCESS) {
+          sends_.push_back(std::move(s));
+        }
+        std::erase_if(sends_, [](pending_answer& p) {
+          int done = 0;
+          return MPI_Test(&p.request, &done, MPI_STATUS_IGNORE) == MPI_SUCCESS && done;
+        });
+      } catch (...) {  // out of memory: no answer (the asker names this rank as silent)
+      }
+      if (MPI_Irecv(&query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, query_tag, comm_, &recv_) != MPI_SUCCESS) {
+        recv_ = MPI_REQUEST_NULL;  // no more answers: the others then name this rank as silent
+      }
+    }
+  }
+
+  std::string ask(std::uint64_t seq, const std::function<bool()>& stop,
+                  const std::function<std::string()>& why) noexcept override {
+    try {
+      // one question at a time from this rank (the watchdog's and a synchronize's): answers carry no round number
+      std::lock_guard one_at_a_time(asking_);
+      return ask_or_throw(seq, stop, why);
+    } catch (const std::exception& e) {  // out of memory, or MPI failing
+      return concat("the other ranks could not be asked where they are (", e.what(), ")");
+    } catch (...) {
+      return "the other ranks could not be asked where they are";
+    }
+  }
+
+ private:
+  using answer_buffer = std::array<std::uint64_t, 2>;
+  struct pending_answer {
+    MPI_Request request;
+    std::shared_ptr<answer_buffer> answer;
+  };
+  /// One question to every other rank and their answers, with the requests (rank r's answer at 2r, the question
+  /// to it at 2r + 1; null for this rank).
+  struct round {
+    std::uint64_t query = 0;
+    std::vector<answer_buffer> answers;
+    std::vector<MPI_Request> requests;
+  };
+
+  static void raise_to(std::atomic<std::uint64_t>& a, std::uint64_t v) noexcept {
+    std::uint64_t now = a.load(std::memory_order_relaxed);
+    while (now < v && !a.compare_exchange_weak(now, v, std::memory_order_relaxed)) {
+    }
+  }
+
+  std::string ask_or_throw(std::uint64_t seq, const std::function<bool()>& stop,
+                           const std::function<std::string()>& why) {
+    const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank_);
+    constexpr std::uint64_t none = ~std::uint64_t{0};  // no answer written (no collective number is this large)
+    auto r = std::make_shared<round>();
+    r->query = seq;
+    r->answers.assign(n, {none, none});
+    r->requests.assign(2 * n, MPI_REQUEST_NULL);
+    // MPI may write the answers (and read the question) until the requests complete: on every exit that leaves one
+    // pending, the round is kept rather than freed
+    struct keep_pending {
+      census* self;
+      std::shared_ptr<round> r;
+      ~keep_pending() {
+        for (MPI_Request& q : r->requests) {
+          int done = 0;
+          if (q != MPI_REQUEST_NULL && (MPI_Test(&q, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done)) {
+            try {
+              std::lock_guard lock(self->mutex_);
+              self->abandoned_.push_back(r);
+            } catch (...) {
+              (void)new (std::nothrow) std::shared_ptr<round>(r);  // leaked rather than written once freed
+            }
+            return;
+          }
+        }
+      }
+    } keep{this, r};
+    for (std::size_t k = 0; k < n; ++k) {
+      if (k == me) continue;
+      const int to = static_cast<int>(k);
+      if (MPI_Irecv(r->answers[k].data(), 2, MPI_UINT64_T, to, reply_tag, comm_, &r->requests[2 * k]) != MPI_SUCCESS) {
+        r->requests[2 * k] = MPI_REQUEST_NULL;
+      }
+      if (MPI_Isend(&r->query, 1, MPI_UINT64_T, to, query_tag, comm_, &r->requests[2 * k + 1]) != MPI_SUCCESS) {
+        r->requests[2 * k + 1] = MPI_REQUEST_NULL;
+      }
+    }
+    const auto window = std::clamp<std::chrono::milliseconds>(timeout_ / 4, std::chrono::milliseconds(100),
+                                                              std::chrono::milliseconds(2000));
+    // answers of ranks that are alive arrive within the window (this rank answers the others meanwhile)
+    const wait_result waited = wait_requests(
+        r->requests.data(), static_cast<int>(r->requests.size()), std::chrono::steady_clock::now() + window,
+        [&] {
+          answer();
+          return stop();
+        },
+        "the census of a timed-out collective");
+    if (waited == wait_result::stopped) {  // another rank ended the communicator first: its reason says more
+      return concat("another rank ended the communicator while this one asked where the ranks are: ", why());
+    }
+    std::string silent, behind, completed_by, waiting = concat(rank_);
+    int silent_count = 0, waiting_count = 1;
+    for (std::size_t k = 0; k < n; ++k) {
+      if (k == me) continue;
+      // a request is null once complete (here, or in wait_requests' MPI_Testall), or when it could not be posted
+      for (const std::size_t i : {2 * k, 2 * k + 1}) {
+        int done = 0;
+        MPI_Request& q = r->requests[i];
+        if (q != MPI_REQUEST_NULL) (void)MPI_Test(&q, &done, MPI_STATUS_IGNORE);
+      }
+      if (r->requests[2 * k] != MPI_REQUEST_NULL || r->answers[k][0] == none) {
+        silent += concat(silent.empty() ? "" : ", ", k);
+        ++silent_count;
+        continue;
+      }
+      const std::uint64_t entered = r->answers[k][0], completed = r->answers[k][1];
+      if (completed >= seq) {
+        completed_by += concat(completed_by.empty() ? "" : ", ", k);
+      } else if (entered >= seq) {
+        waiting += concat(", ", k);
+        ++waiting_count;
+      } else {
+        behind += concat(behind.empty() ? "" : "; ", "rank ", k, " has not reached it (the last collective it ",
+                         "entered is #", entered, ", completed #", completed, ")");
+      }
+    }
+    std::string who;
+    if (silent_count > 0) {
+      who = concat("rank", silent_count == 1 ? " " : "s ", silent, " did not answer within ", format_duration(window),
+                   " when asked where ", silent_count == 1 ? "it is: it has" : "they are: they have",
+                   " failed, exited or stopped, or ", silent_count == 1 ? "is" : "are", " stuck outside lockstep");
+    }
+    if (!behind.empty()) who += concat(who.empty() ? "" : "; ", behind);
+    if (who.empty()) who = "every rank entered it, but its data did not arrive (a network failure, or a stuck transport)";
+    return concat(who, "; rank", waiting_count == 1 ? " " : "s ", waiting, waiting_count == 1 ? " is" : " are",
+                  " waiting in it", completed_by.empty() ? std::string() : concat(" (completed by ", completed_by, ")"));
+  }
+
+  MPI_Comm comm_;
+  std::chrono::milliseconds timeout_;
+  int rank_ = 0, size_ = 1;
+  std::atomic<std::uint64_t> entered_{0}, completed_{0};
+  std::mutex mutex_;  // guards the question receive, the answers in flight and the abandoned rounds
+  std::mutex asking_;  // held by ask()
+  std::uint64_t query_ = 0;
+  MPI_Request recv_ = MPI_REQUEST_NULL;
+  std::vector<pending_answer> sends_;
+  std::vector<std::shared_ptr<round>> abandoned_;
+};
+
 /// The state shared by a communicator and its queued collectives.
 class state {
  public:
   static constexpr int control_tag = 7;
   static constexpr int check_tag = 8;  // call records (on the control communicator)
-  static constexpr int census_query_tag = 9;   // "where are you?", after a collective timed out
-  static constexpr int census_reply_tag = 10;  // the answer: the collectives a rank entered and completed
   static constexpr std::size_t control_capacity = 1024;
 
   state(MPI_Comm data, MPI_Comm control, device dev, std::chrono::milliseconds timeout, bool check_calls)
-      : data_(data), control_(control), dev_(dev), timeout_(timeout), check_calls_(check_calls) {
+      : data_(data), control_(control), dev_(dev), timeout_(timeout), check_calls_(check_calls),
+        census_(control, timeout) {
     LOCKSTEP_MPI_CHECK(MPI_Comm_rank(data_, &rank_), "asking for this process's rank");
     LOCKSTEP_MPI_CHECK(MPI_Comm_size(data_, &size_), "asking for the communicator's size");
     LOCKSTEP_MPI_CHECK(MPI_Irecv(control_buffer_.data(), static_cast<int>(control_capacity), MPI_CHAR, MPI_ANY_SOURCE,
                                  control_tag, control_, &control_recv_),
                        "posting the receive of abort messages");
-    if (const int e = MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_,
-                                &census_recv_);
-        e != MPI_SUCCESS) {
-      (void)MPI_Cancel(&control_recv_);  // no destructor runs: the control receive must not outlive its buffer
-      (void)MPI_Wait(&control_recv_, MPI_STATUS_IGNORE);
-      LOCKSTEP_MPI_CHECK(e, "posting the receive of census queries");
-    }
   }
   state(const state&) = delete;
   state& operator=(const state&) = delete;
@@ -342,10 +542,9 @@ class state {
       leak_staging();
       return;
     }
-    for (MPI_Request* r : {&control_recv_, &census_recv_}) {
-      if (*r == MPI_REQUEST_NULL) continue;
-      (void)MPI_Cancel(r);
-      (void)MPI_Wait(r, MPI_STATUS_IGNORE);
+    if (control_recv_ != MPI_REQUEST_NULL) {
+      (void)MPI_Cancel(&control_recv_);
+      (void)MPI_Wait(&control_recv_, MPI_STATUS_IGNORE);
     }
     for (auto& s : sends_) {
       int flag = 0;
@@ -366,14 +565,7 @@ class state {
         (void)new (std::nothrow) std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
       }
     }
-    for (auto& c : abandoned_census_) {
-      int flag = 0;
-      if (MPI_Testall(static_cast<int>(c->requests.size()), c->requests.data(), &flag, MPI_STATUSES_IGNORE) !=
-              MPI_SUCCESS ||
-          !flag) {
-        (void)new (std::nothrow) std::shared_ptr<census_round>(std::move(c));  // MPI may still write the answers
-      }
-    }
+    census_.close();  // its question receive cancelled while the control communicator lives
     (void)MPI_Comm_free(&data_);
     (void)MPI_Comm_free(&control_);
   }
@@ -441,26 +633,21 @@ class state {
       pass_turn(seq);
       throw;
     }
-    raise_to(entered_, seq);  // (before the next collective may start: the numbers only grow)
+    census_.entered(seq);  // (before the next collective may start)
     pass_turn(seq);
     const auto deadline = std::chrono::steady_clock::now() + timeout_;
     const wait_result result = wait_request(
         request, deadline, [this] { return poll_control(); }, where.c_str());
     if (result == wait_result::done) {
       finish(c, *staging);
-      raise_to(completed_, seq);  // collectives on several streams may complete out of order
+      census_.completed(seq);
       return;
     }
     abandon(request, std::move(staging));
     if (result == wait_result::timed_out) {
       // MPI does not say which rank is missing: ask every other one where it is. Ranks waiting in a collective
       // answer at once (they poll); one that is stopped, dead or stuck outside lockstep does not.
-      std::string who;
-      try {
-        who = census(seq);
-      } catch (const std::exception& e) {  // out of memory, or MPI failing: the communicator breaks all the same
-        who = concat("the other ranks could not be asked where they are (", e.what(), ")");
-      }
+      const std::string who = census_.ask(seq, [this] { return poll_control(); }, [this] { return reason(); });
       const std::string text =
           concat(where, " did not complete within ", format_duration(timeout_), ": ", who,
                  " (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT). MPI cannot cancel the started "
@@ -552,7 +739,7 @@ class state {
     if (broken_.load(std::memory_order_acquire)) return true;
     std::unique_lock lock(control_mutex_, std::try_to_lock);
     if (!lock.owns_lock() || control_recv_ == MPI_REQUEST_NULL) return broken_.load(std::memory_order_acquire);
-    answer_census();
+    census_.answer();
     int flag = 0;
     MPI_Status status{};
     if (MPI_Test(&control_recv_, &flag, &status) != MPI_SUCCESS) return false;
@@ -577,139 +764,6 @@ class state {
         sends_.push_back(std::move(s));
       }
     }
-  }
-
-  /// One census: this rank's query and every other rank's answer ({entered, completed}), with their requests.
-  struct census_round {
-    std::uint64_t query = 0;
-    std::vector<std::array<std::uint64_t, 2>> answers;
-    std::vector<MPI_Request> requests;  // rank r's answer at 2r, the query to it at 2r + 1 (null for this rank)
-  };
-
-  /// Answers a census query that arrived (under control_mutex_): the last collective this rank entered and the
-  /// last it completed, then waits for the next query.
-  void answer_census() {
-    // every query that arrived (when many ranks time out together, each asks every other one)
-    for (int answered = 0; answered < size_ && answer_one_census_query(); ++answered) {
-    }
-  }
-
-  /// Answers one census query if one arrived; whether it did.
-  bool answer_one_census_query() {
-    if (census_recv_ == MPI_REQUEST_NULL) return false;
-    int flag = 0;
-    MPI_Status status{};
-    if (MPI_Test(&census_recv_, &flag, &status) != MPI_SUCCESS || !flag) return false;
-    const std::uint64_t where[2] = {entered_.load(std::memory_order_relaxed),
-                                    completed_.load(std::memory_order_relaxed)};
-    pending_send s{MPI_REQUEST_NULL, std::make_unique<std::string>(reinterpret_cast<const char*>(where), sizeof where)};
-    if (MPI_Isend(s.text->data(), static_cast<int>(s.text->size()), MPI_CHAR, status.MPI_SOURCE, census_reply_tag,
-                  control_, &s.request) == MPI_SUCCESS) {
-      sends_.push_back(std::move(s));
-    }
-    if (MPI_Irecv(&census_query_, 1, MPI_UINT64_T, MPI_ANY_SOURCE, census_query_tag, control_, &census_recv_) !=
-        MPI_SUCCESS) {
-      census_recv_ = MPI_REQUEST_NULL;  // no more answers: the others then name this rank as silent
-    }
-    return true;
-  }
-
-  static void raise_to(std::atomic<std::uint64_t>& a, std::uint64_t v) noexcept {
-    std::uint64_t now = a.load(std::memory_order_relaxed);
-    while (now < v && !a.compare_exchange_weak(now, v, std::memory_order_relaxed)) {
-    }
-  }
-
-  /// After collective `seq` timed out here: asks every other rank which collectives it entered and completed,
-  /// waits a short while (a quarter of the timeout, 0.1 to 2 s) for the answers, and says who is missing: ranks
-  /// that did not answer (stopped, dead, or stuck outside lockstep), ranks that answered from an earlier
-  /// collective, and the ranks waiting in this one.
-  std::string census(std::uint64_t seq) {
-    const auto n = static_cast<std::size_t>(size_), me = static_cast<std::size_t>(rank_);
-    auto round = std::make_shared<census_round>();
-    round->query = seq;
-    constexpr std::uint64_t none = ~std::uint64_t{0};  // no answer written (no collective number is this large)
-    round->answers.assign(n, {none, none});
-    round->requests.assign(2 * n, MPI_REQUEST_NULL);
-    // MPI may write the answers (and read the query) until the requests complete: on every exit that leaves one
-    // pending, the round is kept (abandoned_census_) rather than freed
-    struct keep_pending {
-      state* self;
-      std::shared_ptr<census_round> round;
-      ~keep_pending() {
-        for (MPI_Request& q : round->requests) {
-          int done = 0;
-          if (q != MPI_REQUEST_NULL && (MPI_Test(&q, &done, MPI_STATUS_IGNORE) != MPI_SUCCESS || !done)) {
-            try {
-              std::lock_guard lock(self->control_mutex_);
-              self->abandoned_census_.push_back(round);
-            } catch (...) {
-              (void)new (std::nothrow) std::shared_ptr<census_round>(round);  // leaked rather than written when freed
-            }
-            return;
-          }
-        }
-      }
-    } keep{this, round};
-    for (std::size_t r = 0; r < n; ++r) {
-      if (r == me) continue;
-      const int to = static_cast<int>(r);
-      if (MPI_Irecv(round->answers[r].data(), 16, MPI_CHAR, to, census_reply_tag, control_, &round->requests[2 * r]) !=
-          MPI_SUCCESS) {
-        round->requests[2 * r] = MPI_REQUEST_NULL;
-      }
-      if (MPI_Isend(&round->query, 1, MPI_UINT64_T, to, census_query_tag, control_, &round->requests[2 * r + 1]) !=
-          MPI_SUCCESS) {
-        round->requests[2 * r + 1] = MPI_REQUEST_NULL;
-      }
-    }
-    const auto window = std::clamp<std::chrono::milliseconds>(timeout_ / 4, std::chrono::milliseconds(100),
-                                                              std::chrono::milliseconds(2000));
-    // answers of ranks that are still alive arrive within the window; abort messages end the wait early
-    const wait_result waited = wait_requests(
-        round->requests.data(), static_cast<int>(round->requests.size()), std::chrono::steady_clock::now() + window,
-        [this] { return poll_control(); }, "the census of a timed-out collective");
-    if (waited == wait_result::stopped) {  // another rank broke the communicator first: its reason says more
-      return concat("another rank ended the communicator while this one asked where the ranks are: ", reason());
-    }
-    std::string silent, behind, completed_by, waiting = concat(rank_);
-    int silent_count = 0, waiting_count = 1;
-    for (std::size_t r = 0; r < n; ++r) {
-      if (r == me) continue;
-      // a request is null once complete (here, or in wait_requests' MPI_Testall), or when it could not be posted
-      for (const std::size_t i : {2 * r, 2 * r + 1}) {
-        int done = 0;
-        MPI_Request& q = round->requests[i];
-        if (q != MPI_REQUEST_NULL) (void)MPI_Test(&q, &done, MPI_STATUS_IGNORE);
-      }
-      if (round->requests[2 * r] != MPI_REQUEST_NULL || round->answers[r][0] == none) {
-        silent += concat(silent.empty() ? "" : ", ", r);
-        ++silent_count;
-        continue;
-      }
-      const auto [entered, completed] = round->answers[r];
-      if (completed >= seq) {
-        completed_by += concat(completed_by.empty() ? "" : ", ", r);
-      } else if (entered >= seq) {
-        waiting += concat(", ", r);
-        ++waiting_count;
-      } else {
-        behind += concat(behind.empty() ? "" : "; ", "rank ", r, " has not reached it (the last collective it ",
-                         "entered is #", entered, ", completed #", completed, ")");
-      }
-    }
-    std::string who;
-    if (silent_count > 0) {
-      who = concat("rank", silent_count == 1 ? " " : "s ", silent, " did not answer within ", format_duration(window),
-                   " when asked where ", silent_count == 1 ? "it is: it has" : "they are: they have",
-                   " failed, exited or stopped, or ", silent_count == 1 ? "is" : "are", " stuck outside lockstep");
-    }
-    if (!behind.empty()) who += concat(who.empty() ? "" : "; ", behind);
-    if (who.empty()) {
-      who = "every rank entered it, but its data did not arrive (a network failure, or MPI stuck)";
-    }
-    return concat(who, "; rank", waiting_count == 1 ? " " : "s ", waiting, waiting_count == 1 ? " is" : " are",
-                  " waiting in it", completed_by.empty() ? std::string() : concat(" (completed by ", completed_by, ")"));
   }
 
   void abandon(MPI_Request request, std::unique_ptr<buffers> staging) {
@@ -796,9 +850,6 @@ class state {
     for (auto& a : abandoned_) (void)a.staging.release();
     for (auto& k : abandoned_checks_) {
       (void)new (std::nothrow) std::shared_ptr<call_check>(std::move(k));  // MPI may still write the records
-    }
-    for (auto& c : abandoned_census_) {
-      (void)new (std::nothrow) std::shared_ptr<census_round>(std::move(c));  // MPI may still write the answers
     }
     for (auto& s : sends_) (void)s.text.release();
   }
@@ -950,11 +1001,7 @@ class state {
   std::vector<pending_send> sends_;
   std::vector<abandoned_request> abandoned_;
   std::vector<std::shared_ptr<call_check>> abandoned_checks_;
-  // the census: the last collective this rank entered and completed (what it answers), the query receive
-  std::atomic<std::uint64_t> entered_{0}, completed_{0};
-  std::uint64_t census_query_ = 0;
-  MPI_Request census_recv_ = MPI_REQUEST_NULL;
-  std::vector<std::shared_ptr<census_round>> abandoned_census_;
+  class census census_;  // (its tags are not control_tag's nor check_tag's)
 };
 
 /// One process's endpoint.
@@ -1020,6 +1067,37 @@ inline MPI_Comm duplicate(MPI_Comm comm, std::chrono::milliseconds timeout, cons
   LOCKSTEP_MPI_CHECK(MPI_Comm_set_errhandler(dup, MPI_ERRORS_RETURN), what);
   return dup;
 }
+
+/// A census on a duplicate of an MPI communicator, for NCCL communicators made over MPI (make_nccl_communicator).
+class process_census final : public rank_census {
+ public:
+  process_census(MPI_Comm comm, std::chrono::milliseconds timeout)
+      : comm_(duplicate(comm, timeout, "make_nccl_communicator (census)")), census_(make(comm_, timeout)) {}
+  ~process_census() override {
+    census_.reset();  // its receive cancelled, before the communicator goes
+    int finalized = 1;
+    if (MPI_Finalized(&finalized) == MPI_SUCCESS && !finalized) (void)MPI_Comm_free(&comm_);
+  }
+  void entered(std::uint64_t seq) noexcept override { census_->entered(seq); }
+  void completed(std::uint64_t seq) noexcept override { census_->completed(seq); }
+  void answer() noexcept override { census_->answer(); }
+  std::string ask(std::uint64_t seq, const std::function<bool()>& stop,
+                  const std::function<std::string()>& why) noexcept override {
+    return census_->ask(seq, stop, why);
+  }
+
+ private:
+  static std::unique_ptr<census> make(MPI_Comm& comm, std::chrono::milliseconds timeout) {
+    try {
+      return std::make_unique<census>(comm, timeout);
+    } catch (...) {
+      (void)MPI_Comm_free(&comm);
+      throw;
+    }
+  }
+  MPI_Comm comm_;
+  std::unique_ptr<census> census_;
+};
 
 }  // namespace mpi_comm
 

@@ -194,6 +194,7 @@ class shared_comms {
     cudaEvent_t done = nullptr;
     std::string what;  // "all_reduce #17 on rank 1 (cuda:1)"
     std::optional<std::chrono::steady_clock::time_point> started;  // when the watchdog saw `before` complete
+    std::uint64_t seq = 0;  // the endpoint's collective number
   };
 
   struct endpoint {
@@ -236,6 +237,24 @@ class shared_comms {
     release();
   }
 
+  /// The census that names a stopped rank when a collective times out (a communicator of processes made over MPI;
+  /// in one process, a stopped process is every rank). Before start_watchdog.
+  void set_census(std::unique_ptr<rank_census> c) noexcept { census_ = std::move(c); }
+
+  /// Who is missing from the oldest collective still unfinished on endpoint `index`, asked of the other processes
+  /// (empty without a census, or when none is unfinished). Never throws.
+  [[nodiscard]] std::string census_of_oldest(std::size_t index) noexcept {
+    if (!census_) return {};
+    std::uint64_t seq = 0;
+    {
+      endpoint& e = *endpoints_[index];
+      std::lock_guard lock(e.mutex);
+      if (e.in_flight.empty()) return {};
+      seq = e.in_flight.front().seq;
+    }
+    return census_->ask(seq, [] { return false; }, [] { return std::string(); });
+  }
+
   /// Starts the watchdog thread (once the communicators are initialized). `timeout` bounds a collective.
   void start_watchdog(std::chrono::milliseconds timeout) {
     timeout_ = timeout;
@@ -262,11 +281,11 @@ class shared_comms {
   }
 
   /// Hands the watchdog a collective queued on `s` between `before` (from mark()) and an event recorded now.
-  void follow(endpoint& e, cudaStream_t s, cudaEvent_t before, std::string what) {
+  void follow(endpoint& e, cudaStream_t s, cudaEvent_t before, std::string what, std::uint64_t seq) {
     cudaEvent_t done = nullptr;
     try {
       done = mark(e, s, what);
-      e.in_flight.push_back(pending{before, done, std::move(what), std::nullopt});
+      e.in_flight.push_back(pending{before, done, std::move(what), std::nullopt, seq});
     } catch (...) {
       e.spare_events.push_back(before);
       if (done != nullptr) e.spare_events.push_back(done);
@@ -401,8 +420,15 @@ class shared_comms {
     std::unique_lock wait_lock(watch_mutex_);
     while (!watch_cv_.wait_for(wait_lock, std::chrono::milliseconds(20), [this] { return stopping_; })) {
       if (aborted()) continue;
+      if (census_) census_->answer();  // where this rank is, for another that timed out
       try {
-        const std::string failure = inspect();
+        std::optional<std::uint64_t> timed_out;
+        std::string failure = inspect(timed_out);
+        if (timed_out && census_) {  // NCCL does not say which peer is missing: ask them (no endpoint lock held)
+          const std::string who = census_->ask(*timed_out, [this] { return aborted(); }, [this] { return reason(); });
+          if (aborted()) continue;  // another rank's abort came first, with its reason
+          failure += concat(" (", who, ")");
+        }
         if (!failure.empty()) abort_all(failure);
       } catch (...) {
         abort_all("the NCCL watchdog failed (out of memory while describing a failure)");
@@ -410,8 +436,9 @@ class shared_comms {
     }
   }
 
-  /// One round of the watchdog: the first failure found, or empty.
-  std::string inspect() {
+  /// One round of the watchdog: the first failure found, or empty; `timed_out` gets the number of a collective that
+  /// did not finish within the timeout.
+  std::string inspect(std::optional<std::uint64_t>& timed_out) {
     const auto now = std::chrono::steady_clock::now();
     for (auto& ep : endpoints_) {
       endpoint& e = *ep;
@@ -435,11 +462,13 @@ class shared_comms {
           }
           if (b != cudaSuccess) return stream_failure(p, b);
           p.started = now;
+          if (census_) census_->entered(p.seq);
         }
         const cudaError_t r = cudaEventQuery(p.done);
         if (r == cudaErrorNotReady || r == cudaErrorStreamCaptureUnsupported) {
           (void)cudaGetLastError();
           if (now - *p.started > timeout_) {
+            timed_out = p.seq;
             return concat(p.what, " did not finish within ", format_duration(timeout_),
                           " of starting: a peer rank has failed, exited or stopped (timeout: comm_options::timeout "
                           "or LOCKSTEP_COMM_TIMEOUT); the watchdog aborted the NCCL communicators");
@@ -447,6 +476,7 @@ class shared_comms {
           break;
         }
         if (r != cudaSuccess) return stream_failure(p, r);
+        if (census_) census_->completed(p.seq);
         e.spare_events.push_back(p.before);
         e.spare_events.push_back(p.done);
         e.in_flight.pop_front();
@@ -461,6 +491,7 @@ class shared_comms {
   }
 
   std::vector<std::unique_ptr<endpoint>> endpoints_;
+  std::unique_ptr<rank_census> census_;  // processes only (set_census)
   std::chrono::milliseconds timeout_{0};
   std::thread watchdog_;
   std::mutex watch_mutex_;
@@ -537,7 +568,7 @@ class member final : public communicator_impl {
       }
       throw;
     }
-    if (!captured) comms_->follow(e, st, before, where);
+    if (!captured) comms_->follow(e, st, before, where, seq);
   }
 
   void abort(const std::string& reason) noexcept override { comms_->abort_all(reason); }
@@ -569,11 +600,12 @@ class member final : public communicator_impl {
       (void)cudaGetLastError();  // cudaErrorNotReady is not an error
       check_async_error(where);
       if (std::chrono::steady_clock::now() >= deadline) {
+        const std::string who = comms_->census_of_oldest(index_);  // (processes: the others asked)
         const std::string text =
             concat(where, ": the stream did not finish within ", format_duration(timeout_),
-                   " (last collective: ", last_or_none(),
-                   "); a peer rank may have failed, exited or be stuck (timeout: comm_options::timeout "
-                   "or LOCKSTEP_COMM_TIMEOUT); the NCCL communicators were aborted");
+                   " (last collective: ", last_or_none(), "); ",
+                   who.empty() ? std::string("a peer rank may have failed, exited or be stuck") : who,
+                   " (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT); the NCCL communicators were aborted");
         comms_->abort_all(text);
         throw timeout_error(text);
       }
@@ -799,6 +831,8 @@ inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm
   }
   auto shared =
       std::make_shared<detail::nccl_comm::shared_comms>(comms, std::vector<device>{local_gpu}, std::vector<int>{rank});
+  // a stopped process is named on a timeout: the others are asked over MPI where they are
+  shared->set_census(std::make_unique<detail::mpi_comm::process_census>(comm, options.timeout));
   shared->start_watchdog(options.timeout);
   return communicator::from_impl(std::make_unique<detail::nccl_comm::member>(shared, 0, size, options.timeout));
 }
