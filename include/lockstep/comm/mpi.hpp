@@ -357,6 +357,8 @@ class census final : public rank_census {
   void answer() noexcept override {
     std::unique_lock lock(mutex_, std::try_to_lock);
     if (!lock.owns_lock()) return;  // another thread answers
+    int finalized = 1;  // (an NCCL communicator's watchdog may outlive MPI: then it answers nothing)
+    if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return;
     // every question that arrived (when many ranks time out together, each asks every other one)
     for (int answered = 0; answered < size_ && recv_ != MPI_REQUEST_NULL; ++answered) {
       int flag = 0;
@@ -386,6 +388,9 @@ class census final : public rank_census {
     try {
       // one question at a time from this rank (the watchdog's and a synchronize's): answers carry no round number
       std::lock_guard one_at_a_time(asking_);
+      if (stop()) return concat("the communicator was ended: ", why());
+      int finalized = 1;
+      if (MPI_Finalized(&finalized) != MPI_SUCCESS || finalized) return "the other ranks cannot be asked: MPI has ended";
       return ask_or_throw(seq, stop, why);
     } catch (const std::exception& e) {  // out of memory, or MPI failing
       return concat("the other ranks could not be asked where they are (", e.what(), ")");

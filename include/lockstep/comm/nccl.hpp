@@ -28,7 +28,9 @@
 // results.
 //
 // Destruction: ncclCommFinalize + ncclCommDestroy when the communicator is healthy, ncclCommAbort after an
-// error; a clique's communicators are released together, when the last of them is destroyed.
+// error; a clique's communicators are released together, when the last of them is destroyed. A communicator made
+// over MPI (make_nccl_communicator(gpu, MPI_Comm)) asks and answers the other processes over MPI when a collective
+// times out (the census that names a stopped rank): destroy it before MPI_Finalize (before the mpi_session ends).
 //
 // This header is empty unless the translation unit is compiled by nvcc. Link with -lnccl (lockstep::lockstep
 // does when the CUDA backend is on).
@@ -246,13 +248,19 @@ class shared_comms {
   [[nodiscard]] std::string census_of_oldest(std::size_t index) noexcept {
     if (!census_) return {};
     std::uint64_t seq = 0;
-    {
+    std::string what;
+    try {
       endpoint& e = *endpoints_[index];
       std::lock_guard lock(e.mutex);
-      if (e.in_flight.empty()) return {};
+      // only one this rank's stream reached (the watchdog saw its start): the census speaks of this rank as in it
+      if (e.in_flight.empty() || !e.in_flight.front().started) return {};
       seq = e.in_flight.front().seq;
+      what = e.in_flight.front().what;
+    } catch (...) {
+      return {};
     }
-    return census_->ask(seq, [] { return false; }, [] { return std::string(); });
+    const std::string who = census_->ask(seq, [this] { return aborted(); }, [this] { return reason(); });
+    return aborted() ? std::string() : concat("the oldest unfinished collective is ", what, ": ", who);
   }
 
   /// Starts the watchdog thread (once the communicators are initialized). `timeout` bounds a collective.
@@ -419,15 +427,21 @@ class shared_comms {
     (void)cudaGetLastError();
     std::unique_lock wait_lock(watch_mutex_);
     while (!watch_cv_.wait_for(wait_lock, std::chrono::milliseconds(20), [this] { return stopping_; })) {
+      // where this rank is, for another that timed out (also once aborted: NCCL tells the peers nothing)
+      if (census_) census_->answer();
       if (aborted()) continue;
-      if (census_) census_->answer();  // where this rank is, for another that timed out
       try {
         std::optional<std::uint64_t> timed_out;
         std::string failure = inspect(timed_out);
-        if (timed_out && census_) {  // NCCL does not say which peer is missing: ask them (no endpoint lock held)
-          const std::string who = census_->ask(*timed_out, [this] { return aborted(); }, [this] { return reason(); });
-          if (aborted()) continue;  // another rank's abort came first, with its reason
-          failure += concat(" (", who, ")");
+        if (timed_out) {
+          // NCCL does not say which peer is missing: the census asks them (no endpoint lock held)
+          std::string who = "a peer rank has failed, exited or stopped";
+          if (census_) {
+            who = census_->ask(*timed_out, [this] { return aborted(); }, [this] { return reason(); });
+            if (aborted()) continue;  // aborted meanwhile (synchronize's timeout), with its reason
+          }
+          failure += concat(": ", who, " (timeout: comm_options::timeout or LOCKSTEP_COMM_TIMEOUT); the watchdog "
+                            "aborted the NCCL communicators");
         }
         if (!failure.empty()) abort_all(failure);
       } catch (...) {
@@ -468,10 +482,8 @@ class shared_comms {
         if (r == cudaErrorNotReady || r == cudaErrorStreamCaptureUnsupported) {
           (void)cudaGetLastError();
           if (now - *p.started > timeout_) {
-            timed_out = p.seq;
-            return concat(p.what, " did not finish within ", format_duration(timeout_),
-                          " of starting: a peer rank has failed, exited or stopped (timeout: comm_options::timeout "
-                          "or LOCKSTEP_COMM_TIMEOUT); the watchdog aborted the NCCL communicators");
+            timed_out = p.seq;  // (watch() says who is missing)
+            return concat(p.what, " did not finish within ", format_duration(timeout_), " of starting");
           }
           break;
         }
@@ -601,6 +613,7 @@ class member final : public communicator_impl {
       check_async_error(where);
       if (std::chrono::steady_clock::now() >= deadline) {
         const std::string who = comms_->census_of_oldest(index_);  // (processes: the others asked)
+        comms_->rethrow_failure(rank_name(rank_, dev_));  // the watchdog aborted meanwhile: its reason
         const std::string text =
             concat(where, ": the stream did not finish within ", format_duration(timeout_),
                    " (last collective: ", last_or_none(), "); ",
