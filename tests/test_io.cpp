@@ -738,6 +738,15 @@ TEST(checkpoint, keep_last_removes_older_checkpoints_only_after_the_new_one_is_c
   std::sort(names.begin(), names.end());
   EXPECT_EQ(names, (std::vector<std::string>{".lockstep-writer.lock", "step-000000000001"}));
   EXPECT_EQ(latest_checkpoint(dir.path()), dir.path() / "step-000000000001");
+  // states and checkpointers made one per save, with the default run_id (the process's run), save as one run
+  scratch own;
+  for (std::int64_t step = 1; step <= 3; ++step) {
+    checkpoint_state each(parameters_of(r.model));
+    each.position.step = step;
+    checkpointer per_save(own.path(), {.keep_last = 2});
+    per_save.expect_own_root(each);
+    EXPECT_EQ(per_save.save(each, r.s), own.path() / detail::checkpoint_dir_name(step));
+  }
 }
 
 TEST(checkpoint, a_diverged_model_is_never_saved_and_the_finite_checkpoints_stay) {

@@ -148,6 +148,27 @@ inline std::string new_run_id() {
   return out;
 }
 
+/// The run this process trains (the default checkpoint_state::run_id): a new one per process, until
+/// load_checkpoint makes it the loaded checkpoint's run (the process then goes on with that run).
+inline std::mutex& process_run_mutex() {
+  static std::mutex m;
+  return m;
+}
+inline std::optional<std::string>& process_run_storage() {
+  static std::optional<std::string> id;
+  return id;
+}
+inline std::string process_run_id() {
+  std::lock_guard lock(process_run_mutex());
+  auto& id = process_run_storage();
+  if (!id) id = new_run_id();
+  return *id;
+}
+inline void adopt_process_run_id(const std::string& id) {
+  std::lock_guard lock(process_run_mutex());
+  process_run_storage() = id;
+}
+
 inline std::vector<std::int64_t> dims_of(const shape& s) {
   std::vector<std::int64_t> out;
   for (int i = 0; i < s.rank(); ++i) out.push_back(s[i]);
@@ -682,11 +703,13 @@ class checkpoint_state {
 
   /// The loop's position: set it before saving; load_checkpoint sets it.
   run_position position;
-  /// The run's identity, recorded in every checkpoint it saves: a new one for each state, the loaded checkpoint's
-  /// after load_checkpoint (a resumed run goes on as the same run; empty for a checkpoint written before runs had
-  /// identities). A checkpointer saves only into a root whose checkpoints are this run's (checkpoint_options::
-  /// overwrite). Every rank of a distributed save may hold another one until they resume: rank 0's is written.
-  std::string run_id = detail::new_run_id();
+  /// The run's identity, recorded in every checkpoint it saves. By default the process's run: a new random one per
+  /// process, or the run of the checkpoint the process loaded last (load_checkpoint also sets this state's; empty
+  /// for a checkpoint written before runs had identities), so that the states and checkpointers a program makes,
+  /// one per save or one per run, save as one run, and a resumed run goes on as itself. A checkpointer saves only
+  /// into a root whose checkpoints are this run's (checkpoint_options::overwrite). Set it to train several runs in
+  /// one process. Each process of a distributed save has its own until they resume: rank 0's is written.
+  std::string run_id = detail::process_run_id();
   /// The program's own entries, saved in the manifest and restored by load_checkpoint.
   nlohmann::json user = nlohmann::json::object();
 
@@ -1364,7 +1387,8 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     s.synchronize();
     state.position = position;
     state.user = manifest.value("user", nlohmann::json::object());
-    state.run_id = manifest.value("run", std::string());  // the resumed run goes on as itself
+    state.run_id = manifest.value("run", std::string());  // the resumed run goes on as itself,
+    detail::adopt_process_run_id(state.run_id);            // in every state this process makes from now on
   } catch (const nlohmann::json::exception& e) {
     throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, ": malformed (", e.what(), ")",
                                     detail::newest_intact_hint(dir)));
