@@ -132,9 +132,7 @@ class loss_scaler {
           ", growth_interval=", options_.growth_interval, ", min_scale=", shortest(options_.min_scale),
           ", max_scale=", shortest(options_.max_scale), ")"));
     }
-    for (parameter* p : params) {
-      if (p->update_settings(update_role::loss_scaler) != settings_) p->set_update_settings(update_role::loss_scaler, settings_);
-    }
+    detail::set_update_settings(params, update_role::loss_scaler, settings_);
     launch_elementwise(1, kernels::begin_check_op{state()}, s, "loss scaler check");
     for_each_gradient_type(params, s, [&]<class T>(std::span<const tensor_group<1>> groups) {
       launch_multi_tensor<1>(groups, kernels::count_non_finite_op<T>{state()}, s, "non-finite gradient count");

@@ -391,6 +391,23 @@ class parameter {
   std::shared_ptr<parameter_sharding> sharding_;  // a wrapper's (ZeRO), or null
 };
 
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+
+/// Gives each parameter of `params` the setting `text` for `role` (parameter::set_update_settings) where it has
+/// another: what optimizers, the loss scaler and the clipper record for distributed_data_parallel to compare.
+inline void set_update_settings(std::span<parameter* const> params, update_role role,
+                                const std::shared_ptr<const std::string>& text) noexcept {
+  for (parameter* p : params) {
+    if (p->update_settings(role) != text) p->set_update_settings(role, text);
+  }
+}
+
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
 /// A parameter and its qualified name ("fc1.weight").
 struct named_parameter {
   std::string name;

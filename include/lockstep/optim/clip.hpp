@@ -76,9 +76,7 @@ class gradient_clipper {
           "clip_grad_norm(max_norm=", detail::shortest(options.max_norm), ", norm=", options.norm == grad_norm::l2 ? "l2" : "inf", ")"));
       last_ = options;
     }
-    for (parameter* p : params) {
-      if (p->update_settings(update_role::clipping) != settings_) p->set_update_settings(update_role::clipping, settings_);
-    }
+    detail::set_update_settings(params, update_role::clipping, settings_);
     const bool l2 = options.norm == grad_norm::l2;
     partials_.ensure(shape{static_cast<std::int64_t>(params.empty() ? 1 : params.size())}, dtype::f32, s);
     const device_span<float> partials = partials_.view().span<float>();

@@ -51,8 +51,7 @@ class optimizer_core {
         for (parameter* q : other.params)
           LOCKSTEP_EXPECTS(q != p, "parameter ", p->name(), " is in two optimizer groups");
     }
-    const auto settings = std::make_shared<const std::string>(options.describe());
-    for (parameter* p : g.params) p->set_update_settings(update_role::optimizer, settings);
+    detail::set_update_settings(g.params, update_role::optimizer, std::make_shared<const std::string>(options.describe()));
     groups_.push_back(std::move(g));
   }
 
