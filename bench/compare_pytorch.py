@@ -70,6 +70,28 @@ def torch_model(hidden):
     return torch.nn.Sequential(*layers)
 
 
+def torch_cnn(channels=(32, 64), hidden=(128,), dropout=0.5, sync_bn=False):
+    """examples/cnn_train's model (its model.hpp), with its graph's names: image, [conv, bn, act, pool] per channel
+    count, flat, [fc, relu, drop] per hidden width, out. The convolutions have no bias."""
+    import collections
+    import torch
+    layers, side, width = [("image", torch.nn.Unflatten(1, (1, 28, 28)))], 28, 1
+    for i, c in enumerate(channels, 1):
+        layers += [(f"conv{i}", torch.nn.Conv2d(width, c, 3, padding=1, bias=False)),
+                   (f"bn{i}", torch.nn.SyncBatchNorm(c) if sync_bn else torch.nn.BatchNorm2d(c)),
+                   (f"act{i}", torch.nn.ReLU()), (f"pool{i}", torch.nn.MaxPool2d(2))]
+        width, side = c, side // 2
+    layers.append(("flat", torch.nn.Flatten()))
+    width *= side * side
+    for i, h in enumerate(hidden, 1):
+        layers += [(f"fc{i}", torch.nn.Linear(width, h)), (f"relu{i}", torch.nn.ReLU())]
+        if dropout > 0:
+            layers.append((f"drop{i}", torch.nn.Dropout(dropout)))
+        width = h
+    layers.append(("out", torch.nn.Linear(width, 10)))
+    return torch.nn.Sequential(collections.OrderedDict(layers))
+
+
 def torch_loader(batch, seed, rank=0, world=1):
     import torch
     images = torch.from_numpy(read_idx(os.path.join(DATA, "train-images-idx3-ubyte.gz")).reshape(-1, 784).copy())

@@ -1,14 +1,17 @@
 #!/usr/bin/env python3
-"""Checkpoint interoperability between lockstep's sample (examples/mlp_train) and PyTorch, in both directions.
+"""Checkpoint interoperability between lockstep's samples (examples/mlp_train, examples/cnn_train) and PyTorch, in
+both directions. --model mlp (default) or cnn chooses the sample; "mlp_train" below is either.
 
 lockstep -> PyTorch: mlp_train trains --steps steps and saves a checkpoint (--save); its model.safetensors is
-loaded into the equivalent torch.nn model (fc1.weight, fc1.bias, ..., out.weight, out.bias) with
-load_state_dict(strict=True) and evaluated on the Fashion-MNIST test set. PyTorch's count of correct answers
-must equal mlp_train's test_correct, and both the SHA-256 of the file's data section and that of the loaded
-parameters (fp32, in order) must equal its weights_sha256.
+loaded into the equivalent torch.nn model (fc1.weight, fc1.bias, ..., out.weight, out.bias; for the CNN also
+conv1.weight, bn1.weight, bn1.bias and the batch norms' buffers bn1.running_mean, bn1.running_var and
+bn1.num_batches_tracked) with load_state_dict(strict=True) and evaluated on the Fashion-MNIST test set.
+PyTorch's count of correct answers must equal mlp_train's test_correct, and both the SHA-256 of the file's data
+section and that of the loaded tensors (in lockstep's order: 8-byte buffers, parameters, other buffers) must
+equal its weights_sha256.
 
 PyTorch -> lockstep: the same model, trained in PyTorch (seed 0, --steps SGD steps, batch 128, lr 0.05,
-momentum 0.9), is saved as safetensors twice: with plain names and with nn.DataParallel's "module." prefix.
+momentum 0.9; batch norm in training mode, dropout on), is saved as safetensors twice: with plain names and with nn.DataParallel's "module." prefix.
 `mlp_train --load-model FILE --epochs 0` evaluates each; it must count PyTorch's correct answers and report the
 SHA-256 of PyTorch's parameters as weights_sha256.
 
@@ -18,8 +21,9 @@ include/lockstep/data/idx.hpp) come from bench/compare_pytorch.py, and the scali
 float32 division for all 256 pixel values. The counts may still differ where two logits tie to within the
 rounding of the two GEMMs (OpenBLAS, PyTorch's): --tolerance N accepts N answers of difference.
 
-Usage: /usr/bin/python3 tools/safetensors_interop.py --mlp-train build/sample/examples/mlp_train/mlp_train
-           [--hidden 128] [--steps 200] [--data DIR] [--tolerance 0] [--devices host:0] [--workdir DIR]
+Usage: /usr/bin/python3 tools/safetensors_interop.py --sample build/sample/examples/mlp_train/mlp_train
+           [--model mlp|cnn] [--hidden 128] [--channels 32,64] [--dropout 0.5] [--steps 200] [--data DIR]
+           [--tolerance 0] [--devices host:0] [--workdir DIR]
            [--train-options "--mode ddp --zero 2 --devices host:0,host:1"]
 Exit status: 0 pass, 1 mismatch or error, 77 skipped (no PyTorch or no dataset; CTest's skip code).
 """
@@ -55,6 +59,7 @@ class Failure(Exception):
 # ---- safetensors: the package when importable, else this reader/writer of the format -------------------------------
 
 NUMPY_TYPES = {"F64": "<f8", "F32": "<f4", "F16": "<f2", "I64": "<i8", "I32": "<i4", "U8": "u1"}
+WRITTEN_TYPES = {"torch.float32": ("F32", "<f4"), "torch.int64": ("I64", "<i8")}
 
 
 def read_safetensors(path):
@@ -82,10 +87,11 @@ def write_safetensors(tensors, path):
     import torch
     header, chunks, offset = {"__metadata__": {"format": "pt"}}, [], 0
     for name, t in tensors.items():
-        if t.dtype != torch.float32:
-            raise Failure(f"the built-in writer writes F32 only; {name} is {t.dtype}")
-        chunks.append(t.detach().cpu().contiguous().numpy().astype("<f4").tobytes())
-        header[name] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + len(chunks[-1])]}
+        if str(t.dtype) not in WRITTEN_TYPES:
+            raise Failure(f"the built-in writer writes F32 and I64 only; {name} is {t.dtype}")
+        kind, layout = WRITTEN_TYPES[str(t.dtype)]
+        chunks.append(t.detach().cpu().contiguous().numpy().astype(layout).tobytes())
+        header[name] = {"dtype": kind, "shape": list(t.shape), "data_offsets": [offset, offset + len(chunks[-1])]}
         offset += len(chunks[-1])
     text = json.dumps(header, separators=(",", ":"))
     text += " " * (-len(text) % 8)
@@ -111,18 +117,32 @@ def data_section_sha256(path):
         return hashlib.sha256(f.read()).hexdigest()
 
 
-def parameters_sha256(state):
-    """lockstep's weights_sha256 of a state_dict: its fp32 values, little-endian, in parameter order."""
-    values = (t.detach().cpu().numpy().astype("<f4").tobytes() for t in state.values())
-    return hashlib.sha256(b"".join(values)).hexdigest()
+def lockstep_order(model):
+    """A module's tensors in the order of lockstep's model file and weights_sha256 (detail::for_each_model_tensor):
+    the 8-byte buffers (num_batches_tracked), the parameters, the other buffers (running_mean, running_var)."""
+    buffers = list(model.named_buffers())
+    return [b for b in buffers if b[1].element_size() == 8] + list(model.named_parameters()) + \
+        [b for b in buffers if b[1].element_size() != 8]
+
+
+def parameters_sha256(model):
+    """lockstep's weights_sha256 of a module: its tensors' bytes, little-endian, in lockstep_order."""
+    h = hashlib.sha256()
+    for _, t in lockstep_order(model):
+        values = t.detach().cpu().contiguous().numpy()
+        h.update(values.astype(values.dtype.newbyteorder("<")).tobytes())
+    return h.hexdigest()
 
 
 # ---- the PyTorch side ---------------------------------------------------------------------------------------------
 
-def build_model(hidden):
-    """compare_pytorch.torch_model's layers (same construction, so the same initialization under a seed), named
-    like the sample's graph nodes: fc1, relu1, fc2, relu2, ..., out."""
+def build_model(a, hidden):
+    """The sample's model in PyTorch, named like its graph's nodes. MLP: compare_pytorch.torch_model's layers (same
+    construction, so the same initialization under a seed): fc1, relu1, fc2, relu2, ..., out. CNN:
+    compare_pytorch.torch_cnn (cnn_train's model.hpp)."""
     import torch
+    if a.model == "cnn":
+        return cp.torch_cnn([int(c) for c in a.channels.split(",")], hidden, a.dropout)
     names = [n for i in range(len(hidden)) for n in (f"fc{i + 1}", f"relu{i + 1}")] + ["out"]
     return torch.nn.Sequential(collections.OrderedDict(zip(names, cp.torch_model(hidden))))
 
@@ -180,6 +200,8 @@ def train(model, train_set, steps):
 
 def run_mlp_train(a, extra):
     cmd = [a.mlp_train, "--json", "--hidden", a.hidden, "--data", a.data]
+    if a.model == "cnn":
+        cmd += ["--channels", a.channels, "--dropout", str(a.dropout)]
     cmd += (["--devices", a.devices] if a.devices else []) + extra
     print("  $ " + " ".join(cmd), flush=True)
     try:
@@ -232,14 +254,16 @@ def lockstep_to_torch(a, st, hidden, test, work, failures):
         failures.append(f"checkpoint {ck} is not {save}/step-<12 digits>")
     path = os.path.join(ck, "model.safetensors")
     tensors = st[0](path)
-    wrong = {k: str(t.dtype) for k, t in tensors.items() if str(t.dtype) != "torch.float32"}
+    # fp32 values, and the batch norms' counts in int64 as PyTorch keeps them
+    wrong = {k: str(t.dtype) for k, t in tensors.items()
+             if str(t.dtype) != ("torch.int64" if k.endswith("num_batches_tracked") else "torch.float32")}
     if wrong:
-        raise Failure(f"{path} holds tensors that are not F32: {wrong}")
-    model = build_model(hidden)
+        raise Failure(f"{path} holds tensors of unexpected types (F32, and I64 for num_batches_tracked): {wrong}")
+    model = build_model(a, hidden)
     model.load_state_dict(tensors, strict=True)  # every name and shape, nothing missing, nothing extra
     print(f"  loaded {path}: {', '.join(f'{k} {list(t.shape)}' for k, t in tensors.items())}")
     for what, digest in (("the file's data section", data_section_sha256(path)),
-                         ("the loaded PyTorch parameters", parameters_sha256(model.state_dict()))):
+                         ("the loaded PyTorch tensors", parameters_sha256(model))):
         ok = digest == r["weights_sha256"]
         print(f"  SHA-256 of {what}: {digest} {'==' if ok else '!='} weights_sha256")
         if not ok:
@@ -252,13 +276,13 @@ def torch_to_lockstep(a, st, hidden, train_set, test, work, failures):
     import torch
     print(f"PyTorch -> lockstep: PyTorch trains {a.steps} steps (batch {BATCH}, SGD lr {LR} momentum {MOMENTUM})")
     torch.manual_seed(SEED)
-    model = build_model(hidden)
+    model = build_model(a, hidden)
     train(model, train_set, a.steps)
     correct, logits = evaluate(model, test)
     if correct < len(test[1]) // 2:
         raise Failure(f"PyTorch's model reached only {correct / len(test[1]):.4f}: too close to chance to compare")
     state = {k: v.detach().contiguous() for k, v in model.state_dict().items()}
-    digest = parameters_sha256(state)
+    digest = parameters_sha256(model)
     files = {"plain names": os.path.join(work, "torch.safetensors"),
              "'module.' names": os.path.join(work, "torch-dataparallel.safetensors")}
     st[1](state, files["plain names"])
@@ -272,8 +296,12 @@ def torch_to_lockstep(a, st, hidden, train_set, test, work, failures):
 
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mlp-train", required=True, help="the sample's binary")
-    p.add_argument("--hidden", default="128", help="hidden widths, as mlp_train's --hidden (default 128)")
+    p.add_argument("--sample", "--mlp-train", dest="mlp_train", required=True,
+                   help="the sample's binary: mlp_train, or cnn_train with --model cnn")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp", help="the sample's model (default mlp)")
+    p.add_argument("--hidden", default="128", help="hidden widths, as the sample's --hidden (default 128)")
+    p.add_argument("--channels", default="32,64", help="--model cnn: cnn_train's --channels (default 32,64)")
+    p.add_argument("--dropout", type=float, default=0.5, help="--model cnn: cnn_train's --dropout (default 0.5)")
     p.add_argument("--steps", type=int, default=200, help="training steps on each side (default 200)")
     p.add_argument("--data", default=cp.DATA, help=f"Fashion-MNIST IDX files (default {cp.DATA})")
     p.add_argument("--tolerance", type=int, default=0, help="correct answers the counts may differ by (default 0)")

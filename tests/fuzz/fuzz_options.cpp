@@ -1,15 +1,20 @@
-// libFuzzer target: the sample's option parser (examples/mlp_train/options.hpp). The input is split at NUL bytes
+// libFuzzer target: the samples' option parser (examples/common/options.hpp) with the models' own options of
+// mlp_train and cnn_train (their recipes). The input's first byte chooses the sample; the rest is split at NUL bytes
 // into arguments; every command line must parse or throw usage_error (a sentence).
 #include <cstdint>
 #include <string>
 #include <vector>
 
-#include "../../examples/mlp_train/options.hpp"
+#include "../../examples/cnn_train/model.hpp"
+#include "../../examples/mlp_train/model.hpp"
 
 extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size) {
-  std::vector<std::string> args{"mlp_train"};
+  if (size == 0) return 0;
+  static const sample::model_recipe models[] = {mlp_sample::recipe(), cnn_sample::recipe()};
+  const sample::model_recipe& model = models[data[0] % 2];
+  std::vector<std::string> args{model.program};
   std::string current;
-  for (std::size_t i = 0; i < size; ++i) {
+  for (std::size_t i = 1; i < size; ++i) {
     if (data[i] == 0) {
       args.push_back(current);
       current.clear();
@@ -22,8 +27,8 @@ extern "C" int LLVMFuzzerTestOneInput(const std::uint8_t* data, std::size_t size
   for (auto& a : args) argv.push_back(a.data());
   argv.push_back(nullptr);
   try {
-    (void)parse_options(static_cast<int>(args.size()), argv.data());
-  } catch (const usage_error&) {
+    (void)sample::parse_options(static_cast<int>(args.size()), argv.data(), model.parse);
+  } catch (const sample::usage_error&) {
   }
   return 0;
 }

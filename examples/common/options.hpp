@@ -1,4 +1,5 @@
-// Command-line options of mlp_train, with errors that say what was wrong.
+// The samples' command line (mlp_train, cnn_train): the options every sample has, with errors that say what was
+// wrong; a sample's model adds its own (model_recipe::parse in sample.hpp).
 #pragma once
 
 #include <lockstep/core/dtype.hpp>
@@ -6,17 +7,20 @@
 
 #include <algorithm>
 #include <charconv>
+#include <functional>
 #include <cstdint>
 #include <stdexcept>
 #include <string>
 #include <string_view>
 #include <vector>
 
+namespace sample {
+
 struct usage_error : std::runtime_error {
   using std::runtime_error::runtime_error;
 };
 
-struct mlp_options {
+struct options {
   std::string data = std::string(lockstep::default_fashion_mnist_dir);
   std::string devices;  // empty: lockstep::default_devices()
   std::string mode = "single";
@@ -30,7 +34,6 @@ struct mlp_options {
   std::int64_t chunk_rows = 32;
   std::string exact_sums = "auto";  // --mode ddp --deterministic: auto (partials gathered when few) or accumulators
   int zero = 0;                 // --mode ddp: ZeRO stage
-  std::vector<std::int64_t> hidden = {256, 256};
   std::string optimizer = "sgd";
   std::string lr_schedule = "cosine";
   std::uint64_t seed = 0;
@@ -56,8 +59,8 @@ struct mlp_options {
   bool help = false;
 };
 
-inline constexpr const char* usage_text =
-    "usage: mlp_train [options]\n"
+/// The options every sample has (after the usage line and the model's own options).
+inline constexpr const char* common_usage =
     "  --data DIR            IDX files (default /usr/share/datasets/fashion-mnist)\n"
     "  --devices SPEC        devices: \"0,1\", \"cuda:0,cuda:1\", \"host:0\", \"all\" (default: all GPUs, else host)\n"
     "  --mode M              single (default), dp (DataParallel) or ddp (DistributedDataParallel: one thread\n"
@@ -76,7 +79,6 @@ inline constexpr const char* usage_text =
     "                        the batch has few chunks) or accumulators (exact sums all-reduced); the same bits\n"
     "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
     "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too\n"
-    "  --hidden A,B,...      hidden layer widths (default 256,256)\n"
     "  --optimizer NAME      sgd (default) or adamw\n"
     "  --precision P         f32 (default), f16 or bf16\n"
     "  --seed N              seed of initialization and shuffling (default 0)\n"
@@ -98,8 +100,8 @@ inline constexpr const char* usage_text =
     "  --overwrite           save into a DIR that holds another run's checkpoints (one this run did not\n"
     "                        --resume from), replacing them; without it such a DIR is refused before training\n"
     "  --resume DIR          continue the run saved in DIR (a step-N directory, or a --save DIR: its newest)\n"
-    "                        with the same --hidden, --optimizer, --precision, --batch, --seed, --lr-schedule,\n"
-    "                        --epochs and --max-steps (the devices and the mode may change)\n"
+    "                        with the same model options, --optimizer, --precision, --batch, --seed,\n"
+    "                        --lr-schedule, --epochs and --max-steps (the devices and the mode may change)\n"
     "  --stop-after N        end the run after its Nth step (saving with --save), as a pre-empted job would;\n"
     "                        unlike --max-steps, the learning-rate schedule still spans --epochs\n"
     "  --load-model FILE     start from the weights of a safetensors file (lockstep's or PyTorch's);\n"
@@ -111,14 +113,10 @@ inline constexpr const char* usage_text =
     "  LOCKSTEP_COMM_TIMEOUT       seconds a collective waits for the other ranks before failing (default 300):\n"
     "                              a rank that stopped or hangs is named after this long, and the run ends\n"
     "  LOCKSTEP_COMM_CHECK         1 (default): check that all ranks issue the same collectives; 0: do not\n"
-    "  LOCKSTEP_FAULT              RANK:STEP:KIND, for failure tests: rank RANK fails at the start of step STEP\n"
-    "                              (or \"last\") by KIND: throw, oom, comm (an exception where the step's\n"
-    "                              all-reduces run), kill (SIGKILL), stop (SIGSTOP) or stall (SIGSTOP\n"
-    "                              inside the step's collectives; processes only)\n"
     "  LOCKSTEP_HOST_DEVICES       number of host devices (default: 2)\n"
     "  CUDA_VISIBLE_DEVICES        the GPUs this process sees\n";
 
-namespace mlp_detail {
+namespace options_detail {
 
 template <class T>
 T parse_number(std::string_view flag, std::string_view text) {
@@ -141,12 +139,41 @@ inline float parse_float(std::string_view flag, std::string_view text) {
   throw usage_error(std::string(flag) + " expects a number, got '" + std::string(text) + "'");
 }
 
-}  // namespace mlp_detail
+}  // namespace options_detail
 
-inline mlp_options parse_options(int argc, char** argv) {
-  using mlp_detail::parse_float;
-  using mlp_detail::parse_number;
-  mlp_options o;
+/// A list of positive widths, "256,256" (a model's option, such as --hidden).
+inline std::vector<std::int64_t> parse_widths(std::string_view flag, std::string_view list) {
+  std::vector<std::int64_t> widths;
+  if (list.empty()) {
+    throw usage_error(std::string(flag) + " needs at least one width, as in " + std::string(flag) + " 256,256");
+  }
+  while (true) {
+    const auto comma = list.find(',');
+    const auto item = list.substr(0, comma);
+    const auto width = options_detail::parse_number<std::int64_t>(flag, item);
+    if (width < 1) throw usage_error(std::string(flag) + " widths must be positive, got " + std::string(item));
+    widths.push_back(width);
+    if (comma == std::string_view::npos) break;
+    list.remove_prefix(comma + 1);
+  }
+  return widths;
+}
+
+/// A number in [low, high] (a model's option, such as --dropout).
+inline float parse_fraction(std::string_view flag, std::string_view text, float low, float high, const char* range) {
+  const float v = options_detail::parse_float(flag, text);
+  if (!(v >= low && v <= high)) throw usage_error(std::string(flag) + " must be in " + range + ", got " + std::string(text));
+  return v;
+}
+
+/// A model's own option: returns whether `flag` is one, taking its value (when it has one) from `value()`.
+using model_option_parser = std::function<bool(std::string_view flag, const std::function<std::string_view()>& value)>;
+
+/// Parses argv: the common options, and the model's through `model_option` (throws usage_error).
+inline options parse_options(int argc, char** argv, const model_option_parser& model_option) {
+  using options_detail::parse_float;
+  using options_detail::parse_number;
+  options o;
   std::vector<std::string_view> given;  // the options on the command line, to check what depends on what
   for (int i = 1; i < argc; ++i) {
     const std::string_view flag = argv[i];
@@ -206,19 +233,6 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--zero") {
       o.zero = parse_number<int>(flag, value());
       if (o.zero < 0 || o.zero > 2) throw usage_error("--zero must be 0, 1 or 2, got " + std::string(argv[i]));
-    } else if (flag == "--hidden") {
-      o.hidden.clear();
-      std::string_view list = value();
-      if (list.empty()) throw usage_error("--hidden needs at least one width, as in --hidden 256,256");
-      while (true) {
-        const auto comma = list.find(',');
-        const auto item = list.substr(0, comma);
-        const auto width = parse_number<std::int64_t>(flag, item);
-        if (width < 1) throw usage_error("--hidden widths must be positive, got " + std::string(item));
-        o.hidden.push_back(width);
-        if (comma == std::string_view::npos) break;
-        list.remove_prefix(comma + 1);
-      }
     } else if (flag == "--optimizer") {
       o.optimizer = value();
       if (o.optimizer != "sgd" && o.optimizer != "adamw") {
@@ -281,7 +295,7 @@ inline mlp_options parse_options(int argc, char** argv) {
     } else if (flag == "--load-model") {
       o.load_model = value();
       if (o.load_model.empty()) throw usage_error("--load-model needs a file");
-    } else {
+    } else if (!model_option || !model_option(flag, value)) {
       throw usage_error("unknown option '" + std::string(flag) + "'");
     }
   }
@@ -312,3 +326,5 @@ inline mlp_options parse_options(int argc, char** argv) {
   }
   return o;
 }
+
+}  // namespace sample
