@@ -1,5 +1,6 @@
 #!/usr/bin/env python3
-"""Side-by-side training throughput: lockstep's sample (examples/mlp_train) against PyTorch on the CPU.
+"""Side-by-side training throughput: lockstep's samples (examples/mlp_train, examples/cnn_train) against PyTorch on
+the CPU.
 
 Both train the same MLP (784-H-H-10, ReLU) on Fashion-MNIST with the same batch and optimizer (SGD lr 0.05
 momentum 0.9 unless told otherwise), for the same number of steps, on the same machine, in one run: the two
@@ -24,7 +25,12 @@ mixed precision on CPUs), or f16 (lockstep only: PyTorch 1.13 has no f16 autocas
 and the row says so). --torch-env VAR=VALUE sets a variable for the PyTorch side only (OPENBLAS_CORETYPE=SkylakeX
 gives it the right OpenBLAS kernels on a CPU its OpenBLAS does not know).
 
-Usage: bench/compare_pytorch.py [--mlp-train PATH] [--hidden 256,256 1024,1024] [--steps N] [--repeats R]
+--model cnn compares cnn_train instead (examples/cnn_train/model.hpp, built in PyTorch by torch_cnn with the same
+layers and names: --channels 32,64, --hidden 128, --dropout 0.5 by default). Its ddp mode uses plain batch norm on
+both sides (PyTorch 1.13's SyncBatchNorm runs on GPUs only).
+
+Usage: bench/compare_pytorch.py [--sample PATH] [--model mlp|cnn] [--hidden 256,256 1024,1024] [--channels 32,64]
+                                [--dropout P] [--steps N] [--repeats R]
                                 [--modes single ddp accuracy] [--epochs N] [--seeds 0 1 2]
                                 [--schedules cosine constant] [--precision f32|bf16|f16]
                                 [--torch-env VAR=VALUE ...] [--json]
@@ -92,6 +98,13 @@ def torch_cnn(channels=(32, 64), hidden=(128,), dropout=0.5, sync_bn=False):
     return torch.nn.Sequential(collections.OrderedDict(layers))
 
 
+def build_torch_model(model):
+    """The model of a spec {"kind": "mlp" | "cnn", "hidden": [...], "channels": [...], "dropout": p} (model_spec)."""
+    if model["kind"] == "cnn":
+        return torch_cnn(model["channels"], model["hidden"], model["dropout"])
+    return torch_model(model["hidden"])
+
+
 def torch_loader(batch, seed, rank=0, world=1):
     import torch
     images = torch.from_numpy(read_idx(os.path.join(DATA, "train-images-idx3-ubyte.gz")).reshape(-1, 784).copy())
@@ -104,13 +117,13 @@ def torch_loader(batch, seed, rank=0, world=1):
     return torch.utils.data.DataLoader(dataset, batch_size=batch, shuffle=True, generator=generator, num_workers=0)
 
 
-def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1, precision="f32"):
+def torch_train(model_spec, batch, steps, lr, momentum, rank=0, world=1, precision="f32"):
     """Trains `steps` steps; returns samples per second (global) measured after a warm-up of 10 steps."""
     import contextlib
     import torch
     torch.set_num_threads(1)
     torch.manual_seed(0)
-    model = torch_model(hidden)
+    model = build_torch_model(model_spec)
     if world > 1:
         model = torch.nn.parallel.DistributedDataParallel(model)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
@@ -136,12 +149,12 @@ def torch_train(hidden, batch, steps, lr, momentum, rank=0, world=1, precision="
     return samples / (time.perf_counter() - start)
 
 
-def torch_accuracy(hidden, batch, epochs, lr, momentum, schedule, seed):
+def torch_accuracy(model_spec, batch, epochs, lr, momentum, schedule, seed):
     """Trains `epochs` epochs from seed `seed` (initialization and shuffling); returns the test accuracy."""
     import torch
     torch.set_num_threads(1)
     torch.manual_seed(seed)
-    model = torch_model(hidden)
+    model = build_torch_model(model_spec)
     opt = torch.optim.SGD(model.parameters(), lr=lr, momentum=momentum)
     loader = torch_loader(batch, seed)
     sched = None
@@ -159,7 +172,8 @@ def torch_accuracy(hidden, batch, epochs, lr, momentum, schedule, seed):
     labels = torch.from_numpy(read_idx(os.path.join(DATA, "t10k-labels-idx1-ubyte.gz")).astype("int64"))
     model.eval()
     with torch.no_grad():
-        predicted = model(images.float().div_(255.0)).argmax(dim=1)
+        predicted = torch.cat([model(images[i:i + 1000].float().div_(255.0)).argmax(dim=1)
+                               for i in range(0, len(images), 1000)])
     return (predicted == labels).float().mean().item()
 
 
@@ -167,7 +181,7 @@ def torch_ddp_worker(rank, world, port, args, queue):
     import torch.distributed as dist
     os.environ["MASTER_ADDR"], os.environ["MASTER_PORT"] = "127.0.0.1", str(port)
     dist.init_process_group("gloo", rank=rank, world_size=world)
-    rate = torch_train(args["hidden"], args["batch"], args["steps"], args["lr"], args["momentum"], rank, world,
+    rate = torch_train(args["model"], args["batch"], args["steps"], args["lr"], args["momentum"], rank, world,
                        args.get("precision", "f32"))
     dist.barrier()
     if rank == 0:
@@ -178,12 +192,12 @@ def torch_ddp_worker(rank, world, port, args, queue):
 def torch_child(spec):
     """Entry point of the PyTorch child process: prints one JSON line."""
     if spec["mode"] == "accuracy":
-        acc = torch_accuracy(spec["hidden"], spec["batch"], spec["epochs"], spec["lr"], spec["momentum"],
+        acc = torch_accuracy(spec["model"], spec["batch"], spec["epochs"], spec["lr"], spec["momentum"],
                              spec["schedule"], spec["seed"])
         print(json.dumps({"test_accuracy": acc}))
         return
     if spec["mode"] == "single":
-        rate = torch_train(spec["hidden"], spec["batch"], spec["steps"], spec["lr"], spec["momentum"],
+        rate = torch_train(spec["model"], spec["batch"], spec["steps"], spec["lr"], spec["momentum"],
                            precision=spec.get("precision", "f32"))
     else:
         import torch.multiprocessing as mp
@@ -201,27 +215,35 @@ def torch_child(spec):
 
 # ---- the driver ----------------------------------------------------------------------------------------------------
 
-def run_sample(binary, hidden, batch, lr, momentum, extra):
+def model_options(model):
+    """The sample's command-line options for a model spec."""
+    args = ["--hidden", ",".join(map(str, model["hidden"]))]
+    if model["kind"] == "cnn":
+        args += ["--channels", ",".join(map(str, model["channels"])), "--dropout", str(model["dropout"])]
+    return args
+
+
+def run_sample(binary, model, batch, lr, momentum, extra):
     """Runs the sample with --json and the recipe's options, plus `extra`; returns its JSON summary."""
-    args = [binary, "--json", "--hidden", ",".join(map(str, hidden)), "--batch", str(batch), "--lr", str(lr),
-            "--momentum", str(momentum)] + extra
+    args = [binary, "--json", "--batch", str(batch), "--lr", str(lr), "--momentum", str(momentum)]
+    args += model_options(model) + extra
     out = subprocess.run(args, check=True, capture_output=True, text=True).stdout.strip().splitlines()[-1]
     return json.loads(out)
 
 
-def run_lockstep(binary, mode, hidden, batch, steps, lr, momentum, precision="f32"):
+def run_lockstep(binary, mode, model, batch, steps, lr, momentum, precision="f32"):
     extra = ["--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000", "--eval-batch", "10000",
              "--lr-schedule", "constant", "--precision", precision]
     if mode == "single":
         extra += ["--devices", "host:0"]
     else:
         extra += ["--mode", "ddp", "--devices", "host:0,host:1"]
-    return run_sample(binary, hidden, batch, lr, momentum, extra)["samples_per_second"]
+    return run_sample(binary, model, batch, lr, momentum, extra)["samples_per_second"]
 
 
-def lockstep_accuracy(binary, hidden, batch, epochs, lr, momentum, schedule, seed):
+def lockstep_accuracy(binary, model, batch, epochs, lr, momentum, schedule, seed):
     extra = ["--epochs", str(epochs), "--lr-schedule", schedule, "--seed", str(seed), "--devices", "host:0"]
-    return run_sample(binary, hidden, batch, lr, momentum, extra)["test_accuracy"]
+    return run_sample(binary, model, batch, lr, momentum, extra)["test_accuracy"]
 
 
 TORCH_ENV = {}  # --torch-env
@@ -238,39 +260,58 @@ def torch_run(spec, pin):
 
 def compare_accuracy(a, hidden_spec):
     """The accuracy mode: one result per schedule."""
-    hidden = [int(h) for h in hidden_spec.split(",")]
+    model = model_spec(a, hidden_spec)
     results = []
     for schedule in a.schedules:
         ours, theirs = [], []
         for seed in a.seeds:
-            ours.append(lockstep_accuracy(a.mlp_train, hidden, a.batch, a.epochs, a.lr, a.momentum, schedule, seed))
-            theirs.append(torch_run({"mode": "accuracy", "hidden": hidden, "batch": a.batch, "epochs": a.epochs,
+            ours.append(lockstep_accuracy(a.mlp_train, model, a.batch, a.epochs, a.lr, a.momentum, schedule, seed))
+            theirs.append(torch_run({"mode": "accuracy", "model": model, "batch": a.batch, "epochs": a.epochs,
                                      "lr": a.lr, "momentum": a.momentum, "schedule": schedule, "seed": seed},
                                     pin=False)["test_accuracy"])
-        r = {"mode": "accuracy", "hidden": hidden_spec, "batch": a.batch, "epochs": a.epochs, "lr": a.lr,
+        r = {"mode": "accuracy", "model": model_name(model), "hidden": hidden_spec, "batch": a.batch, "epochs": a.epochs, "lr": a.lr,
              "momentum": a.momentum, "schedule": schedule, "seeds": a.seeds, "lockstep_accuracy": ours,
              "pytorch_accuracy": theirs, "lockstep_mean": statistics.mean(ours), "pytorch_mean": statistics.mean(theirs),
              "lockstep_min": min(ours), "pytorch_min": min(theirs)}
         results.append(r)
         if not a.json:
             fmt = lambda v: " ".join(f"{x:.4f}" for x in v)
-            print(f"accuracy hidden {hidden_spec:10s} batch {a.batch} {a.epochs} epochs, lr {a.lr} {schedule:8s}:"
+            print(f"accuracy {model_name(model)} batch {a.batch} {a.epochs} epochs, lr {a.lr} {schedule:8s}:"
                   f" lockstep mean {r['lockstep_mean']:.4f} min {r['lockstep_min']:.4f} [{fmt(ours)}];"
                   f" PyTorch mean {r['pytorch_mean']:.4f} min {r['pytorch_min']:.4f} [{fmt(theirs)}]"
                   f"  (seeds {' '.join(map(str, a.seeds))})")
     return results
 
 
-def run_torch(mode, hidden, batch, steps, lr, momentum, precision="f32"):
-    spec = {"mode": mode, "hidden": hidden, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum,
+def run_torch(mode, model, batch, steps, lr, momentum, precision="f32"):
+    spec = {"mode": mode, "model": model, "batch": batch, "steps": steps, "lr": lr, "momentum": momentum,
             "precision": "bf16" if precision == "bf16" else "f32"}
     return torch_run(spec, pin=mode == "single")["samples_per_second"]
 
 
+def model_spec(a, hidden_spec):
+    """The model the arguments describe, for one of --hidden's entries."""
+    return {"kind": a.model, "hidden": [int(h) for h in hidden_spec.split(",")],
+            "channels": [int(c) for c in a.channels.split(",")], "dropout": a.dropout}
+
+
+def model_name(model):
+    if model["kind"] == "cnn":
+        return (f"cnn channels {','.join(map(str, model['channels']))} hidden "
+                f"{','.join(map(str, model['hidden']))} dropout {model['dropout']}")
+    return f"mlp hidden {','.join(map(str, model['hidden'])):10s}"
+
+
 def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--mlp-train", default=os.path.join(ROOT, "build", "sample", "examples", "mlp_train", "mlp_train"))
-    p.add_argument("--hidden", nargs="+", default=["256,256", "1024,1024"])
+    p.add_argument("--sample", "--mlp-train", dest="mlp_train",
+                   help="the sample's binary (default: build/sample/examples/mlp_train/mlp_train, or cnn_train's with "
+                        "--model cnn)")
+    p.add_argument("--model", choices=["mlp", "cnn"], default="mlp",
+                   help="mlp (mlp_train's) or cnn (cnn_train's: conv-BN-ReLU-pool blocks, fc-ReLU-dropout, out)")
+    p.add_argument("--hidden", nargs="+", help="hidden widths, one run each (default 256,256 1024,1024; cnn: 128)")
+    p.add_argument("--channels", default="32,64", help="--model cnn: the convolutions' channels")
+    p.add_argument("--dropout", type=float, default=0.5, help="--model cnn: dropout after the hidden layers")
     p.add_argument("--modes", nargs="+", default=["single", "ddp"], choices=["single", "ddp", "accuracy"])
     p.add_argument("--epochs", type=int, default=5, help="accuracy mode: full epochs")
     p.add_argument("--seeds", nargs="+", type=int, default=[0, 1, 2], help="accuracy mode")
@@ -286,6 +327,11 @@ def main():
     p.add_argument("--json", action="store_true")
     p.add_argument("--torch-child", help=argparse.SUPPRESS)
     a = p.parse_args()
+    if a.hidden is None:
+        a.hidden = ["128"] if a.model == "cnn" else ["256,256", "1024,1024"]
+    if a.mlp_train is None:
+        sample = "cnn_train" if a.model == "cnn" else "mlp_train"
+        a.mlp_train = os.path.join(ROOT, "build", "sample", "examples", sample, sample)
     for kv in a.torch_env:
         var, _, value = kv.partition("=")
         TORCH_ENV[var] = value
@@ -309,16 +355,17 @@ def main():
             if mode == "accuracy":
                 results += compare_accuracy(a, hidden_spec)
                 continue
-            hidden = [int(h) for h in hidden_spec.split(",")]
+            model = model_spec(a, hidden_spec)
             ours, theirs, ours_single = [], [], []
             for _ in range(a.repeats):
                 if mode == "ddp":
-                    ours_single.append(run_lockstep(a.mlp_train, "single", hidden, a.batch, a.steps, a.lr, a.momentum,
+                    ours_single.append(run_lockstep(a.mlp_train, "single", model, a.batch, a.steps, a.lr, a.momentum,
                                                     a.precision))
-                ours.append(run_lockstep(a.mlp_train, mode, hidden, a.batch, a.steps, a.lr, a.momentum, a.precision))
-                theirs.append(run_torch(mode, hidden, a.batch, a.steps, a.lr, a.momentum, a.precision))
+                ours.append(run_lockstep(a.mlp_train, mode, model, a.batch, a.steps, a.lr, a.momentum, a.precision))
+                theirs.append(run_torch(mode, model, a.batch, a.steps, a.lr, a.momentum, a.precision))
             r = {
                 "mode": mode,
+                "model": model_name(model),
                 "hidden": hidden_spec,
                 "batch": a.batch,
                 "steps": a.steps,
@@ -341,11 +388,11 @@ def main():
                 r["ddp_over_single"] = r["lockstep_samples_per_second"] / statistics.median(ours_single)
             results.append(r)
             if not a.json:
-                print(f"{mode:6s} {a.precision} hidden {hidden_spec:10s} batch {a.batch}: lockstep {r['lockstep_samples_per_second']:9.0f}"
+                print(f"{mode:6s} {a.precision} {model_name(model)} batch {a.batch}: lockstep {r['lockstep_samples_per_second']:9.0f}"
                       f" samples/s, PyTorch {r['pytorch_samples_per_second']:9.0f} samples/s, ratio {r['ratio']:.2f}"
                       f"  (medians of {a.repeats}, alternated)")
                 if ours_single:
-                    print(f"{'':6s} hidden {hidden_spec:10s} batch {a.batch}: lockstep ddp on 2 devices against 1 device:"
+                    print(f"{'':6s} {model_name(model)} batch {a.batch}: lockstep ddp on 2 devices against 1 device:"
                           f" {r['ddp_over_single']:.2f}x (1 device: {statistics.median(ours_single):.0f} samples/s)")
     if not a.json:
         print(f"machine: {cores} cores.")
