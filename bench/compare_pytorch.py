@@ -232,7 +232,7 @@ def run_sample(binary, model, batch, lr, momentum, extra):
 
 
 def run_lockstep(binary, mode, model, batch, steps, lr, momentum, precision="f32"):
-    extra = ["--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000", "--eval-batch", "10000",
+    extra = ["--max-steps", str(steps), "--epochs", "100", "--print-every", "1000000", "--eval-batch", "1000",
              "--lr-schedule", "constant", "--precision", precision]
     if mode == "single":
         extra += ["--devices", "host:0"]

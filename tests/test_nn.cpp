@@ -533,6 +533,70 @@ TEST_P(finite_differences_test, conv2d_with_padding_strides_and_without_bias) {
   check_layer_gradients(wide, ctx, random_values(30, 82), shape{2, 1, 3, 5});
 }
 
+// Outside deterministic mode a host device whose GEMMs run on oneDNN convolves with oneDNN's convolutions
+// (blas/convolution.hpp); deterministic mode keeps im2col and per-row products. Both give the same outputs and
+// gradients to within f32 rounding, in shapes with several images, channels, padding, strides and a bias, and a second
+// backward without zero_grad adds to the gradients (the reorder's sum on oneDNN) instead of replacing them.
+TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_to_the_gradients) {
+  struct conv_case {
+    std::int64_t in, out, k, h, w, stride, padding;
+    bool bias;
+  };
+  for (const conv_case c : {conv_case{3, 8, 3, 9, 9, 1, 1, true}, conv_case{4, 16, 3, 8, 10, 2, 0, false},
+                            conv_case{1, 5, 5, 12, 11, 1, 2, true}}) {
+    SCOPED_TRACE(::testing::Message() << "conv " << c.in << "->" << c.out << " k" << c.k << " " << c.h << "x" << c.w
+                                      << " stride " << c.stride << " padding " << c.padding);
+    const std::int64_t n = 6;
+    const auto x_values = random_values(static_cast<std::size_t>(n * c.in * c.h * c.w), 91);
+    struct result {
+      std::vector<float> y, gx, gw, gb, gw2, gb2;
+    };
+    auto run = [&](bool deterministic) {
+      context ctx(default_stream(dev()));
+      if (deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = 2});
+      initializer init(14);
+      conv2d conv(c.in, c.out, c.k, ctx, init, conv2d_options{.stride = c.stride, .padding = c.padding, .bias = c.bias});
+      tensor x = make_tensor(x_values, shape{n, c.in, c.h, c.w}, ctx.stream());
+      result r;
+      const tensor_view y = conv.forward(x, ctx);
+      r.y = read(y, ctx.stream());
+      tensor gy = make_tensor(random_values(r.y.size(), 92), y.dims(), ctx.stream());
+      r.gx = read(conv.backward(gy, ctx, input_grad::required), ctx.stream());
+      parameter_list params = parameters_of(conv);
+      r.gw = read(params[0].param->grad(), ctx.stream());
+      if (c.bias) r.gb = read(params[1].param->grad(), ctx.stream());
+      if (!deterministic) {  // the same backward again, adding
+        (void)conv.forward(x, ctx);
+        (void)conv.backward(gy, ctx, input_grad::not_required);
+        r.gw2 = read(params[0].param->grad(), ctx.stream());
+        if (c.bias) r.gb2 = read(params[1].param->grad(), ctx.stream());
+#if LOCKSTEP_HAS_ONEDNN
+        if (dev().is_host() && ctx.blas().host_plan().f32 == host_gemm_kernel::onednn) {
+          EXPECT_GT(ctx.blas().onednn_conv_cache().size(), 0u) << "the ordinary run did not convolve on oneDNN";
+        }
+#endif
+      }
+      return r;
+    };
+    const result fast = run(false), exact = run(true);
+    auto expect_close = [](const std::vector<float>& a, const std::vector<float>& b, float scale, const char* what) {
+      ASSERT_EQ(a.size(), b.size()) << what;
+      double diff = 0.0, norm = 0.0;
+      for (std::size_t i = 0; i < a.size(); ++i) {
+        diff += (static_cast<double>(a[i]) - scale * b[i]) * (static_cast<double>(a[i]) - scale * b[i]);
+        norm += static_cast<double>(scale * b[i]) * (scale * b[i]);
+      }
+      EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm) + 1e-12) << what;
+    };
+    expect_close(fast.y, exact.y, 1.0f, "y");
+    expect_close(fast.gx, exact.gx, 1.0f, "input gradient");
+    expect_close(fast.gw, exact.gw, 1.0f, "weight gradient");
+    expect_close(fast.gb, exact.gb, 1.0f, "bias gradient");
+    expect_close(fast.gw2, fast.gw, 2.0f, "weight gradient after a second backward");
+    expect_close(fast.gb2, fast.gb, 2.0f, "bias gradient after a second backward");
+  }
+}
+
 TEST_P(finite_differences_test, max_avg_and_global_pooling) {
   context ctx(default_stream(dev()));
   max_pool2d mp(2);

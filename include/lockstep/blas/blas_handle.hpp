@@ -34,6 +34,7 @@
 
 #include "lockstep/blas/host_kernels.hpp"
 #include "lockstep/blas/onednn.hpp"
+#include "lockstep/blas/onednn_conv.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/core/cuda_check.hpp"
 #include "lockstep/core/error.hpp"
@@ -186,6 +187,11 @@ class blas_handle {
     if (!onednn_) onednn_ = std::make_unique<detail::onednn_matmuls>();
     return *onednn_;
   }
+  /// The oneDNN convolutions this handle created (host devices), by shape and pass; created on first use.
+  [[nodiscard]] detail::onednn_convolutions& onednn_conv_cache() {
+    if (!onednn_convs_) onednn_convs_ = std::make_unique<detail::onednn_convolutions>();
+    return *onednn_convs_;
+  }
 #endif
 
 #if LOCKSTEP_HAS_CUDA
@@ -214,6 +220,7 @@ class blas_handle {
   host_gemm_plan plan_;
 #if LOCKSTEP_HAS_ONEDNN
   std::unique_ptr<detail::onednn_matmuls> onednn_;  // (a build with oneDNN has an inline namespace of its own)
+  std::unique_ptr<detail::onednn_convolutions> onednn_convs_;
 #endif
   unique_handle<detail::cublas_handle_traits> cublas_;
   device_buffer<float> workspace_;  // freed before cublas_ is destroyed (reverse order of declaration)

@@ -139,6 +139,16 @@ class onednn_one_thread_scope {
 
 LOCKSTEP_DETAIL_BEGIN
 
+using onednn_memory_owner = std::unique_ptr<dnnl_memory, decltype(&dnnl_memory_destroy)>;
+
+/// A oneDNN memory object of `md` without a buffer (bound with dnnl_memory_set_data_handle before each run).
+inline onednn_memory_owner onednn_memory(const dnnl_memory_desc_t& md) {
+  dnnl_memory_t mem = nullptr;
+  LOCKSTEP_ONEDNN_CHECK(dnnl_memory_create(&mem, &md, onednn_engine(), DNNL_MEMORY_NONE),
+                        "creating a oneDNN memory object");
+  return onednn_memory_owner(mem, &dnnl_memory_destroy);
+}
+
 /// The shape, layout and scalars of one GEMM: what a matmul is created for (alpha and beta by their bits).
 struct onednn_matmul_key {
   std::int64_t m = 0, n = 0, k = 0, lda = 0, ldb = 0, ldc = 0;
@@ -227,12 +237,10 @@ class onednn_matmul {
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_create(&prim, pd), "generating the code of a ", name_of(key.type),
                           " matmul (m = ", key.m, ", n = ", key.n, ", k = ", key.k, ")");
     primitive_.reset(prim);
-    make_memory(a_, a_md);
-    make_memory(b_, b_md);
-    make_memory(c_, c_md);
-    if (scratchpad_bytes_ > 0) {
-      make_memory(scratchpad_, *dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0));
-    }
+    a_ = onednn_memory(a_md);
+    b_ = onednn_memory(b_md);
+    c_ = onednn_memory(c_md);
+    if (scratchpad_bytes_ > 0) scratchpad_ = onednn_memory(*dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0));
     dnnl_stream_t st = nullptr;
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_create(&st, onednn_engine(), dnnl_stream_default_flags),
                           "creating a oneDNN stream");
@@ -277,43 +285,38 @@ class onednn_matmul {
   }
 
  private:
-  using memory_owner = std::unique_ptr<dnnl_memory, decltype(&dnnl_memory_destroy)>;
-  static void make_memory(memory_owner& m, const dnnl_memory_desc_t& md) {
-    dnnl_memory_t mem = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_create(&mem, &md, onednn_engine(), DNNL_MEMORY_NONE),
-                          "creating a oneDNN memory object");
-    m.reset(mem);
-  }
-
   std::unique_ptr<dnnl_primitive, decltype(&dnnl_primitive_destroy)> primitive_{nullptr, &dnnl_primitive_destroy};
   std::unique_ptr<dnnl_stream, decltype(&dnnl_stream_destroy)> stream_{nullptr, &dnnl_stream_destroy};
-  memory_owner a_{nullptr, &dnnl_memory_destroy}, b_{nullptr, &dnnl_memory_destroy};
-  memory_owner c_{nullptr, &dnnl_memory_destroy}, scratchpad_{nullptr, &dnnl_memory_destroy};
+  onednn_memory_owner a_{nullptr, &dnnl_memory_destroy}, b_{nullptr, &dnnl_memory_destroy};
+  onednn_memory_owner c_{nullptr, &dnnl_memory_destroy}, scratchpad_{nullptr, &dnnl_memory_destroy};
   std::string implementation_;
   std::size_t scratchpad_bytes_ = 0;
 };
 
-/// A blas_handle's matmuls by shape. Used by the thread that queues GEMMs on the handle; queued work holds
-/// its matmul by shared_ptr, so dropping the cache (it is cleared when it holds `capacity` shapes) never
-/// frees a matmul that is still to run.
-class onednn_matmuls {
+/// A blas_handle's oneDNN primitives of one kind (matmuls, convolutions) by key. Used by the thread that queues
+/// work on the handle; queued work holds its primitive by shared_ptr, so dropping the cache (it is cleared when it
+/// holds `capacity` keys) never frees a primitive that is still to run.
+template <class Key, class Hash, class Primitive>
+class onednn_cache {
  public:
   static constexpr std::size_t capacity = 64;
 
-  /// The matmul for `key`, created on first use (0.2-0.4 ms). Throws lockstep::error when oneDNN cannot create
-  /// it.
-  std::shared_ptr<const onednn_matmul> get(const onednn_matmul_key& key) {
+  /// The primitive for `key`, created on first use (a fraction of a millisecond: oneDNN generates its code).
+  /// Throws lockstep::error when oneDNN cannot create it.
+  std::shared_ptr<const Primitive> get(const Key& key) {
     if (auto it = map_.find(key); it != map_.end()) return it->second;
     if (map_.size() >= capacity) map_.clear();
-    auto made = std::make_shared<const onednn_matmul>(key);
+    auto made = std::make_shared<const Primitive>(key);
     map_.emplace(key, made);
     return made;
   }
   [[nodiscard]] std::size_t size() const noexcept { return map_.size(); }
 
  private:
-  std::unordered_map<onednn_matmul_key, std::shared_ptr<const onednn_matmul>, onednn_matmul_key_hash> map_;
+  std::unordered_map<Key, std::shared_ptr<const Primitive>, Hash> map_;
 };
+
+using onednn_matmuls = onednn_cache<onednn_matmul_key, onednn_matmul_key_hash, onednn_matmul>;
 
 LOCKSTEP_DETAIL_END
 

@@ -5,6 +5,7 @@
 #include <cmath>
 #include <cstdint>
 
+#include "lockstep/blas/convolution.hpp"
 #include "lockstep/blas/gemm.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/activation.hpp"
@@ -75,11 +76,23 @@ class conv2d {
     const std::int64_t n = x.dims()[0], rows = n * pixels();
     const stream_ref s = ctx.stream();
     y_.ensure(shape{n, out_, static_cast<std::int64_t>(g_.oh), static_cast<std::int64_t>(g_.ow)}, x.type(), s);
+    onednn_ = false;
     if (rows == 0) return y_.view();
-    col_.ensure(shape{rows, patch()}, x.type(), s);
-    rows_.ensure(shape{rows, out_}, x.type(), s);
     dispatch_floating(x.type(), "conv2d", [&]<class T>() {
       const T* w = weight_.compute_value().as<T>();
+#if LOCKSTEP_HAS_ONEDNN
+      // a host device whose GEMMs run on oneDNN: its convolution, outside deterministic mode (blas/convolution.hpp)
+      if (!ctx.deterministic()) {
+        if (auto conv = detail::host_convolution(ctx.blas(), onednn_key(detail::onednn_conv_pass::forward, x.type()))) {
+          detail::queue_host_convolution<T>(
+              ctx.blas(), conv, {x.as<T>(), w, has_bias() ? bias_.compute_value().as<T>() : nullptr, y_.as<T>(), nullptr});
+          onednn_ = true;
+          return;
+        }
+      }
+#endif
+      col_.ensure(shape{rows, patch()}, x.type(), s);
+      rows_.ensure(shape{rows, out_}, x.type(), s);
       launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(patch()),
                 kernels::im2col_op<T>{x.as<T>(), col_.as<T>(), g_}, s, "conv2d im2col");
       if (ctx.deterministic()) {
@@ -106,6 +119,15 @@ class conv2d {
     const stream_ref s = ctx.stream();
     if (need == input_grad::required) gx_.ensure(x_.dims(), x_.type(), s);
     dispatch_floating(gy.type(), "conv2d", [&]<class T>() {
+#if LOCKSTEP_HAS_ONEDNN
+      if (onednn_ && backward_onednn<T>(gy, ctx, need)) return;
+#endif
+      if (onednn_) {  // the forward ran on oneDNN and backward cannot: the patches for the GEMMs below
+        col_.ensure(shape{rows, patch()}, x_.type(), s);
+        rows_.ensure(shape{rows, out_}, x_.type(), s);
+        launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(patch()),
+                  kernels::im2col_op<T>{x_.as<T>(), col_.as<T>(), g_}, s, "conv2d im2col");
+      }
       // the output gradient in rows, where the forward's output rows were
       T* gt = rows == 0 ? nullptr : rows_.as<T>();
       if (rows > 0) {
@@ -187,6 +209,43 @@ class conv2d {
                           options_.padding, ")");
   }
 
+#if LOCKSTEP_HAS_ONEDNN
+  /// The oneDNN convolution pass of the last forward's shape.
+  [[nodiscard]] detail::onednn_conv_key onednn_key(detail::onednn_conv_pass pass, dtype type, float beta = 0.0f,
+                                                   float bias_beta = 0.0f) const {
+    auto i = [](std::size_t v) { return static_cast<std::int64_t>(v); };
+    return {i(g_.n), in_, i(g_.h), i(g_.w), out_, k_, options_.stride, options_.padding, type, has_bias(), pass, beta,
+            bias_beta};
+  }
+
+  /// Backward as oneDNN's backward weights (and backward data when the input gradient is required) after a
+  /// forward on oneDNN; false, queuing nothing and leaving the gradients' accumulation state alone, when oneDNN
+  /// has no kernel for one of them.
+  template <class T>
+  bool backward_onednn(const tensor_view& gy, context& ctx, input_grad need) {
+    using detail::onednn_conv_pass;
+    blas_handle& h = ctx.blas();
+    const dtype t = dtype_of_v<T>;
+    std::shared_ptr<const detail::onednn_convolution> data;
+    if (need == input_grad::required) {
+      data = detail::host_convolution(h, onednn_key(onednn_conv_pass::backward_data, t));
+      if (!data) return false;
+    }
+    if (!detail::host_convolution(h, onednn_key(onednn_conv_pass::backward_weights, t))) return false;
+    const float wbeta = weight_.begin_accumulate(), bbeta = has_bias() ? bias_.begin_accumulate() : 0.0f;
+    auto weights = detail::host_convolution(h, onednn_key(onednn_conv_pass::backward_weights, t, wbeta, bbeta));
+    LOCKSTEP_EXPECTS(weights != nullptr, name(), ": oneDNN serves its backward weights pass, but not when adding to "
+                     "the gradients");
+    detail::queue_host_convolution<T>(h, weights, {x_.as<T>(), gy.as<T>(), nullptr, weight_.grad().as<T>(),
+                                                   has_bias() ? bias_.grad().as<T>() : nullptr});
+    if (data) {
+      detail::queue_host_convolution<T>(h, data, {gy.as<T>(), weight_.compute_value().as<T>(), nullptr, gx_.as<T>(),
+                                                  nullptr});
+    }
+    return true;
+  }
+#endif
+
   [[nodiscard]] kernels::conv_geometry geometry_of(const shape& d) const {
     const shape out = output_shape(shape{d[1], d[2], d[3]});
     auto u = [](std::int64_t v) { return static_cast<std::size_t>(v); };
@@ -221,6 +280,7 @@ class conv2d {
   tensor scratch_;  // deterministic mode on a host device: row_products' packed operands
   exact_gradient exact_;
   bool forwarded_ = false;
+  bool onednn_ = false;  // the last forward ran as a oneDNN convolution (blas/convolution.hpp), without col_ and rows_
 };
 static_assert(layer<conv2d>);
 

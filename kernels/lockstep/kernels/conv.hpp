@@ -78,23 +78,31 @@ struct im2col_op {
     }
     col[r * g.patch() + k] = v;
   }
-  /// The host loop: the same values, written image by image and pixel by pixel without a division per element.
+  /// The host loop: the same values, written image by image and pixel by pixel without a division per element;
+  /// a window row wholly inside the image is copied without a test per element.
   void for_rows(std::size_t, std::size_t) const {
     T* out = col;
     const T zero = convert<T>(0.0f);
     for (std::size_t n = 0; n < g.n; ++n) {
       for (std::size_t oy = 0; oy < g.oh; ++oy) {
         for (std::size_t ox = 0; ox < g.ow; ++ox) {
+          const std::size_t x0 = ox * g.stride;  // the window's first column, in padded coordinates
+          const bool columns_in = x0 >= g.padding && x0 - g.padding + g.kw <= g.w;
           for (std::size_t ic = 0; ic < g.c; ++ic) {
             const T* plane = x + (n * g.c + ic) * g.h * g.w;
             for (std::size_t i = 0; i < g.kh; ++i) {
               const std::size_t y = oy * g.stride + i;
-              const bool row_in = y >= g.padding && y - g.padding < g.h;
-              for (std::size_t j = 0; j < g.kw; ++j) {
-                const std::size_t xx = ox * g.stride + j;
-                *out++ = row_in && xx >= g.padding && xx - g.padding < g.w
-                             ? plane[(y - g.padding) * g.w + (xx - g.padding)]
-                             : zero;
+              if (y < g.padding || y - g.padding >= g.h) {
+                for (std::size_t j = 0; j < g.kw; ++j) *out++ = zero;
+              } else if (columns_in) {
+                const T* in = plane + (y - g.padding) * g.w + (x0 - g.padding);
+                for (std::size_t j = 0; j < g.kw; ++j) *out++ = in[j];
+              } else {
+                for (std::size_t j = 0; j < g.kw; ++j) {
+                  const std::size_t xx = x0 + j;
+                  *out++ = xx >= g.padding && xx - g.padding < g.w ? plane[(y - g.padding) * g.w + (xx - g.padding)]
+                                                                   : zero;
+                }
               }
             }
           }
@@ -131,15 +139,20 @@ struct col2im_op {
       const T* in = dcol + n * g.pixels() * g.patch();
       for (std::size_t oy = 0; oy < g.oh; ++oy) {
         for (std::size_t ox = 0; ox < g.ow; ++ox) {
+          const std::size_t x0 = ox * g.stride;  // as in im2col_op::for_rows
+          const bool columns_in = x0 >= g.padding && x0 - g.padding + g.kw <= g.w;
           for (std::size_t ic = 0; ic < g.c; ++ic) {
             float* a = acc + ic * plane;
-            for (std::size_t i = 0; i < g.kh; ++i) {
+            for (std::size_t i = 0; i < g.kh; ++i, in += g.kw) {
               const std::size_t y = oy * g.stride + i;
-              const bool row_in = y >= g.padding && y - g.padding < g.h;
-              for (std::size_t j = 0; j < g.kw; ++j, ++in) {
-                const std::size_t xx = ox * g.stride + j;
-                if (row_in && xx >= g.padding && xx - g.padding < g.w) {
-                  a[(y - g.padding) * g.w + (xx - g.padding)] += to_float(*in);
+              if (y < g.padding || y - g.padding >= g.h) continue;
+              float* row = a + (y - g.padding) * g.w;
+              if (columns_in) {
+                for (std::size_t j = 0; j < g.kw; ++j) row[x0 - g.padding + j] += to_float(in[j]);
+              } else {
+                for (std::size_t j = 0; j < g.kw; ++j) {
+                  const std::size_t xx = x0 + j;
+                  if (xx >= g.padding && xx - g.padding < g.w) row[xx - g.padding] += to_float(in[j]);
                 }
               }
             }
@@ -164,6 +177,27 @@ struct rows_to_nchw_op {
     const T v = yt[(n * pixels + p) * channels + oc];
     y[row * pixels + p] = bias != nullptr ? convert<T>(to_float(v) + to_float(bias[oc])) : v;
   }
+  /// The host loop: image by image, a transpose in tiles of 16 pixels (read along the rows, written 16 at a time
+  /// per channel), without a division per element.
+  void for_rows(std::size_t rows, std::size_t) const {
+    constexpr std::size_t tile = 16;
+    for (std::size_t n = 0; n < rows / channels; ++n) {
+      const T* in = yt + n * pixels * channels;
+      T* out = y + n * channels * pixels;
+      for (std::size_t p0 = 0; p0 < pixels; p0 += tile) {
+        const std::size_t p1 = p0 + tile < pixels ? p0 + tile : pixels;
+        for (std::size_t oc = 0; oc < channels; ++oc) {
+          T* o = out + oc * pixels;
+          if (bias != nullptr) {
+            const float b = to_float(bias[oc]);
+            for (std::size_t p = p0; p < p1; ++p) o[p] = convert<T>(to_float(in[p * channels + oc]) + b);
+          } else {
+            for (std::size_t p = p0; p < p1; ++p) o[p] = in[p * channels + oc];
+          }
+        }
+      }
+    }
+  }
 };
 
 /// gt[n * P + p, oc] = g[n, oc, p]: the output gradient in rows. A launch_2d functor over [N * P, OC].
@@ -175,6 +209,21 @@ struct nchw_to_rows_op {
   LOCKSTEP_HD void operator()(std::size_t r, std::size_t oc) const {
     const std::size_t n = r / pixels, p = r % pixels;
     gt[r * channels + oc] = g[(n * channels + oc) * pixels + p];
+  }
+  /// The host loop: image by image, a transpose in tiles of 16 pixels, without a division per element.
+  void for_rows(std::size_t rows, std::size_t) const {
+    constexpr std::size_t tile = 16;
+    for (std::size_t n = 0; n < rows / pixels; ++n) {
+      const T* in = g + n * channels * pixels;
+      T* out = gt + n * pixels * channels;
+      for (std::size_t p0 = 0; p0 < pixels; p0 += tile) {
+        const std::size_t p1 = p0 + tile < pixels ? p0 + tile : pixels;
+        for (std::size_t oc = 0; oc < channels; ++oc) {
+          const T* i = in + oc * pixels;
+          for (std::size_t p = p0; p < p1; ++p) out[p * channels + oc] = i[p];
+        }
+      }
+    }
   }
 };
 
@@ -204,8 +253,36 @@ struct max_pool_forward_op {
     y[o] = convert<T>(best);
     argmax[o] = at;
   }
-  /// The host loop: the same windows, output pixel by output pixel without a division.
+  /// The host loop: the same windows, output pixel by output pixel without a division; 2x2 windows of stride 2
+  /// without padding (the usual pooling) read their four values directly, in window order.
   void for_rows(std::size_t rows, std::size_t) const {
+    if (g.kh == 2 && g.kw == 2 && g.stride == 2 && g.padding == 0) {
+      for (std::size_t row = 0; row < rows; ++row) {
+        const T* plane = x + row * g.h * g.w;
+        std::size_t o = row * g.pixels();
+        for (std::size_t oy = 0; oy < g.oh; ++oy) {
+          const std::size_t top = 2 * oy * g.w;
+          const T* r0 = plane + top;
+          const T* r1 = r0 + g.w;
+          for (std::size_t ox = 0; ox < g.ow; ++ox, ++o) {
+            float best = to_float(r0[2 * ox]);
+            auto at = static_cast<std::int32_t>(top + 2 * ox);
+            const auto consider = [&](float v, std::size_t idx) {
+              if (v > best || v != v) {  // as in window(): the first maximum; a NaN wins (the last one)
+                best = v;
+                at = static_cast<std::int32_t>(idx);
+              }
+            };
+            consider(to_float(r0[2 * ox + 1]), top + 2 * ox + 1);
+            consider(to_float(r1[2 * ox]), top + g.w + 2 * ox);
+            consider(to_float(r1[2 * ox + 1]), top + g.w + 2 * ox + 1);
+            y[o] = convert<T>(best);
+            argmax[o] = at;
+          }
+        }
+      }
+      return;
+    }
     for (std::size_t row = 0; row < rows; ++row) {
       std::size_t o = row * g.pixels();
       for (std::size_t oy = 0; oy < g.oh; ++oy)

@@ -41,6 +41,10 @@ void host_loop_2d_body(std::size_t rows, std::size_t cols, const K& k) {
       for (std::size_t c = 0; c < cols; ++c) k(r, c);
   }
 }
+template <class K>
+void host_rows_body(std::size_t rows, const K& k) {
+  for (std::size_t r = 0; r < rows; ++r) k.row(r, single_lane{});
+}
 template <class Group, class K>
 void host_groups_body(std::span<const Group> groups, const K& k) {
   for (const auto& g : groups) {
@@ -69,6 +73,10 @@ LOCKSTEP_TARGET_AVX2 void host_loop_2d_avx2(std::size_t rows, std::size_t cols, 
     for (std::size_t r = 0; r < rows; ++r)
       for (std::size_t c = 0; c < cols; ++c) k(r, c);
   }
+}
+template <class K>
+LOCKSTEP_TARGET_AVX2 void host_rows_avx2(std::size_t rows, const K& k) {
+  for (std::size_t r = 0; r < rows; ++r) k.row(r, single_lane{});
 }
 template <class Group, class K>
 LOCKSTEP_TARGET_AVX2 void host_groups_avx2(std::span<const Group> groups, const K& k) {
@@ -106,6 +114,16 @@ void run_host_loop_2d(std::size_t rows, std::size_t cols, const F& f) {
   if (host_has_avx2()) return host_loop_2d_avx2(rows, cols, k);
 #endif
   host_loop_2d_body(rows, cols, k);
+}
+
+/// k.row(r, single_lane) for r in [0, rows) (launch_rows: the row-wise reductions' serial loops).
+template <class F>
+void run_host_rows(std::size_t rows, const F& f) {
+  const auto k = bind_functor(f);
+#if LOCKSTEP_HOST_AVX2_CLONES
+  if (host_has_avx2()) return host_rows_avx2(rows, k);
+#endif
+  host_rows_body(rows, k);
 }
 
 /// k over every element of every group (multi-tensor kernels).

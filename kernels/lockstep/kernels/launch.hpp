@@ -113,10 +113,7 @@ void launch_rows(std::size_t rows, F f, stream_ref s, const char* what) {
     detail::strict_check_functor(f, s.get_device(), what);
     detail::enqueue_host(
         s,
-        [rows, f] {
-          const auto k = detail::bind_functor(f);
-          for (std::size_t r = 0; r < rows; ++r) k.row(r, detail::single_lane{});
-        },
+        [rows, f] { detail::run_host_rows(rows, f); },
         what);
     return;
   }

@@ -1,0 +1,49 @@
+// lockstep/blas/convolution.hpp — convolution passes a blas_handle runs as library kernels: on a host device, oneDNN's
+// convolutions (onednn_conv.hpp) when the handle's GEMM plan names oneDNN for the type. nn/conv2d.hpp asks here
+// first and keeps its im2col + GEMM otherwise (GPUs, deterministic mode, f16, OpenBLAS plans, a build without
+// oneDNN).
+#pragma once
+
+#include <memory>
+
+#include "lockstep/blas/blas_handle.hpp"
+#include "lockstep/blas/onednn_conv.hpp"
+#include "lockstep/config.hpp"
+#include "lockstep/runtime/copy.hpp"
+#include "lockstep/runtime/memory.hpp"
+
+#if LOCKSTEP_HAS_ONEDNN
+LOCKSTEP_DETAIL_BEGIN
+
+/// The pass `key` as a oneDNN convolution on `h`'s host device, or null when it does not run there (a GPU, a plan
+/// that does not name oneDNN for the type, no kernel or only oneDNN's reference loop for the shape).
+inline std::shared_ptr<const onednn_convolution> host_convolution(blas_handle& h, const onednn_conv_key& key) {
+  if (!h.get_device().is_host() || h.host_plan().for_dtype(key.type) != host_gemm_kernel::onednn) return nullptr;
+  std::shared_ptr<const onednn_convolution> conv = h.onednn_conv_cache().get(key);
+  return conv->usable() ? conv : nullptr;
+}
+
+/// The plain tensors of a pass (onednn_convolution::run's a, b, c, out, out2), all of the handle's device.
+template <class T>
+struct host_convolution_tensors {
+  const T* a;
+  const T* b;
+  const T* c;
+  T* out;
+  T* out2;
+};
+
+/// Queues `conv` on `h`'s stream with `t`, its workspace taken from the handle's scratch memory.
+template <class T>
+void queue_host_convolution(blas_handle& h, std::shared_ptr<const onednn_convolution> conv,
+                            const host_convolution_tensors<T>& t) {
+  strict_check_functor(t, h.get_device(), "conv2d (oneDNN)");  // every tensor is memory of the handle's device
+  auto* workspace = conv->workspace_bytes() == 0
+                        ? nullptr
+                        : reinterpret_cast<std::byte*>(h.scratch((conv->workspace_bytes() + 3) / 4));
+  enqueue_host(h.stream(), [conv, t, workspace] { conv->run(t.a, t.b, t.c, t.out, t.out2, workspace); },
+               "conv2d (oneDNN)");
+}
+
+LOCKSTEP_DETAIL_END
+#endif  // LOCKSTEP_HAS_ONEDNN
