@@ -11,6 +11,9 @@
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
+#include <exception>
+#include <memory>
+#include <mutex>
 #include <string>
 #include <thread>
 
@@ -115,15 +118,27 @@ int main(int argc, char** argv) {
       "                              KIND: throw, oom, comm (an exception where the step's all-reduces run),\n"
       "                              kill (SIGKILL), stop (SIGSTOP) or stall (SIGSTOP inside the step's\n"
       "                              collectives; processes only)\n";
-  try {
-    const auto fault = std::make_shared<const fault_injection>(fault_injection::from_environment());
-    hooks.before_training = [fault](int world, bool processes) { fault->check_rank(world, processes); };
-    hooks.before_step = [fault](int rank, std::int64_t step, std::int64_t last, device dev, stream_ref comm_stream) {
-      fault->at_step(rank, step, last, dev, comm_stream);
-    };
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "mlp_train: %s\n", e.what());
-    return 2;
-  }
+  // read once when DDP's ranks start (as the sample did, on each rank's thread): a malformed value fails the run like
+  // any other error
+  struct parsed {
+    std::once_flag once;
+    fault_injection fault;
+    std::exception_ptr error;
+  };
+  auto state = std::make_shared<parsed>();
+  hooks.before_training = [state](int world, bool processes) {
+    std::call_once(state->once, [&] {
+      try {
+        state->fault = fault_injection::from_environment();
+      } catch (...) {
+        state->error = std::current_exception();
+      }
+    });
+    if (state->error) std::rethrow_exception(state->error);
+    state->fault.check_rank(world, processes);
+  };
+  hooks.before_step = [state](int rank, std::int64_t step, std::int64_t last, device dev, stream_ref comm_stream) {
+    state->fault.at_step(rank, step, last, dev, comm_stream);
+  };
   return sample::run(argc, argv, mlp_sample::recipe(), hooks);
 }

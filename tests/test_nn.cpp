@@ -571,8 +571,13 @@ TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_
         r.gw2 = read(params[0].param->grad(), ctx.stream());
         if (c.bias) r.gb2 = read(params[1].param->grad(), ctx.stream());
 #if LOCKSTEP_HAS_ONEDNN
-        if (dev().is_host() && ctx.blas().host_plan().f32 == host_gemm_kernel::onednn) {
-          EXPECT_GT(ctx.blas().onednn_conv_cache().size(), 0u) << "the ordinary run did not convolve on oneDNN";
+        if (dev().is_host() && ctx.blas().host_plan().f32 == host_gemm_kernel::onednn) {  // the comparison's point
+          for (const auto pass : {detail::onednn_conv_pass::forward, detail::onednn_conv_pass::backward_data,
+                                  detail::onednn_conv_pass::backward_weights}) {
+            const detail::onednn_conv_key key{n, c.in, c.h, c.w, c.out, c.k, c.stride, c.padding, dtype::f32, c.bias,
+                                              pass};
+            EXPECT_NE(detail::host_convolution(ctx.blas(), key), nullptr) << "the ordinary run did not use oneDNN";
+          }
         }
 #endif
       }

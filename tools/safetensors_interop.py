@@ -136,13 +136,19 @@ def parameters_sha256(model):
 
 # ---- the PyTorch side ---------------------------------------------------------------------------------------------
 
+def model_spec(a):
+    """compare_pytorch's description of the model the arguments name."""
+    return {"kind": a.model, "hidden": [int(h) for h in a.hidden.split(",")],
+            "channels": [int(c) for c in a.channels.split(",")], "dropout": a.dropout}
+
+
 def build_model(a, hidden):
     """The sample's model in PyTorch, named like its graph's nodes. MLP: compare_pytorch.torch_model's layers (same
     construction, so the same initialization under a seed): fc1, relu1, fc2, relu2, ..., out. CNN:
     compare_pytorch.torch_cnn (cnn_train's model.hpp)."""
     import torch
     if a.model == "cnn":
-        return cp.torch_cnn([int(c) for c in a.channels.split(",")], hidden, a.dropout)
+        return cp.build_torch_model(model_spec(a))
     names = [n for i in range(len(hidden)) for n in (f"fc{i + 1}", f"relu{i + 1}")] + ["out"]
     return torch.nn.Sequential(collections.OrderedDict(zip(names, cp.torch_model(hidden))))
 
@@ -199,9 +205,7 @@ def train(model, train_set, steps):
 # ---- the checks ---------------------------------------------------------------------------------------------------
 
 def run_mlp_train(a, extra):
-    cmd = [a.mlp_train, "--json", "--hidden", a.hidden, "--data", a.data]
-    if a.model == "cnn":
-        cmd += ["--channels", a.channels, "--dropout", str(a.dropout)]
+    cmd = [a.mlp_train, "--json", "--data", a.data] + cp.model_options(model_spec(a))
     cmd += (["--devices", a.devices] if a.devices else []) + extra
     print("  $ " + " ".join(cmd), flush=True)
     try:

@@ -99,7 +99,7 @@ inline sample::model_recipe recipe() {
     } else if (flag == "--hidden") {
       m->hidden = sample::parse_widths(flag, value());
     } else if (flag == "--dropout") {
-      m->dropout = sample::parse_fraction(flag, value(), 0.0f, 0.99f, "[0, 1)");
+      m->dropout = sample::parse_fraction(flag, value(), 0.0f, 1.0f);
     } else if (flag == "--sync-bn") {
       m->sync_bn = true;
     } else {

@@ -159,10 +159,13 @@ inline std::vector<std::int64_t> parse_widths(std::string_view flag, std::string
   return widths;
 }
 
-/// A number in [low, high] (a model's option, such as --dropout).
-inline float parse_fraction(std::string_view flag, std::string_view text, float low, float high, const char* range) {
+/// A number in [low, high) (a model's option, such as --dropout).
+inline float parse_fraction(std::string_view flag, std::string_view text, float low, float high) {
   const float v = options_detail::parse_float(flag, text);
-  if (!(v >= low && v <= high)) throw usage_error(std::string(flag) + " must be in " + range + ", got " + std::string(text));
+  if (!(v >= low && v < high)) {
+    throw usage_error(std::string(flag) + " must be in [" + std::to_string(low).substr(0, 3) + ", " +
+                      std::to_string(high).substr(0, 3) + "), got " + std::string(text));
+  }
   return v;
 }
 

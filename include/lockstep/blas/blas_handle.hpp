@@ -9,7 +9,9 @@
 //     keeps the oneDNN matmuls it created, by shape (onednn.hpp).
 // Either way it owns a scratch workspace on the device, grown on demand in stream order on the stream and
 // then kept, so that a steady-state training step allocates nothing. The host fp16/bf16 GEMM converts its
-// operands into it (at most 6 MiB); no GEMM on a GPU uses it (cuBLAS manages its own workspace).
+// operands into it (at most 6 MiB), oneDNN's matmuls take their scratchpads from it, and the host convolutions
+// (convolution.hpp) their blocked tensors (as large as the largest convolution's input and output seen); no GEMM on
+// a GPU uses it (cuBLAS manages its own workspace).
 //
 // A handle is used with its one stream only, and from one thread at a time (like a cuBLAS handle bound to
 // a stream): the workspace is shared by all work the handle queues, which is safe only because that work

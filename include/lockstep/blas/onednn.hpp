@@ -21,6 +21,7 @@
 #include <bit>
 #include <cstdint>
 #include <cstring>
+#include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
@@ -139,14 +140,68 @@ class onednn_one_thread_scope {
 
 LOCKSTEP_DETAIL_BEGIN
 
-using onednn_memory_owner = std::unique_ptr<dnnl_memory, decltype(&dnnl_memory_destroy)>;
+// Owners of oneDNN objects.
+struct onednn_memory_deleter {
+  void operator()(dnnl_memory_t m) const noexcept { dnnl_memory_destroy(m); }
+};
+struct onednn_primitive_deleter {
+  void operator()(dnnl_primitive_t p) const noexcept { dnnl_primitive_destroy(p); }
+};
+using onednn_memory_owner = std::unique_ptr<dnnl_memory, onednn_memory_deleter>;
+using onednn_primitive_owner = std::unique_ptr<dnnl_primitive, onednn_primitive_deleter>;
+
+using onednn_attr_owner = std::unique_ptr<dnnl_primitive_attr, decltype(&dnnl_primitive_attr_destroy)>;
+using onednn_pd_owner = std::unique_ptr<dnnl_primitive_desc, decltype(&dnnl_primitive_desc_destroy)>;
+using onednn_stream_owner = std::unique_ptr<dnnl_stream, decltype(&dnnl_stream_destroy)>;
+
+/// FNV-1a over the bytes of `values`: the primitive caches' key hash.
+inline std::size_t onednn_key_hash(std::initializer_list<std::uint64_t> values) noexcept {
+  std::uint64_t h = 1469598103934665603ull;
+  for (std::uint64_t v : values) {
+    for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xffu)) * 1099511628211ull;
+  }
+  return static_cast<std::size_t>(h);
+}
+
+/// Primitive attributes: a user scratchpad (so that it is device memory, accounted like the rest) when asked, and
+/// the sum post-op dst = beta dst + result when beta is not 0.
+inline onednn_attr_owner onednn_attributes(bool user_scratchpad, float beta) {
+  dnnl_primitive_attr_t attr = nullptr;
+  LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_create(&attr), "creating primitive attributes");
+  onednn_attr_owner owner(attr, &dnnl_primitive_attr_destroy);
+  if (user_scratchpad) {
+    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user),
+                          "asking for a user scratchpad");
+  }
+  if (beta != 0.0f) {
+    dnnl_post_ops_t ops = nullptr;
+    LOCKSTEP_ONEDNN_CHECK(dnnl_post_ops_create(&ops), "creating post-ops");
+    const std::unique_ptr<dnnl_post_ops, decltype(&dnnl_post_ops_destroy)> ops_owner(ops, &dnnl_post_ops_destroy);
+    LOCKSTEP_ONEDNN_CHECK(dnnl_post_ops_append_sum(ops, beta), "adding beta times the output");
+    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops");
+  }
+  return owner;
+}
+
+/// A oneDNN stream on the engine (the primitives of one object run on it, on the calling thread).
+inline onednn_stream_owner onednn_new_stream() {
+  dnnl_stream_t st = nullptr;
+  LOCKSTEP_ONEDNN_CHECK(dnnl_stream_create(&st, onednn_engine(), dnnl_stream_default_flags), "creating a oneDNN stream");
+  return onednn_stream_owner(st, &dnnl_stream_destroy);
+}
+
+/// Whether oneDNN's kernel `implementation` is worth running: not its reference loop (a name starting with "ref",
+/// a hundred times slower than a kernel), nor "none" (no kernel).
+inline bool onednn_usable(const std::string& implementation) noexcept {
+  return implementation != "none" && implementation.rfind("ref", 0) != 0;
+}
 
 /// A oneDNN memory object of `md` without a buffer (bound with dnnl_memory_set_data_handle before each run).
 inline onednn_memory_owner onednn_memory(const dnnl_memory_desc_t& md) {
   dnnl_memory_t mem = nullptr;
   LOCKSTEP_ONEDNN_CHECK(dnnl_memory_create(&mem, &md, onednn_engine(), DNNL_MEMORY_NONE),
                         "creating a oneDNN memory object");
-  return onednn_memory_owner(mem, &dnnl_memory_destroy);
+  return onednn_memory_owner(mem);
 }
 
 /// The shape, layout and scalars of one GEMM: what a matmul is created for (alpha and beta by their bits).
@@ -171,15 +226,11 @@ struct onednn_matmul_key {
 
 struct onednn_matmul_key_hash {
   std::size_t operator()(const onednn_matmul_key& key) const noexcept {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the members' values
-    auto mix = [&h](std::uint64_t v) {
-      for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xffu)) * 1099511628211ull;
-    };
-    for (std::int64_t v : {key.m, key.n, key.k, key.lda, key.ldb, key.ldc}) mix(static_cast<std::uint64_t>(v));
-    mix(std::bit_cast<std::uint32_t>(key.alpha));
-    mix(std::bit_cast<std::uint32_t>(key.beta));
-    mix(static_cast<std::uint64_t>(key.type) | (std::uint64_t{key.ta} << 8) | (std::uint64_t{key.tb} << 9));
-    return static_cast<std::size_t>(h);
+    auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+    return onednn_key_hash({u(key.m), u(key.n), u(key.k), u(key.lda), u(key.ldb), u(key.ldc),
+                            std::bit_cast<std::uint32_t>(key.alpha), std::bit_cast<std::uint32_t>(key.beta),
+                            static_cast<std::uint64_t>(key.type) | (std::uint64_t{key.ta} << 8) |
+                                (std::uint64_t{key.tb} << 9)});
   }
 };
 
@@ -203,21 +254,11 @@ class onednn_matmul {
     dnnl_matmul_desc_t desc{};
     LOCKSTEP_ONEDNN_CHECK(dnnl_matmul_desc_init(&desc, &a_md, &b_md, nullptr, &c_md), "describing a matmul");
 
-    dnnl_primitive_attr_t attr = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_create(&attr), "creating matmul attributes");
-    std::unique_ptr<dnnl_primitive_attr, decltype(&dnnl_primitive_attr_destroy)> attr_owner(
-        attr, &dnnl_primitive_attr_destroy);
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user),
-                          "asking for a user scratchpad");
+    // beta == 0: C is not read (no sum post-op), as BLAS promises
+    const onednn_attr_owner attr_owner = onednn_attributes(true, key.beta);
+    dnnl_primitive_attr_t attr = attr_owner.get();
     if (key.alpha != 1.0f) {
       LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_output_scales(attr, 1, 0, &key.alpha), "setting alpha");
-    }
-    if (key.beta != 0.0f) {  // beta == 0: C is not read (no sum post-op), as BLAS promises
-      dnnl_post_ops_t ops = nullptr;
-      LOCKSTEP_ONEDNN_CHECK(dnnl_post_ops_create(&ops), "creating post-ops");
-      std::unique_ptr<dnnl_post_ops, decltype(&dnnl_post_ops_destroy)> ops_owner(ops, &dnnl_post_ops_destroy);
-      LOCKSTEP_ONEDNN_CHECK(dnnl_post_ops_append_sum(ops, key.beta), "adding beta * C");
-      LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops");
     }
     dnnl_primitive_desc_t pd = nullptr;
     const dnnl_status_t made = dnnl_primitive_desc_create(&pd, &desc, attr, onednn_engine(), nullptr);
@@ -227,8 +268,7 @@ class onednn_matmul {
     }
     LOCKSTEP_ONEDNN_CHECK(made, "creating a ", name_of(key.type), " matmul (m = ", key.m, ", n = ", key.n,
                           ", k = ", key.k, ")");
-    std::unique_ptr<dnnl_primitive_desc, decltype(&dnnl_primitive_desc_destroy)> pd_owner(
-        pd, &dnnl_primitive_desc_destroy);
+    const onednn_pd_owner pd_owner(pd, &dnnl_primitive_desc_destroy);
     const char* impl = nullptr;
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl), "naming the kernel");
     implementation_ = impl ? impl : "";
@@ -241,10 +281,7 @@ class onednn_matmul {
     b_ = onednn_memory(b_md);
     c_ = onednn_memory(c_md);
     if (scratchpad_bytes_ > 0) scratchpad_ = onednn_memory(*dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0));
-    dnnl_stream_t st = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_stream_create(&st, onednn_engine(), dnnl_stream_default_flags),
-                          "creating a oneDNN stream");
-    stream_.reset(st);
+    stream_ = onednn_new_stream();
   }
 
   onednn_matmul(const onednn_matmul&) = delete;
@@ -263,7 +300,7 @@ class onednn_matmul {
   [[nodiscard]] const std::string& implementation() const noexcept { return implementation_; }
   /// Whether gemm() runs it: a kernel exists and is not oneDNN's reference loop (an implementation whose name
   /// starts with "ref", a hundred times slower than a GEMM kernel).
-  [[nodiscard]] bool usable() const noexcept { return primitive_ && implementation_.rfind("ref", 0) != 0; }
+  [[nodiscard]] bool usable() const noexcept { return primitive_ && onednn_usable(implementation_); }
   /// Bytes of scratchpad memory a run needs (given to run()).
   [[nodiscard]] std::size_t scratchpad_bytes() const noexcept { return scratchpad_bytes_; }
 
@@ -285,10 +322,9 @@ class onednn_matmul {
   }
 
  private:
-  std::unique_ptr<dnnl_primitive, decltype(&dnnl_primitive_destroy)> primitive_{nullptr, &dnnl_primitive_destroy};
-  std::unique_ptr<dnnl_stream, decltype(&dnnl_stream_destroy)> stream_{nullptr, &dnnl_stream_destroy};
-  onednn_memory_owner a_{nullptr, &dnnl_memory_destroy}, b_{nullptr, &dnnl_memory_destroy};
-  onednn_memory_owner c_{nullptr, &dnnl_memory_destroy}, scratchpad_{nullptr, &dnnl_memory_destroy};
+  onednn_primitive_owner primitive_;
+  onednn_stream_owner stream_{nullptr, &dnnl_stream_destroy};
+  onednn_memory_owner a_, b_, c_, scratchpad_;
   std::string implementation_;
   std::size_t scratchpad_bytes_ = 0;
 };

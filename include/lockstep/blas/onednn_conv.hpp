@@ -11,10 +11,11 @@
 // im2col kernel for plain layouts is 2-3 times slower); reorders move the values between those and lockstep's
 // plain NCHW / OIHW / [C] tensors before and after each pass, through a workspace taken from the handle's scratch
 // memory: the blocked copies of the pass's tensors (each the size of the plain one, rounded up to 16 channels) and
-// the primitive's scratchpad. So the workspace is bounded by the pass's tensors, a few times the layer's output.
-// Accumulated weight gradients (beta 1) are added by the reorder out of the blocked gradient (its sum post-op).
-// oneDNN accumulates in f32 and rounds to the type once, as the GEMMs do. f16 has no oneDNN kernel on CPUs (the
-// caller keeps im2col), nor has a shape oneDNN serves only with its reference loop.
+// the primitive's scratchpad. So the workspace is bounded by the pass's tensors, a few times the layer's output
+// (the reorders' own small scratchpads are oneDNN's). The weight and bias gradients are computed in f32 (also for
+// bf16) and rounded once by the reorder into the plain gradient, which adds beta times what it held (its sum
+// post-op) when gradients accumulate: one rounding, as the GEMMs. f16 has no oneDNN kernel on CPUs (the caller keeps
+// im2col), nor has a shape oneDNN serves only with its reference loop.
 #pragma once
 
 #include "lockstep/blas/onednn.hpp"
@@ -55,16 +56,13 @@ struct onednn_conv_key {
 
 struct onednn_conv_key_hash {
   std::size_t operator()(const onednn_conv_key& key) const noexcept {
-    std::uint64_t h = 1469598103934665603ull;  // FNV-1a over the members' values
-    auto mix = [&h](std::uint64_t v) {
-      for (int i = 0; i < 8; ++i, v >>= 8) h = (h ^ (v & 0xffu)) * 1099511628211ull;
-    };
-    for (std::int64_t v : {key.n, key.c, key.h, key.w, key.oc, key.k, key.stride, key.padding})
-      mix(static_cast<std::uint64_t>(v));
-    mix(static_cast<std::uint64_t>(key.type) | (std::uint64_t{key.bias} << 8) |
-        (static_cast<std::uint64_t>(key.pass) << 9));
-    mix(std::bit_cast<std::uint32_t>(key.beta) | (std::uint64_t{std::bit_cast<std::uint32_t>(key.bias_beta)} << 32));
-    return static_cast<std::size_t>(h);
+    auto u = [](std::int64_t v) { return static_cast<std::uint64_t>(v); };
+    return onednn_key_hash({u(key.n), u(key.c), u(key.h), u(key.w), u(key.oc), u(key.k), u(key.stride),
+                            u(key.padding),
+                            static_cast<std::uint64_t>(key.type) | (std::uint64_t{key.bias} << 8) |
+                                (static_cast<std::uint64_t>(key.pass) << 9),
+                            std::bit_cast<std::uint32_t>(key.beta) |
+                                (std::uint64_t{std::bit_cast<std::uint32_t>(key.bias_beta)} << 32)});
   }
 };
 
@@ -93,6 +91,12 @@ class onednn_convolution {
                           "describing W");
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dst_any, 4, dst_dims, t, dnnl_format_tag_any), "describing y");
     const dnnl_memory_desc_t* bias_md = key.bias ? &bias_plain : nullptr;
+    // the parameters' gradients in f32, rounded once into the plain gradient by its reorder
+    dnnl_memory_desc_t dweight_any{}, dbias_f32{};
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dweight_any, 4, weight_dims, dnnl_f32, dnnl_format_tag_any),
+                          "describing dW");
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dbias_f32, 1, bias_dims, dnnl_f32, dnnl_x),
+                          "describing the bias gradient");
 
     // the forward pass: the primitive of `forward`, and the hint of the backward passes
     dnnl_convolution_desc_t forward_desc{};
@@ -102,14 +106,10 @@ class onednn_convolution {
                           "describing a convolution");
     dnnl_primitive_desc_t forward_pd = nullptr;
     if (!made(dnnl_primitive_desc_create(&forward_pd, &forward_desc, nullptr, onednn_engine(), nullptr), key)) return;
-    const pd_owner forward_owner(forward_pd, &dnnl_primitive_desc_destroy);
+    const onednn_pd_owner forward_owner(forward_pd, &dnnl_primitive_desc_destroy);
 
-    dnnl_primitive_attr_t attr = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_create(&attr), "creating convolution attributes");
-    const std::unique_ptr<dnnl_primitive_attr, decltype(&dnnl_primitive_attr_destroy)> attr_owner(
-        attr, &dnnl_primitive_attr_destroy);
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_scratchpad_mode(attr, dnnl_scratchpad_mode_user),
-                          "asking for a user scratchpad");
+    const onednn_attr_owner attr_owner = onednn_attributes(true, 0.0f);
+    dnnl_primitive_attr_t attr = attr_owner.get();
     dnnl_primitive_desc_t pd = nullptr;
     if (key.pass == onednn_conv_pass::forward) {
       if (!made(dnnl_primitive_desc_create(&pd, &forward_desc, attr, onednn_engine(), nullptr), key)) return;
@@ -122,16 +122,16 @@ class onednn_convolution {
     } else {
       dnnl_convolution_desc_t desc{};
       LOCKSTEP_ONEDNN_CHECK(dnnl_convolution_backward_weights_desc_init(&desc, dnnl_convolution_direct, &src_any,
-                                                                        &weight_any, bias_md, &dst_any, strides,
-                                                                        padding, padding),
+                                                                        &dweight_any, key.bias ? &dbias_f32 : nullptr,
+                                                                        &dst_any, strides, padding, padding),
                             "describing a convolution's backward weights pass");
       if (!made(dnnl_primitive_desc_create(&pd, &desc, attr, onednn_engine(), forward_pd), key)) return;
     }
-    const pd_owner owner(pd, &dnnl_primitive_desc_destroy);
+    const onednn_pd_owner owner(pd, &dnnl_primitive_desc_destroy);
     const char* impl = nullptr;
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_desc_query(pd, dnnl_query_impl_info_str, 0, &impl), "naming the kernel");
     implementation_ = impl ? impl : "";
-    if (!usable_implementation()) return;  // never run: the caller keeps its own kernels
+    if (!onednn_usable(implementation_)) return;  // never run: the caller keeps its own kernels
 
     const auto md = [pd](dnnl_query_t what) { return *dnnl_primitive_desc_query_md(pd, what, 0); };
     switch (key.pass) {
@@ -150,7 +150,7 @@ class onednn_convolution {
         add(DNNL_ARG_SRC, slot::a, src_plain, md(dnnl_query_src_md), 0.0f);
         add(DNNL_ARG_DIFF_DST, slot::b, dst_plain, md(dnnl_query_diff_dst_md), 0.0f);
         add(DNNL_ARG_DIFF_WEIGHTS, slot::out, weight_plain, md(dnnl_query_diff_weights_md), key.beta);
-        if (key.bias) add(DNNL_ARG_DIFF_BIAS, slot::out2, bias_plain, bias_plain, key.bias_beta);
+        if (key.bias) add(DNNL_ARG_DIFF_BIAS, slot::out2, bias_plain, dbias_f32, key.bias_beta);
         break;
     }
     const dnnl_memory_desc_t scratch_md = md(dnnl_query_scratchpad_md);
@@ -163,10 +163,7 @@ class onednn_convolution {
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_create(&prim, pd), "generating the code of a convolution (", implementation_,
                           ")");
     primitive_.reset(prim);
-    dnnl_stream_t st = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_stream_create(&st, onednn_engine(), dnnl_stream_default_flags),
-                          "creating a oneDNN stream");
-    stream_.reset(st);
+    stream_ = onednn_new_stream();
   }
 
   onednn_convolution(const onednn_convolution&) = delete;
@@ -191,8 +188,9 @@ class onednn_convolution {
   void run(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace) const {
     onednn_one_thread_here();
     const std::array<void*, 5> plain{const_cast<void*>(a), const_cast<void*>(b), const_cast<void*>(c), out, out2};
-    std::vector<dnnl_exec_arg_t> args;
-    args.reserve(args_.size() + 1);
+    // (an array, not a vector: nvcc 12's front end crashes on push_back({...}) of this C struct)
+    std::array<dnnl_exec_arg_t, max_arguments + 1> args{};
+    int count = 0;
     for (const argument& x : args_) {
       void* user = plain[static_cast<std::size_t>(x.from)];
       if (!x.reorder) {  // the primitive reads or writes the plain tensor itself
@@ -200,35 +198,35 @@ class onednn_convolution {
       } else {
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.inner.get(), workspace + x.offset), "binding a copy");
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.plain.get(), user), "binding a tensor");
-        if (x.input) reorder(x, x.plain.get(), x.inner.get());
+        if (x.input) run_reorder(x, x.plain.get(), x.inner.get());
       }
-      args.push_back({x.arg, x.inner.get()});
+      args[static_cast<std::size_t>(count)].arg = x.arg;
+      args[static_cast<std::size_t>(count++)].memory = x.inner.get();
     }
     if (scratchpad_) {
       LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(scratchpad_.get(), workspace + scratchpad_offset_),
                             "binding the scratchpad");
-      args.push_back({DNNL_ARG_SCRATCHPAD, scratchpad_.get()});
+      args[static_cast<std::size_t>(count)].arg = DNNL_ARG_SCRATCHPAD;
+      args[static_cast<std::size_t>(count++)].memory = scratchpad_.get();
     }
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_execute(primitive_.get(), stream_.get(), static_cast<int>(args.size()),
-                                                 args.data()),
+    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_execute(primitive_.get(), stream_.get(), count, args.data()),
                           "running a oneDNN convolution (", implementation_, ")");
     for (const argument& x : args_) {
-      if (x.reorder && !x.input) reorder(x, x.inner.get(), x.plain.get());
+      if (x.reorder && !x.input) run_reorder(x, x.inner.get(), x.plain.get());
     }
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_wait(stream_.get()), "waiting for a oneDNN convolution");
   }
 
  private:
-  using pd_owner = std::unique_ptr<dnnl_primitive_desc, decltype(&dnnl_primitive_desc_destroy)>;
-  using primitive_owner = std::unique_ptr<dnnl_primitive, decltype(&dnnl_primitive_destroy)>;
   enum class slot : std::uint8_t { a, b, c, out, out2 };  // run()'s arguments
+  static constexpr std::size_t max_arguments = 5;
   struct argument {
     int arg = 0;
     slot from = slot::a;
     bool input = true;
-    onednn_memory_owner inner{nullptr, &dnnl_memory_destroy};  // what the primitive reads or writes
-    onednn_memory_owner plain{nullptr, &dnnl_memory_destroy};  // the user's tensor, when a reorder is needed
-    primitive_owner reorder{nullptr, &dnnl_primitive_destroy};
+    onednn_memory_owner inner;  // what the primitive reads or writes
+    onednn_memory_owner plain;  // the user's tensor, when a reorder is needed
+    onednn_primitive_owner reorder;
     std::size_t offset = 0;  // of the copy in the workspace
   };
 
@@ -243,7 +241,6 @@ class onednn_convolution {
                           " x ", key.w, " to ", key.oc, " channels, kernel ", key.k, ")");
     return true;
   }
-  [[nodiscard]] bool usable_implementation() const { return implementation_.rfind("ref", 0) != 0; }
 
   /// Room for `bytes` in the workspace; returns its offset.
   std::size_t reserve(std::size_t bytes) {
@@ -267,40 +264,30 @@ class onednn_convolution {
     }
     x.plain = onednn_memory(plain);
     x.offset = reserve(dnnl_memory_desc_get_size(&inner));
-    dnnl_primitive_attr_t attr = nullptr;
-    LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_create(&attr), "creating reorder attributes");
-    const std::unique_ptr<dnnl_primitive_attr, decltype(&dnnl_primitive_attr_destroy)> attr_owner(
-        attr, &dnnl_primitive_attr_destroy);
-    if (beta != 0.0f) {
-      dnnl_post_ops_t ops = nullptr;
-      LOCKSTEP_ONEDNN_CHECK(dnnl_post_ops_create(&ops), "creating post-ops");
-      const std::unique_ptr<dnnl_post_ops, decltype(&dnnl_post_ops_destroy)> ops_owner(ops, &dnnl_post_ops_destroy);
-      LOCKSTEP_ONEDNN_CHECK(dnnl_post_ops_append_sum(ops, beta), "adding beta times the gradient");
-      LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_attr_set_post_ops(attr, ops), "setting post-ops");
-    }
+    const onednn_attr_owner attr = onednn_attributes(false, beta);
     const dnnl_memory_desc_t& from_md = x.input ? plain : inner;
     const dnnl_memory_desc_t& to_md = x.input ? inner : plain;
     dnnl_primitive_desc_t pd = nullptr;
     LOCKSTEP_ONEDNN_CHECK(dnnl_reorder_primitive_desc_create(&pd, &from_md, onednn_engine(), &to_md, onednn_engine(),
-                                                             attr),
+                                                             attr.get()),
                           "creating a reorder for a convolution");
-    const pd_owner owner(pd, &dnnl_primitive_desc_destroy);
+    const onednn_pd_owner owner(pd, &dnnl_primitive_desc_destroy);
     dnnl_primitive_t prim = nullptr;
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_create(&prim, pd), "generating the code of a reorder");
     x.reorder.reset(prim);
     args_.push_back(std::move(x));
   }
 
-  void reorder(const argument& x, dnnl_memory_t from, dnnl_memory_t to) const {
+  void run_reorder(const argument& x, dnnl_memory_t from, dnnl_memory_t to) const {
     dnnl_exec_arg_t args[2] = {{DNNL_ARG_FROM, from}, {DNNL_ARG_TO, to}};
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_execute(x.reorder.get(), stream_.get(), 2, args),
                           "reordering a convolution's tensor");
   }
 
-  primitive_owner primitive_{nullptr, &dnnl_primitive_destroy};
-  std::unique_ptr<dnnl_stream, decltype(&dnnl_stream_destroy)> stream_{nullptr, &dnnl_stream_destroy};
+  onednn_primitive_owner primitive_;
+  onednn_stream_owner stream_{nullptr, &dnnl_stream_destroy};
   std::vector<argument> args_;
-  onednn_memory_owner scratchpad_{nullptr, &dnnl_memory_destroy};
+  onednn_memory_owner scratchpad_;
   std::size_t scratchpad_offset_ = 0;
   std::size_t workspace_bytes_ = 0;
   std::string implementation_;

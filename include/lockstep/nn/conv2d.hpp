@@ -36,7 +36,9 @@ struct conv2d_options {
 /// stride - padding + i, x * stride - padding + j]; weight [out, in, k, k], bias [out], initialized as PyTorch's
 /// (U(-1/sqrt(fan_in), 1/sqrt(fan_in)), fan_in = in * k * k), named "weight" and "bias".
 ///
-/// How it runs: im2col, then one GEMM over the whole batch (kernels/conv.hpp): the input as rows of patches col
+/// How it runs: on a host device whose GEMMs run on oneDNN (f32, bf16), outside deterministic mode, as oneDNN's
+/// convolutions (blas/convolution.hpp; their workspace is the pass's tensors in oneDNN's layouts, in the handle's
+/// scratch memory). Otherwise: im2col, then one GEMM over the whole batch (kernels/conv.hpp): the input as rows of patches col
 /// [N * OH * OW, in * k * k] times the weight transposed; backward, the weight gradient is the output gradient in
 /// rows (transposed) times col, and the input gradient the output gradient times the weight, added back from patches
 /// into pixels by a gather (no atomics). Workspace: col (N * OH * OW * in * k * k values of the compute type, reused
@@ -91,10 +93,7 @@ class conv2d {
         }
       }
 #endif
-      col_.ensure(shape{rows, patch()}, x.type(), s);
-      rows_.ensure(shape{rows, out_}, x.type(), s);
-      launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(patch()),
-                kernels::im2col_op<T>{x.as<T>(), col_.as<T>(), g_}, s, "conv2d im2col");
+      make_patches<T>(x, rows, s);
       if (ctx.deterministic()) {
         row_products<T>(ctx, "conv2d", transpose::yes, rows, out_, patch(), col_.as<T>(), patch(), w, patch(),
                         rows_.as<T>(), out_, scratch_, pixels());
@@ -122,12 +121,7 @@ class conv2d {
 #if LOCKSTEP_HAS_ONEDNN
       if (onednn_ && backward_onednn<T>(gy, ctx, need)) return;
 #endif
-      if (onednn_) {  // the forward ran on oneDNN and backward cannot: the patches for the GEMMs below
-        col_.ensure(shape{rows, patch()}, x_.type(), s);
-        rows_.ensure(shape{rows, out_}, x_.type(), s);
-        launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(patch()),
-                  kernels::im2col_op<T>{x_.as<T>(), col_.as<T>(), g_}, s, "conv2d im2col");
-      }
+      if (onednn_) make_patches<T>(x_, rows, s);  // the forward ran on oneDNN and backward cannot: the GEMMs' patches
       // the output gradient in rows, where the forward's output rows were
       T* gt = rows == 0 ? nullptr : rows_.as<T>();
       if (rows > 0) {
@@ -231,11 +225,13 @@ class conv2d {
       data = detail::host_convolution(h, onednn_key(onednn_conv_pass::backward_data, t));
       if (!data) return false;
     }
-    if (!detail::host_convolution(h, onednn_key(onednn_conv_pass::backward_weights, t))) return false;
-    const float wbeta = weight_.begin_accumulate(), bbeta = has_bias() ? bias_.begin_accumulate() : 0.0f;
+    // the gradients are overwritten (beta 0) or added to (1), as begin_accumulate() will say
+    const float wbeta = weight_.grad_is_zero() ? 0.0f : 1.0f;
+    const float bbeta = has_bias() && !bias_.grad_is_zero() ? 1.0f : 0.0f;
     auto weights = detail::host_convolution(h, onednn_key(onednn_conv_pass::backward_weights, t, wbeta, bbeta));
-    LOCKSTEP_EXPECTS(weights != nullptr, name(), ": oneDNN serves its backward weights pass, but not when adding to "
-                     "the gradients");
+    if (!weights) return false;
+    (void)weight_.begin_accumulate();
+    if (has_bias()) (void)bias_.begin_accumulate();
     detail::queue_host_convolution<T>(h, weights, {x_.as<T>(), gy.as<T>(), nullptr, weight_.grad().as<T>(),
                                                    has_bias() ? bias_.grad().as<T>() : nullptr});
     if (data) {
@@ -245,6 +241,15 @@ class conv2d {
     return true;
   }
 #endif
+
+  /// col_ = the patches of `x` (im2col), rows_ sized for the output in rows: the GEMM path's operands.
+  template <class T>
+  void make_patches(const tensor_view& x, std::int64_t rows, stream_ref s) {
+    col_.ensure(shape{rows, patch()}, x.type(), s);
+    rows_.ensure(shape{rows, out_}, x.type(), s);
+    launch_2d(static_cast<std::size_t>(rows), static_cast<std::size_t>(patch()),
+              kernels::im2col_op<T>{x.as<T>(), col_.as<T>(), g_}, s, "conv2d im2col");
+  }
 
   [[nodiscard]] kernels::conv_geometry geometry_of(const shape& d) const {
     const shape out = output_shape(shape{d[1], d[2], d[3]});
