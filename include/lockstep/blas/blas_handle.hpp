@@ -54,11 +54,11 @@
 LOCKSTEP_DETAIL_BEGIN
 
 /// Builds "file:line call: CUBLAS_STATUS_X (text) while <what>" and throws cublas_error with the status.
-template <class... What>
-[[noreturn]] void throw_cublas_error(cublasStatus_t status, const char* call, source_site at, What&&... what) {
+[[noreturn]] LOCKSTEP_COLD inline void throw_cublas_error(cublasStatus_t status, const char* call, source_site at,
+                                                        message what) {
   std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ",
                            cublasGetStatusName(status), " (", cublasGetStatusString(status), ')');
-  if constexpr (sizeof...(What) > 0) msg += concat(" while ", std::forward<What>(what)...);
+  if (what.size() > 0) msg += " while " + format_message(what);
   throw cublas_error(msg, static_cast<long>(status));
 }
 
@@ -71,7 +71,7 @@ LOCKSTEP_DETAIL_END
     const cublasStatus_t lockstep_cublas_status_ = (call);                                                   \
     if (lockstep_cublas_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                     \
       ::lockstep::detail::throw_cublas_error(lockstep_cublas_status_, #call,                                 \
-                                             LOCKSTEP_SITE __VA_OPT__(, ) __VA_ARGS__);                      \
+                                             LOCKSTEP_SITE, {__VA_ARGS__});                                  \
     }                                                                                                        \
   } while (false)
 #endif

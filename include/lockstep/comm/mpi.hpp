@@ -129,8 +129,7 @@ inline const char* thread_level_name(int level) noexcept {
 }
 
 /// Builds "file:line call: MPI_ERR_X (text) while <what>" and throws mpi_error with the MPI error code.
-template <class... What>
-[[noreturn]] void throw_mpi_error(int code, const char* call, source_site at, What&&... what) {
+[[noreturn]] LOCKSTEP_COLD inline void throw_mpi_error(int code, const char* call, source_site at, message what) {
   char text[MPI_MAX_ERROR_STRING] = {};
   int length = 0;
   if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) length = 0;
@@ -139,7 +138,7 @@ template <class... What>
   std::string msg =
       concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", error_class_name(cls), " (",
              length > 0 ? std::string(text, static_cast<std::size_t>(length)) : concat("code ", code), ')');
-  if constexpr (sizeof...(What) > 0) msg += concat(" while ", std::forward<What>(what)...);
+  if (what.size() > 0) msg += " while " + format_message(what);
   throw mpi_error(msg, code);
 }
 
@@ -154,7 +153,7 @@ LOCKSTEP_DETAIL_END
     const int lockstep_mpi_status_ = (call);                                                   \
     if (lockstep_mpi_status_ != MPI_SUCCESS) [[unlikely]] {                                    \
       ::lockstep::detail::mpi_comm::throw_mpi_error(lockstep_mpi_status_, #call,               \
-                                                    LOCKSTEP_SITE __VA_OPT__(, ) __VA_ARGS__); \
+                                                    LOCKSTEP_SITE, {__VA_ARGS__});             \
     }                                                                                          \
   } while (false)
 

@@ -104,10 +104,10 @@ inline std::string describe(ncclResult_t status) {
 }
 
 /// Builds "file:line call: ncclX (text); last NCCL error: ... while <what>" and throws nccl_error.
-template <class... What>
-[[noreturn]] void throw_nccl_error(ncclResult_t status, const char* call, source_site at, What&&... what) {
+[[noreturn]] LOCKSTEP_COLD inline void throw_nccl_error(ncclResult_t status, const char* call, source_site at,
+                                                      message what) {
   std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", describe(status));
-  if constexpr (sizeof...(What) > 0) msg += concat(" while ", std::forward<What>(what)...);
+  if (what.size() > 0) msg += " while " + format_message(what);
   throw nccl_error(msg, status);
 }
 
@@ -123,7 +123,7 @@ LOCKSTEP_DETAIL_END
     const ncclResult_t lockstep_nccl_status_ = (call);                                           \
     if (lockstep_nccl_status_ != ncclSuccess) [[unlikely]] {                                     \
       ::lockstep::detail::nccl_comm::throw_nccl_error(lockstep_nccl_status_, #call,              \
-                                                      LOCKSTEP_SITE __VA_OPT__(, ) __VA_ARGS__); \
+                                                      LOCKSTEP_SITE, {__VA_ARGS__});             \
     }                                                                                            \
   } while (false)
 
@@ -283,7 +283,7 @@ class shared_comms {
     const cudaError_t r = cudaEventRecord(ev, s);
     if (r != cudaSuccess) {
       e.spare_events.push_back(ev);
-      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE, "recording the watchdog's event for ", what);
+      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE, {"recording the watchdog's event for ", what});
     }
     return ev;
   }
@@ -603,8 +603,8 @@ class member final : public communicator_impl {
       const cudaError_t q = cudaStreamQuery(st);
       if (q != cudaErrorNotReady) {
         if (q != cudaSuccess) {
-          throw_cuda_error(q, "cudaStreamQuery", LOCKSTEP_SITE, "waiting for a stream of ", dev_.str(),
-                           " (last collective: ", last_or_none(), ')');
+          throw_cuda_error(q, "cudaStreamQuery", LOCKSTEP_SITE, {"waiting for a stream of ", dev_.str(),
+                           " (last collective: ", last_or_none(), ')'});
         }
         check_async_error(where);
         return;
@@ -783,7 +783,7 @@ inline std::vector<communicator> make_nccl_clique(const device_set& gpus, comm_o
       const bool in_group_end = first_error == ncclSuccess;
       detail::nccl_comm::throw_nccl_error(in_group_end ? end : first_error,
                                           in_group_end ? "ncclGroupEnd" : "ncclCommInitRankConfig", LOCKSTEP_SITE,
-                                          "creating the NCCL clique ", gpus.str());
+                                          {"creating the NCCL clique ", gpus.str()});
     }
     detail::nccl_comm::wait_initialized(comms, gpus.devices(), options.timeout, what);
   }
@@ -838,7 +838,7 @@ inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm
     device_guard guard(local_gpu);
     const ncclResult_t r = ncclCommInitRankConfig(&comms[0], size, id, rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
-      detail::nccl_comm::throw_nccl_error(r, "ncclCommInitRankConfig", LOCKSTEP_SITE, what);
+      detail::nccl_comm::throw_nccl_error(r, "ncclCommInitRankConfig", LOCKSTEP_SITE, {what});
     }
     detail::nccl_comm::wait_initialized(comms, {local_gpu}, options.timeout, what);
   }

@@ -15,12 +15,12 @@
 LOCKSTEP_DETAIL_BEGIN
 
 /// Builds "file:line call: cudaErrorX (text) while <what>", clears CUDA's last error, and throws.
-template <class... What>
-[[noreturn]] void throw_cuda_error(cudaError_t status, const char* call, source_site at, What&&... what) {
+[[noreturn]] LOCKSTEP_COLD inline void throw_cuda_error(cudaError_t status, const char* call, source_site at,
+                                                      message what) {
   (void)cudaGetLastError();  // do not let a later, unrelated check report this error again
   std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", cudaGetErrorName(status),
                            " (", cudaGetErrorString(status), ')');
-  if constexpr (sizeof...(What) > 0) msg += concat(" while ", std::forward<What>(what)...);
+  if (what.size() > 0) msg += " while " + format_message(what);
   if (status == cudaErrorMemoryAllocation) throw out_of_memory_error(msg, status);
   throw cuda_error(msg, status);
 }
@@ -57,20 +57,20 @@ inline bool cuda_launch_blocking() noexcept {
 
 /// After a kernel launch on `s`: reports a launch error, and in LOCKSTEP_CUDA_LAUNCH_BLOCKING mode the kernel's
 /// own failure. A sticky error may come from earlier work: the message says so, and how to find it.
-template <class... What>
-void check_launch(cudaStream_t s, source_site at, What&&... what) {
+inline void check_launch(cudaStream_t s, source_site at, message what) {
   cudaError_t e = cudaGetLastError();
   const bool blocking = cuda_launch_blocking();
   if (e == cudaSuccess && blocking) e = cudaStreamSynchronize(s);
   if (e == cudaSuccess) return;
   if (is_sticky(e) && !blocking) {
-    throw_cuda_error(e, "kernel launch", at, std::forward<What>(what)...,
-                     ": the device's CUDA context is unusable (a sticky error). An earlier kernel or copy on this "
-                     "device may be at fault, not this launch: rerun with LOCKSTEP_CUDA_LAUNCH_BLOCKING=1 to have "
-                     "each kernel checked as it runs, and compute-sanitizer to find the access");
+    const std::string context = format_message(what);
+    throw_cuda_error(e, "kernel launch", at,
+                     {context,
+                      ": the device's CUDA context is unusable (a sticky error). An earlier kernel or copy on this "
+                      "device may be at fault, not this launch: rerun with LOCKSTEP_CUDA_LAUNCH_BLOCKING=1 to have "
+                      "each kernel checked as it runs, and compute-sanitizer to find the access"});
   }
-  throw_cuda_error(e, blocking ? "kernel launch (LOCKSTEP_CUDA_LAUNCH_BLOCKING)" : "kernel launch", at,
-                   std::forward<What>(what)...);
+  throw_cuda_error(e, blocking ? "kernel launch (LOCKSTEP_CUDA_LAUNCH_BLOCKING)" : "kernel launch", at, what);
 }
 
 LOCKSTEP_DETAIL_END
@@ -81,7 +81,7 @@ LOCKSTEP_DETAIL_END
   do {                                                                                                       \
     const cudaError_t lockstep_status_ = (call);                                                             \
     if (lockstep_status_ != cudaSuccess) [[unlikely]] {                                                      \
-      ::lockstep::detail::throw_cuda_error(lockstep_status_, #call, LOCKSTEP_SITE __VA_OPT__(, ) __VA_ARGS__); \
+      ::lockstep::detail::throw_cuda_error(lockstep_status_, #call, LOCKSTEP_SITE, {__VA_ARGS__});            \
     }                                                                                                        \
   } while (false)
 

@@ -6,11 +6,20 @@
 #pragma once
 
 #include <charconv>
+#include <initializer_list>
+#include <ostream>
 #include <sstream>
 #include <stdexcept>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <utility>
+
+#if defined(__GNUC__)
+#define LOCKSTEP_COLD __attribute__((cold, noinline))  // failure paths: compiled small, kept out of the caller
+#else
+#define LOCKSTEP_COLD
+#endif
 
 namespace lockstep {
 
@@ -116,11 +125,89 @@ constexpr std::string_view short_file(std::string_view path) noexcept {
   return path;
 }
 
+/// One argument of an error message: text, a number, or anything with an `operator<<` (held by address until the
+/// message is built, within the full expression that throws). Messages are lists of pieces so that the code that
+/// formats them exists once (`format_message`), not once per call site's argument types: that code is most of
+/// what an error path costs to compile.
+class message_piece {
+ public:
+  message_piece(const char* text) noexcept : kind_(kind::text), text_(text != nullptr ? text : "(null)") {}
+  message_piece(std::string_view text) noexcept : kind_(kind::text), text_(text) {}
+  message_piece(const std::string& text) noexcept : kind_(kind::text), text_(text) {}
+  message_piece(char c) noexcept : kind_(kind::character), char_(c) {}
+  message_piece(bool b) noexcept : kind_(kind::boolean), bool_(b) {}
+  message_piece(float v) noexcept : kind_(kind::floating), double_(v) {}
+  message_piece(double v) noexcept : kind_(kind::floating), double_(v) {}
+  /// Integers print as numbers; one-byte integers (signed and unsigned char) as characters, as streams print them.
+  template <class T>
+    requires(std::is_integral_v<T> && !std::is_same_v<T, bool> && !std::is_same_v<T, char>)
+  message_piece(T v) noexcept {
+    if constexpr (sizeof(T) == 1) {
+      kind_ = kind::character;
+      char_ = static_cast<char>(v);
+    } else if constexpr (std::is_signed_v<T>) {
+      kind_ = kind::signed_integer;
+      signed_ = v;
+    } else {
+      kind_ = kind::unsigned_integer;
+      unsigned_ = v;
+    }
+  }
+  /// Anything else a stream prints (a path, a device, an enum, a pointer): printed by its own operator<<.
+  template <class T>
+    requires(!std::is_arithmetic_v<T> && !std::is_convertible_v<const T&, std::string_view> &&
+             requires(std::ostream& os, const T& v) { os << v; })
+  message_piece(const T& v) noexcept
+      : kind_(kind::streamed), object_(&v), print_([](std::ostream& os, const void* p) { os << *static_cast<const T*>(p); }) {}
+
+  void print(std::ostream& os) const {
+    switch (kind_) {
+      case kind::text: os << text_; break;
+      case kind::character: os << char_; break;
+      case kind::boolean: os << bool_; break;
+      case kind::signed_integer: os << signed_; break;
+      case kind::unsigned_integer: os << unsigned_; break;
+      case kind::floating: os << double_; break;
+      case kind::streamed: print_(os, object_); break;
+    }
+  }
+
+ private:
+  enum class kind : unsigned char { text, character, boolean, signed_integer, unsigned_integer, floating, streamed };
+  kind kind_{kind::text};
+  std::string_view text_;
+  union {
+    char char_;
+    bool bool_;
+    long long signed_;
+    unsigned long long unsigned_;
+    double double_;
+    const void* object_;
+  };
+  void (*print_)(std::ostream&, const void*) = nullptr;
+};
+
+/// A message: its pieces in order.
+using message = std::initializer_list<message_piece>;
+
+/// The pieces printed one after another into one string (as streaming them would); used only on failure paths.
+LOCKSTEP_COLD inline std::string format_message(message pieces) {
+  std::ostringstream os;
+  for (const message_piece& piece : pieces) piece.print(os);
+  return os.str();
+}
+
 /// Streams every argument into one string; used only on failure paths.
 template <class... Args>
-std::string concat(Args&&... args) {
+std::string concat(const Args&... args) {
+  return format_message({message_piece(args)...});
+}
+
+/// "file:line: " and the message (the start of every message LOCKSTEP_EXPECTS and LOCKSTEP_THROW build).
+LOCKSTEP_COLD inline std::string site_message(const char* file, int line, message what) {
   std::ostringstream os;
-  (os << ... << std::forward<Args>(args));
+  os << short_file(file) << ':' << line << ": ";
+  for (const message_piece& piece : what) piece.print(os);
   return os.str();
 }
 
@@ -145,11 +232,9 @@ struct source_site {
   int line;
 };
 
-template <class... What>
-[[noreturn]] void throw_precondition(source_site at, const char* condition, What&&... what) {
-  std::string msg = concat(short_file(at.file), ':', at.line, ": ", std::forward<What>(what)...);
-  if constexpr (sizeof...(What) == 0) msg += concat("precondition failed: ", condition);
-  throw precondition_error(msg);
+[[noreturn]] LOCKSTEP_COLD inline void throw_precondition(source_site at, const char* condition, message what) {
+  if (what.size() == 0) throw precondition_error(site_message(at.file, at.line, {"precondition failed: ", condition}));
+  throw precondition_error(site_message(at.file, at.line, what));
 }
 
 }  // namespace detail
@@ -162,11 +247,10 @@ template <class... What>
 #define LOCKSTEP_EXPECTS(condition, ...)                                                                     \
   do {                                                                                                       \
     if (!(condition)) [[unlikely]] {                                                                         \
-      ::lockstep::detail::throw_precondition(LOCKSTEP_SITE, #condition __VA_OPT__(, ) __VA_ARGS__);          \
+      ::lockstep::detail::throw_precondition(LOCKSTEP_SITE, #condition, {__VA_ARGS__});                      \
     }                                                                                                        \
   } while (false)
 
 /// Throws an exception of type `Type` whose message starts with file:line. Arguments are streamed together.
 #define LOCKSTEP_THROW(Type, ...)                                                                            \
-  throw Type(::lockstep::detail::concat(::lockstep::detail::short_file(__FILE__), ':', __LINE__, ": ",       \
-                                        __VA_ARGS__))
+  throw Type(::lockstep::detail::site_message(__FILE__, __LINE__, {__VA_ARGS__}))

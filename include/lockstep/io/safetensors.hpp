@@ -282,9 +282,18 @@ inline std::string safetensors_header_bytes(std::span<const safetensors_source> 
     LOCKSTEP_EXPECTS(!t.name.empty() && t.name != "__metadata__", "safetensors: invalid tensor name '", t.name, "'");
     LOCKSTEP_EXPECTS(names.insert(t.name).second, "safetensors: tensor '", t.name, "' given twice");
     const std::uint64_t bytes = t.size_bytes();
-    json += "," + nlohmann::json(t.name).dump() + ":{\"dtype\":\"" + std::string(safetensors_dtype_name(t.type)) +
-            "\",\"shape\":" + nlohmann::json(t.shape).dump() + ",\"data_offsets\":[" + std::to_string(offset) + "," +
-            std::to_string(offset + bytes) + "]}";
+    // appended piece by piece: g++ 12 warns (-Wrestrict, a false positive) on `"," + std::string&&` here
+    json += ',';
+    json += nlohmann::json(t.name).dump();
+    json += ":{\"dtype\":\"";
+    json += safetensors_dtype_name(t.type);
+    json += "\",\"shape\":";
+    json += nlohmann::json(t.shape).dump();
+    json += ",\"data_offsets\":[";
+    json += std::to_string(offset);
+    json += ',';
+    json += std::to_string(offset + bytes);
+    json += "]}";
     offset += bytes;
   }
   json += "}";
