@@ -198,7 +198,7 @@ class onednn_convolution {
       } else {
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.inner.get(), workspace + x.offset), "binding a copy");
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.plain.get(), user), "binding a tensor");
-        if (x.input) run_reorder(x, x.plain.get(), x.inner.get());
+        if (x.input()) run_reorder(x, x.plain.get(), x.inner.get());
       }
       args[static_cast<std::size_t>(count)].arg = x.arg;
       args[static_cast<std::size_t>(count++)].memory = x.inner.get();
@@ -212,7 +212,7 @@ class onednn_convolution {
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_execute(primitive_.get(), stream_.get(), count, args.data()),
                           "running a oneDNN convolution (", implementation_, ")");
     for (const argument& x : args_) {
-      if (x.reorder && !x.input) run_reorder(x, x.inner.get(), x.plain.get());
+      if (x.reorder && !x.input()) run_reorder(x, x.inner.get(), x.plain.get());
     }
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_wait(stream_.get()), "waiting for a oneDNN convolution");
   }
@@ -223,11 +223,12 @@ class onednn_convolution {
   struct argument {
     int arg = 0;
     slot from = slot::a;
-    bool input = true;
     onednn_memory_owner inner;  // what the primitive reads or writes
     onednn_memory_owner plain;  // the user's tensor, when a reorder is needed
     onednn_primitive_owner reorder;
     std::size_t offset = 0;  // of the copy in the workspace
+    /// Read by the primitive (reordered before the run), not written (reordered after it).
+    [[nodiscard]] bool input() const noexcept { return from != slot::out && from != slot::out2; }
   };
 
   /// Records the outcome of creating a primitive descriptor: false (implementation "none") when oneDNN has no
@@ -256,7 +257,6 @@ class onednn_convolution {
     argument x;
     x.arg = arg;
     x.from = from;
-    x.input = from != slot::out && from != slot::out2;
     x.inner = onednn_memory(inner);
     if (dnnl_memory_desc_equal(&plain, &inner) != 0 && beta == 0.0f) {
       args_.push_back(std::move(x));
@@ -265,8 +265,8 @@ class onednn_convolution {
     x.plain = onednn_memory(plain);
     x.offset = reserve(dnnl_memory_desc_get_size(&inner));
     const onednn_attr_owner attr = onednn_attributes(false, beta);
-    const dnnl_memory_desc_t& from_md = x.input ? plain : inner;
-    const dnnl_memory_desc_t& to_md = x.input ? inner : plain;
+    const dnnl_memory_desc_t& from_md = x.input() ? plain : inner;
+    const dnnl_memory_desc_t& to_md = x.input() ? inner : plain;
     dnnl_primitive_desc_t pd = nullptr;
     LOCKSTEP_ONEDNN_CHECK(dnnl_reorder_primitive_desc_create(&pd, &from_md, onednn_engine(), &to_md, onednn_engine(),
                                                              attr.get()),

@@ -165,6 +165,20 @@ struct col2im_op {
   }
 };
 
+/// The host transposes' walk between rows ([image][pixel][channel]) and planes ([image][channel][pixel]): image by
+/// image, in tiles of 16 pixels, channel by channel, f(image, channel, first pixel, end pixel) for each tile, so
+/// that both sides of a tile stay in the cache (rows_to_nchw_op, nchw_to_rows_op).
+template <class F>
+void for_each_pixel_tile(std::size_t images, std::size_t channels, std::size_t pixels, const F& f) {
+  constexpr std::size_t tile = 16;
+  for (std::size_t n = 0; n < images; ++n) {
+    for (std::size_t p0 = 0; p0 < pixels; p0 += tile) {
+      const std::size_t p1 = p0 + tile < pixels ? p0 + tile : pixels;
+      for (std::size_t c = 0; c < channels; ++c) f(n, c, p0, p1);
+    }
+  }
+}
+
 /// y[n, oc, p] = yt[n * P + p, oc] + bias[oc] (bias null: none). A launch_2d functor over [N * OC, P].
 template <class T>
 struct rows_to_nchw_op {
@@ -177,26 +191,19 @@ struct rows_to_nchw_op {
     const T v = yt[(n * pixels + p) * channels + oc];
     y[row * pixels + p] = bias != nullptr ? convert<T>(to_float(v) + to_float(bias[oc])) : v;
   }
-  /// The host loop: image by image, a transpose in tiles of 16 pixels (read along the rows, written 16 at a time
-  /// per channel), without a division per element.
+  /// The host loop: a transpose in tiles of pixels (for_each_pixel_tile), without a division per element.
   void for_rows(std::size_t rows, std::size_t) const {
-    constexpr std::size_t tile = 16;
-    for (std::size_t n = 0; n < rows / channels; ++n) {
+    for_each_pixel_tile(rows / channels, channels, pixels, [&](std::size_t n, std::size_t oc, std::size_t p0,
+                                                                std::size_t p1) {
       const T* in = yt + n * pixels * channels;
-      T* out = y + n * channels * pixels;
-      for (std::size_t p0 = 0; p0 < pixels; p0 += tile) {
-        const std::size_t p1 = p0 + tile < pixels ? p0 + tile : pixels;
-        for (std::size_t oc = 0; oc < channels; ++oc) {
-          T* o = out + oc * pixels;
-          if (bias != nullptr) {
-            const float b = to_float(bias[oc]);
-            for (std::size_t p = p0; p < p1; ++p) o[p] = convert<T>(to_float(in[p * channels + oc]) + b);
-          } else {
-            for (std::size_t p = p0; p < p1; ++p) o[p] = in[p * channels + oc];
-          }
-        }
+      T* o = y + (n * channels + oc) * pixels;
+      if (bias != nullptr) {
+        const float b = to_float(bias[oc]);
+        for (std::size_t p = p0; p < p1; ++p) o[p] = convert<T>(to_float(in[p * channels + oc]) + b);
+      } else {
+        for (std::size_t p = p0; p < p1; ++p) o[p] = in[p * channels + oc];
       }
-    }
+    });
   }
 };
 
@@ -210,20 +217,14 @@ struct nchw_to_rows_op {
     const std::size_t n = r / pixels, p = r % pixels;
     gt[r * channels + oc] = g[(n * channels + oc) * pixels + p];
   }
-  /// The host loop: image by image, a transpose in tiles of 16 pixels, without a division per element.
+  /// The host loop: a transpose in tiles of pixels (for_each_pixel_tile), without a division per element.
   void for_rows(std::size_t rows, std::size_t) const {
-    constexpr std::size_t tile = 16;
-    for (std::size_t n = 0; n < rows / pixels; ++n) {
-      const T* in = g + n * channels * pixels;
+    for_each_pixel_tile(rows / pixels, channels, pixels, [&](std::size_t n, std::size_t oc, std::size_t p0,
+                                                              std::size_t p1) {
+      const T* i = g + (n * channels + oc) * pixels;
       T* out = gt + n * pixels * channels;
-      for (std::size_t p0 = 0; p0 < pixels; p0 += tile) {
-        const std::size_t p1 = p0 + tile < pixels ? p0 + tile : pixels;
-        for (std::size_t oc = 0; oc < channels; ++oc) {
-          const T* i = in + oc * pixels;
-          for (std::size_t p = p0; p < p1; ++p) out[p * channels + oc] = i[p];
-        }
-      }
-    }
+      for (std::size_t p = p0; p < p1; ++p) out[p * channels + oc] = i[p];
+    });
   }
 };
 
