@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Builds and runs every lockstep test, the way CI does (.ci/run calls this):
 #   1. with nvcc, when the CUDA toolkit is present: both backends compiled for sm_80 and sm_90 with warnings as
-#      errors; GPU tests skip without a GPU;
-#   2. with g++ alone, AddressSanitizer and UndefinedBehaviorSanitizer: the host backend;
+#      errors; GPU tests skip without a GPU (without the toolkit: a g++ Release build of the host backend);
+#   2. with g++ alone, AddressSanitizer and UndefinedBehaviorSanitizer: the host backend (the samples instrumented
+#      too, with their smoke runs only: their matrices run in stage 1);
 #   3. with g++ and ThreadSanitizer: the stream, event and memory tests;
 #   4. with clang: the libFuzzer targets of the parsers (tests/fuzz), each for LOCKSTEP_FUZZ_SECONDS (default 30);
 #   5. with clang (the oldest Debian's, 14): a user's training file built and run, so the headers stay portable;
@@ -54,6 +55,9 @@ mkdir -p "$build_root"
 if [[ -x /usr/local/cuda/bin/nvcc ]]; then
   stage "nvcc build (cuda + host backends, sm_80;sm_90, -Werror)" \
     configure_build_test "$build_root/cuda" "" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=ON -DLOCKSTEP_BUILD_TESTS=ON
+else  # the Release build of stage 1 without CUDA: the samples' matrices run here
+  stage "g++ Release build (host backend: no CUDA toolkit in /usr/local/cuda)" \
+    configure_build_test "$build_root/release" "" -DCMAKE_BUILD_TYPE=Release -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_BUILD_TESTS=ON
 fi
 # Sanitizer builds: -g1 (line tables, so every report's stack has file:line; no variable locations, whose tracking
 # took a third of the compile time).

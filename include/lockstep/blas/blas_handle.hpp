@@ -70,8 +70,8 @@ LOCKSTEP_DETAIL_END
   do {                                                                                                       \
     const cublasStatus_t lockstep_cublas_status_ = (call);                                                   \
     if (lockstep_cublas_status_ != CUBLAS_STATUS_SUCCESS) [[unlikely]] {                                     \
-      ::lockstep::detail::throw_cublas_error(lockstep_cublas_status_, #call,                                 \
-                                             LOCKSTEP_SITE, {__VA_ARGS__});                                  \
+      ::lockstep::detail::throw_cublas_error(lockstep_cublas_status_, #call, LOCKSTEP_SITE,                  \
+                                             ::lockstep::detail::message{__VA_ARGS__});                      \
     }                                                                                                        \
   } while (false)
 #endif

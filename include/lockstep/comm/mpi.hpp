@@ -152,8 +152,8 @@ LOCKSTEP_DETAIL_END
   do {                                                                                         \
     const int lockstep_mpi_status_ = (call);                                                   \
     if (lockstep_mpi_status_ != MPI_SUCCESS) [[unlikely]] {                                    \
-      ::lockstep::detail::mpi_comm::throw_mpi_error(lockstep_mpi_status_, #call,               \
-                                                    LOCKSTEP_SITE, {__VA_ARGS__});             \
+      ::lockstep::detail::mpi_comm::throw_mpi_error(lockstep_mpi_status_, #call, LOCKSTEP_SITE, \
+                                                    ::lockstep::detail::message{__VA_ARGS__}); \
     }                                                                                          \
   } while (false)
 

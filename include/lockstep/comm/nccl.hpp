@@ -122,8 +122,8 @@ LOCKSTEP_DETAIL_END
   do {                                                                                           \
     const ncclResult_t lockstep_nccl_status_ = (call);                                           \
     if (lockstep_nccl_status_ != ncclSuccess) [[unlikely]] {                                     \
-      ::lockstep::detail::nccl_comm::throw_nccl_error(lockstep_nccl_status_, #call,              \
-                                                      LOCKSTEP_SITE, {__VA_ARGS__});             \
+      ::lockstep::detail::nccl_comm::throw_nccl_error(lockstep_nccl_status_, #call, LOCKSTEP_SITE, \
+                                                      ::lockstep::detail::message{__VA_ARGS__}); \
     }                                                                                            \
   } while (false)
 
@@ -283,7 +283,8 @@ class shared_comms {
     const cudaError_t r = cudaEventRecord(ev, s);
     if (r != cudaSuccess) {
       e.spare_events.push_back(ev);
-      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE, {"recording the watchdog's event for ", what});
+      throw_cuda_error(r, "cudaEventRecord", LOCKSTEP_SITE,
+                       ::lockstep::detail::message{"recording the watchdog's event for ", what});
     }
     return ev;
   }
@@ -603,8 +604,9 @@ class member final : public communicator_impl {
       const cudaError_t q = cudaStreamQuery(st);
       if (q != cudaErrorNotReady) {
         if (q != cudaSuccess) {
-          throw_cuda_error(q, "cudaStreamQuery", LOCKSTEP_SITE, {"waiting for a stream of ", dev_.str(),
-                           " (last collective: ", last_or_none(), ')'});
+          throw_cuda_error(q, "cudaStreamQuery", LOCKSTEP_SITE,
+                           ::lockstep::detail::message{"waiting for a stream of ", dev_.str(), " (last collective: ",
+                                                       last_or_none(), ')'});
         }
         check_async_error(where);
         return;
@@ -783,7 +785,7 @@ inline std::vector<communicator> make_nccl_clique(const device_set& gpus, comm_o
       const bool in_group_end = first_error == ncclSuccess;
       detail::nccl_comm::throw_nccl_error(in_group_end ? end : first_error,
                                           in_group_end ? "ncclGroupEnd" : "ncclCommInitRankConfig", LOCKSTEP_SITE,
-                                          {"creating the NCCL clique ", gpus.str()});
+                                          ::lockstep::detail::message{"creating the NCCL clique ", gpus.str()});
     }
     detail::nccl_comm::wait_initialized(comms, gpus.devices(), options.timeout, what);
   }
@@ -838,7 +840,8 @@ inline communicator make_nccl_communicator(device local_gpu, MPI_Comm comm, comm
     device_guard guard(local_gpu);
     const ncclResult_t r = ncclCommInitRankConfig(&comms[0], size, id, rank, &config);
     if (r != ncclSuccess && r != ncclInProgress) {
-      detail::nccl_comm::throw_nccl_error(r, "ncclCommInitRankConfig", LOCKSTEP_SITE, {what});
+      detail::nccl_comm::throw_nccl_error(r, "ncclCommInitRankConfig", LOCKSTEP_SITE,
+                                          ::lockstep::detail::message{what});
     }
     detail::nccl_comm::wait_initialized(comms, {local_gpu}, options.timeout, what);
   }

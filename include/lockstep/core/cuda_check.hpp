@@ -65,7 +65,7 @@ inline void check_launch(cudaStream_t s, source_site at, message what) {
   if (is_sticky(e) && !blocking) {
     const std::string context = format_message(what);
     throw_cuda_error(e, "kernel launch", at,
-                     {context,
+                     message{context,
                       ": the device's CUDA context is unusable (a sticky error). An earlier kernel or copy on this "
                       "device may be at fault, not this launch: rerun with LOCKSTEP_CUDA_LAUNCH_BLOCKING=1 to have "
                       "each kernel checked as it runs, and compute-sanitizer to find the access"});
@@ -81,7 +81,8 @@ LOCKSTEP_DETAIL_END
   do {                                                                                                       \
     const cudaError_t lockstep_status_ = (call);                                                             \
     if (lockstep_status_ != cudaSuccess) [[unlikely]] {                                                      \
-      ::lockstep::detail::throw_cuda_error(lockstep_status_, #call, LOCKSTEP_SITE, {__VA_ARGS__});            \
+      ::lockstep::detail::throw_cuda_error(lockstep_status_, #call, LOCKSTEP_SITE,                           \
+                                           ::lockstep::detail::message{__VA_ARGS__});                        \
     }                                                                                                        \
   } while (false)
 

@@ -200,7 +200,7 @@ LOCKSTEP_COLD inline std::string format_message(message pieces) {
 /// Streams every argument into one string; used only on failure paths.
 template <class... Args>
 std::string concat(const Args&... args) {
-  return format_message({message_piece(args)...});
+  return format_message(message{message_piece(args)...});
 }
 
 /// "file:line: " and the message (the start of every message LOCKSTEP_EXPECTS and LOCKSTEP_THROW build).
@@ -233,7 +233,9 @@ struct source_site {
 };
 
 [[noreturn]] LOCKSTEP_COLD inline void throw_precondition(source_site at, const char* condition, message what) {
-  if (what.size() == 0) throw precondition_error(site_message(at.file, at.line, {"precondition failed: ", condition}));
+  if (what.size() == 0) {
+    throw precondition_error(site_message(at.file, at.line, message{"precondition failed: ", condition}));
+  }
   throw precondition_error(site_message(at.file, at.line, what));
 }
 
@@ -247,10 +249,11 @@ struct source_site {
 #define LOCKSTEP_EXPECTS(condition, ...)                                                                     \
   do {                                                                                                       \
     if (!(condition)) [[unlikely]] {                                                                         \
-      ::lockstep::detail::throw_precondition(LOCKSTEP_SITE, #condition, {__VA_ARGS__});                      \
+      ::lockstep::detail::throw_precondition(LOCKSTEP_SITE, #condition,                                      \
+                                             ::lockstep::detail::message{__VA_ARGS__});                      \
     }                                                                                                        \
   } while (false)
 
 /// Throws an exception of type `Type` whose message starts with file:line. Arguments are streamed together.
 #define LOCKSTEP_THROW(Type, ...)                                                                            \
-  throw Type(::lockstep::detail::site_message(__FILE__, __LINE__, {__VA_ARGS__}))
+  throw Type(::lockstep::detail::site_message(__FILE__, __LINE__, ::lockstep::detail::message{__VA_ARGS__}))

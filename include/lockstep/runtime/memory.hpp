@@ -144,8 +144,8 @@ inline void* allocate(std::size_t bytes, stream_ref s) {
                               e);
   }
   if (e != cudaSuccess) {
-    ::lockstep::detail::throw_cuda_error(e, "cudaMallocFromPoolAsync", LOCKSTEP_SITE, {"allocating ", bytes, " B on ",
-                                         d.str()});
+    ::lockstep::detail::throw_cuda_error(e, "cudaMallocFromPoolAsync", LOCKSTEP_SITE,
+                                         ::lockstep::detail::message{"allocating ", bytes, " B on ", d.str()});
   }
   acc.in_use += bytes;
   acc.peak_in_use = std::max(acc.peak_in_use, acc.in_use);

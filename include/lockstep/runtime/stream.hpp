@@ -72,7 +72,8 @@ class stream_ref {
       return false;
     }
     if (e != cudaSuccess) {
-      ::lockstep::detail::throw_cuda_error(e, "cudaStreamQuery", LOCKSTEP_SITE, {"querying a stream of ", h_.dev.str()});
+      ::lockstep::detail::throw_cuda_error(e, "cudaStreamQuery", LOCKSTEP_SITE,
+                                           ::lockstep::detail::message{"querying a stream of ", h_.dev.str()});
     }
     return true;
 #else
@@ -298,7 +299,8 @@ class event_ref {
       return false;
     }
     if (e != cudaSuccess) {
-      ::lockstep::detail::throw_cuda_error(e, "cudaEventQuery", LOCKSTEP_SITE, {"querying an event of ", h_.dev.str()});
+      ::lockstep::detail::throw_cuda_error(e, "cudaEventQuery", LOCKSTEP_SITE,
+                                           ::lockstep::detail::message{"querying an event of ", h_.dev.str()});
     }
     return true;
 #else
@@ -405,8 +407,9 @@ inline void host_stream_waits_for_cuda_event(stream_ref host, event_ref e) {
     if (helper != nullptr) cuda_stream_pool::instance().give_back(gpu.index, helper);
     if (status != cudaSuccess) {
       LOCKSTEP_CUDA_IGNORE(cudaEventDestroy(captured));
-      throw_cuda_error(status, "cudaStreamWaitEvent/cudaEventRecord", LOCKSTEP_SITE, {"capturing an event of ",
-                       gpu.str(), " for ", host.get_device().str(), " to wait for"});
+      throw_cuda_error(status, "cudaStreamWaitEvent/cudaEventRecord", LOCKSTEP_SITE,
+                       ::lockstep::detail::message{"capturing an event of ", gpu.str(), " for ",
+                                                   host.get_device().str(), " to wait for"});
     }
   }
   try {
@@ -458,8 +461,9 @@ inline void cuda_stream_waits_for_host_event(stream_ref gpu, event_ref e) {
   if (status != cudaSuccess) {
     state.drop_ref();
     delete w;
-    throw_cuda_error(status, "cudaLaunchHostFunc", LOCKSTEP_SITE, {"making a stream of ", gpu.get_device().str(),
-                     " wait for an event of ", e.get_device().str()});
+    throw_cuda_error(status, "cudaLaunchHostFunc", LOCKSTEP_SITE,
+                     ::lockstep::detail::message{"making a stream of ", gpu.get_device().str(),
+                                                 " wait for an event of ", e.get_device().str()});
   }
 }
 LOCKSTEP_DETAIL_END

@@ -105,7 +105,7 @@ void launch_elementwise_cuda(std::size_t n, F f, stream_ref s, const char* what)
   const device d = s.get_device();
   device_guard guard(d);
   elementwise_kernel<<<elementwise_grid(n, d), elementwise_block, 0, s.cuda_stream()>>>(n, f);
-  check_launch(s.cuda_stream(), LOCKSTEP_SITE, {"launching ", what, " on ", d});
+  check_launch(s.cuda_stream(), LOCKSTEP_SITE, ::lockstep::detail::message{"launching ", what, " on ", d});
 }
 
 template <class F>
@@ -113,7 +113,7 @@ void launch_rows_cuda(std::size_t rows, F f, stream_ref s, const char* what) {
   const device d = s.get_device();
   device_guard guard(d);
   rows_kernel<<<elementwise_grid(rows * 32, d), elementwise_block, 0, s.cuda_stream()>>>(rows, f);
-  check_launch(s.cuda_stream(), LOCKSTEP_SITE, {"launching ", what, " on ", d});
+  check_launch(s.cuda_stream(), LOCKSTEP_SITE, ::lockstep::detail::message{"launching ", what, " on ", d});
 }
 
 // ---- column reductions (launch_columns): f.finish(c, sum over r of f.load(r, c)) ----
@@ -182,16 +182,18 @@ void launch_columns_cuda(std::size_t rows, std::size_t cols, F f, stream_ref s, 
   const dim3 grid(static_cast<unsigned>((cols + column_tile - 1) / column_tile), static_cast<unsigned>(splits));
   if (splits == 1) {
     column_partials_kernel<<<grid, block, 0, s.cuda_stream()>>>(rows, cols, split_rows, f, static_cast<float*>(nullptr));
-    check_launch(s.cuda_stream(), LOCKSTEP_SITE, {"launching ", what, " on ", d});
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE, ::lockstep::detail::message{"launching ", what, " on ", d});
     return;
   }
   const std::size_t bytes = splits * cols * sizeof(float);
   auto* partial = static_cast<float*>(allocate(bytes, s));
   try {
     column_partials_kernel<<<grid, block, 0, s.cuda_stream()>>>(rows, cols, split_rows, f, partial);
-    check_launch(s.cuda_stream(), LOCKSTEP_SITE, {"launching ", what, " (partial column sums) on ", d});
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE,
+                               ::lockstep::detail::message{"launching ", what, " (partial column sums) on ", d});
     column_finish_kernel<<<elementwise_grid(cols, d), elementwise_block, 0, s.cuda_stream()>>>(cols, splits, f, partial);
-    check_launch(s.cuda_stream(), LOCKSTEP_SITE, {"launching ", what, " (column sums) on ", d});
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE,
+                               ::lockstep::detail::message{"launching ", what, " (column sums) on ", d});
   } catch (...) {
     deallocate(partial, bytes, s);
     throw;

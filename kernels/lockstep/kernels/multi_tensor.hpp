@@ -99,7 +99,8 @@ void launch_multi_tensor_tables(std::span<const tensor_group<K>> groups, F f, st
   auto flush = [&] {
     if (n_blocks == 0) return;
     multi_tensor_kernel<table_t, K, F><<<n_blocks, multi_tensor_threads, 0, s.cuda_stream()>>>(table, f);
-    check_launch(s.cuda_stream(), LOCKSTEP_SITE, {"launching ", what, " over ", n_groups, " tensors on ", d});
+    check_launch(s.cuda_stream(), LOCKSTEP_SITE,
+                               ::lockstep::detail::message{"launching ", what, " over ", n_groups, " tensors on ", d});
     n_groups = n_blocks = 0;
   };
   for (const auto& g : groups) {
