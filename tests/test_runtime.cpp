@@ -5,11 +5,13 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <array>
 #include <atomic>
 #include <chrono>
 #include <cstdint>
 #include <cstdlib>
 #include <latch>
+#include <memory>
 #include <numeric>
 #include <thread>
 #include <vector>
@@ -95,6 +97,33 @@ TEST(host_stream, destroying_a_stream_completes_its_work_first) {
     }
   }
   EXPECT_EQ(done.load(), 100);
+}
+
+TEST(host_stream, queued_work_may_be_move_only_or_larger_than_the_inline_storage_and_is_released_after_it_runs) {
+  stream s(host0);
+  gate g;
+  detail::enqueue_host(s, [&] { g.wait(); }, "test gate");
+  auto held = std::make_shared<int>(0);
+  std::unique_ptr<int> owned = std::make_unique<int>(5);  // move-only: std::function could not hold it
+  detail::enqueue_host(s, [owned = std::move(owned), held] { *held += *owned; }, "test move-only work");
+  std::array<std::int64_t, 40> big{};  // 320 bytes: stored on the heap
+  std::iota(big.begin(), big.end(), 1);
+  detail::enqueue_host(
+      s, [big, held] { *held += static_cast<int>(std::accumulate(big.begin(), big.end(), std::int64_t{0})); },
+      "test large work");
+  EXPECT_EQ(held.use_count(), 3);  // both captures wait in the queue
+  g.release();
+  s.synchronize();
+  EXPECT_EQ(*held, 5 + 40 * 41 / 2);
+  EXPECT_EQ(held.use_count(), 1);  // each callable destroyed once it ran
+
+  host_backend::task_body a = [&held] { ++*held; };
+  host_backend::task_body b = std::move(a);
+  EXPECT_FALSE(static_cast<bool>(a));  // NOLINT(bugprone-use-after-move): a moved-from body is empty
+  b();
+  EXPECT_EQ(*held, 5 + 820 + 1);
+  b = nullptr;
+  EXPECT_FALSE(static_cast<bool>(b));
 }
 
 TEST(host_stream, an_exception_in_queued_work_is_rethrown_at_the_next_synchronization) {

@@ -56,9 +56,8 @@ LOCKSTEP_DETAIL_BEGIN
 /// Builds "file:line call: CUBLAS_STATUS_X (text) while <what>" and throws cublas_error with the status.
 [[noreturn]] LOCKSTEP_COLD inline void throw_cublas_error(cublasStatus_t status, const char* call, source_site at,
                                                         message what) {
-  std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ",
-                           cublasGetStatusName(status), " (", cublasGetStatusString(status), ')');
-  if (what.size() > 0) msg += " while " + format_message(what);
+  const std::string msg = call_failure_message(
+      at, call, concat(cublasGetStatusName(status), " (", cublasGetStatusString(status), ')'), what);
   throw cublas_error(msg, static_cast<long>(status));
 }
 

@@ -135,11 +135,10 @@ inline const char* thread_level_name(int level) noexcept {
   if (MPI_Error_string(code, text, &length) != MPI_SUCCESS) length = 0;
   int cls = code;
   if (MPI_Error_class(code, &cls) != MPI_SUCCESS) cls = code;
-  std::string msg =
-      concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", error_class_name(cls), " (",
+  const std::string status =
+      concat(error_class_name(cls), " (",
              length > 0 ? std::string(text, static_cast<std::size_t>(length)) : concat("code ", code), ')');
-  if (what.size() > 0) msg += " while " + format_message(what);
-  throw mpi_error(msg, code);
+  throw mpi_error(call_failure_message(at, call, status, what), code);
 }
 
 }  // namespace mpi_comm

@@ -106,9 +106,7 @@ inline std::string describe(ncclResult_t status) {
 /// Builds "file:line call: ncclX (text); last NCCL error: ... while <what>" and throws nccl_error.
 [[noreturn]] LOCKSTEP_COLD inline void throw_nccl_error(ncclResult_t status, const char* call, source_site at,
                                                       message what) {
-  std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", describe(status));
-  if (what.size() > 0) msg += " while " + format_message(what);
-  throw nccl_error(msg, status);
+  throw nccl_error(call_failure_message(at, call, describe(status), what), status);
 }
 
 }  // namespace nccl_comm

@@ -18,9 +18,8 @@ LOCKSTEP_DETAIL_BEGIN
 [[noreturn]] LOCKSTEP_COLD inline void throw_cuda_error(cudaError_t status, const char* call, source_site at,
                                                       message what) {
   (void)cudaGetLastError();  // do not let a later, unrelated check report this error again
-  std::string msg = concat(short_file(at.file), ':', at.line, ' ', call_name(call), ": ", cudaGetErrorName(status),
-                           " (", cudaGetErrorString(status), ')');
-  if (what.size() > 0) msg += " while " + format_message(what);
+  const std::string msg = call_failure_message(
+      at, call, concat(cudaGetErrorName(status), " (", cudaGetErrorString(status), ')'), what);
   if (status == cudaErrorMemoryAllocation) throw out_of_memory_error(msg, status);
   throw cuda_error(msg, status);
 }
@@ -66,9 +65,9 @@ inline void check_launch(cudaStream_t s, source_site at, message what) {
     const std::string context = format_message(what);
     throw_cuda_error(e, "kernel launch", at,
                      message{context,
-                      ": the device's CUDA context is unusable (a sticky error). An earlier kernel or copy on this "
-                      "device may be at fault, not this launch: rerun with LOCKSTEP_CUDA_LAUNCH_BLOCKING=1 to have "
-                      "each kernel checked as it runs, and compute-sanitizer to find the access"});
+                             ": the device's CUDA context is unusable (a sticky error). An earlier kernel or copy on "
+                             "this device may be at fault, not this launch: rerun with LOCKSTEP_CUDA_LAUNCH_BLOCKING=1 "
+                             "to have each kernel checked as it runs, and compute-sanitizer to find the access"});
   }
   throw_cuda_error(e, blocking ? "kernel launch (LOCKSTEP_CUDA_LAUNCH_BLOCKING)" : "kernel launch", at, what);
 }

@@ -158,7 +158,8 @@ class message_piece {
     requires(!std::is_arithmetic_v<T> && !std::is_convertible_v<const T&, std::string_view> &&
              requires(std::ostream& os, const T& v) { os << v; })
   message_piece(const T& v) noexcept
-      : kind_(kind::streamed), object_(&v), print_([](std::ostream& os, const void* p) { os << *static_cast<const T*>(p); }) {}
+      : kind_(kind::streamed), object_(&v),
+        print_([](std::ostream& os, const void* p) { os << *static_cast<const T*>(p); }) {}
 
   void print(std::ostream& os) const {
     switch (kind_) {
@@ -190,10 +191,15 @@ class message_piece {
 /// A message: its pieces in order.
 using message = std::initializer_list<message_piece>;
 
-/// The pieces printed one after another into one string (as streaming them would); used only on failure paths.
+/// The pieces printed one after another into `os`, as streaming them would.
+LOCKSTEP_COLD inline void print_message(std::ostream& os, message pieces) {
+  for (const message_piece& piece : pieces) piece.print(os);
+}
+
+/// The pieces printed one after another into one string; used only on failure paths.
 LOCKSTEP_COLD inline std::string format_message(message pieces) {
   std::ostringstream os;
-  for (const message_piece& piece : pieces) piece.print(os);
+  print_message(os, pieces);
   return os.str();
 }
 
@@ -207,7 +213,7 @@ std::string concat(const Args&... args) {
 LOCKSTEP_COLD inline std::string site_message(const char* file, int line, message what) {
   std::ostringstream os;
   os << short_file(file) << ':' << line << ": ";
-  for (const message_piece& piece : what) piece.print(os);
+  print_message(os, what);
   return os.str();
 }
 
@@ -231,6 +237,19 @@ struct source_site {
   const char* file;
   int line;
 };
+
+/// "file:line call: STATUS while <what>" ("while" and `what` only when `what` has pieces): the message of a
+/// library call that failed (CUDA, cuBLAS, NCCL, MPI), `status` naming the library's status and its text.
+LOCKSTEP_COLD inline std::string call_failure_message(source_site at, const char* call, std::string_view status,
+                                                      message what) {
+  std::ostringstream os;
+  os << short_file(at.file) << ':' << at.line << ' ' << call_name(call) << ": " << status;
+  if (what.size() > 0) {
+    os << " while ";
+    print_message(os, what);
+  }
+  return os.str();
+}
 
 [[noreturn]] LOCKSTEP_COLD inline void throw_precondition(source_site at, const char* condition, message what) {
   if (what.size() == 0) {

@@ -27,7 +27,7 @@ LOCKSTEP_DETAIL_BEGIN
 /// work on the stream failed; other work is then skipped (see host_stream.hpp).
 template <class F>
 void enqueue_host(stream_ref s, F&& f, const char* what, bool runs_after_failure = false) {
-  s.host_state().enqueue(host_backend::task{std::function<void()>(std::forward<F>(f)), what, runs_after_failure});
+  s.host_state().enqueue(host_backend::task{host_backend::task_body(std::forward<F>(f)), what, runs_after_failure});
 }
 
 inline std::string where(const std::optional<device>& d) { return d ? d->str() : std::string("host memory"); }

@@ -6,7 +6,9 @@
 // instructions) without the program requiring AVX2. The AVX2 copies are flattened: everything they call with
 // a visible body (a functor's own for_all / for_rows / for_group, the lambdas and block helpers inside them)
 // is inlined into them, since code left out of line is compiled for the baseline only. FMA is deliberately
-// not enabled: contracting a * b + c would change results between machines.
+// not enabled: contracting a * b + c would change results between machines. A build that targets AVX2 already
+// (-mavx2, -march=native, -march=x86-64-v3) needs no second copy: its baseline loops are the AVX2 ones, and it
+// compiles each kernel once.
 #pragma once
 
 #include <cstddef>
@@ -15,7 +17,7 @@
 #include "lockstep/config.hpp"
 #include "lockstep/kernels/bind.hpp"
 
-#if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDA_ARCH__)
+#if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDA_ARCH__) && !defined(__AVX2__)
 #define LOCKSTEP_HOST_AVX2_CLONES 1
 #define LOCKSTEP_TARGET_AVX2 __attribute__((target("avx2"), flatten))
 #else

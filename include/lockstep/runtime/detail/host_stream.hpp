@@ -21,26 +21,111 @@
 #include <atomic>
 #include <chrono>
 #include <condition_variable>
+#include <cstddef>
 #include <cstdint>
 #include <deque>
 #include <exception>
-#include <functional>
 #include <limits>
 #include <map>
 #include <memory>
 #include <mutex>
+#include <new>
 #include <set>
 #include <string>
 #include <thread>
+#include <type_traits>
 #include <utility>
 
 #include "lockstep/core/error.hpp"
 
 namespace lockstep::host_backend {
 
+/// The callable of a task: move-only, called once. A callable of up to `inline_bytes` that moves without throwing
+/// (a kernel launch's functor and its extent, a copy's pointers) is stored in place, a larger one on the heap.
+/// Unlike std::function it needs no copy and no allocation per launch, and each callable type costs one table of
+/// three small functions (std::function's manager also clones and reports the type, in every translation unit).
+class task_body {
+ public:
+  static constexpr std::size_t inline_bytes = 112;
+
+  task_body() noexcept = default;
+  task_body(std::nullptr_t) noexcept {}  // NOLINT(google-explicit-constructor): as std::function's
+  template <class F, class D = std::decay_t<F>>
+    requires(!std::is_same_v<D, task_body> && std::is_invocable_r_v<void, D&>)
+  task_body(F&& f) {  // NOLINT(google-explicit-constructor): a lambda converts, as to std::function
+    if constexpr (stored_inline<D>) {
+      ::new (static_cast<void*>(storage_)) D(std::forward<F>(f));
+      table_ = &in_place<D>::table;
+    } else {
+      D* held = new D(std::forward<F>(f));
+      ::new (static_cast<void*>(storage_)) D*(held);
+      table_ = &on_heap<D>::table;
+    }
+  }
+  task_body(task_body&& other) noexcept { take(other); }
+  task_body& operator=(task_body&& other) noexcept {
+    if (this != &other) {
+      reset();
+      take(other);
+    }
+    return *this;
+  }
+  task_body& operator=(std::nullptr_t) noexcept {
+    reset();
+    return *this;
+  }
+  task_body(const task_body&) = delete;
+  task_body& operator=(const task_body&) = delete;
+  ~task_body() { reset(); }
+
+  void operator()() { table_->call(storage_); }
+  explicit operator bool() const noexcept { return table_ != nullptr; }
+
+ private:
+  struct operations {
+    void (*call)(void* storage);
+    void (*move)(void* from, void* to) noexcept;  // constructs `to` from `from`, and destroys `from`
+    void (*destroy)(void* storage) noexcept;
+  };
+  template <class D>
+  static constexpr bool stored_inline = sizeof(D) <= inline_bytes && alignof(D) <= alignof(std::max_align_t) &&
+                                        std::is_nothrow_move_constructible_v<D>;
+  template <class D>
+  struct in_place {
+    static D& held(void* storage) noexcept { return *std::launder(static_cast<D*>(storage)); }
+    static void call(void* storage) { held(storage)(); }
+    static void move(void* from, void* to) noexcept {
+      ::new (to) D(std::move(held(from)));
+      held(from).~D();
+    }
+    static void destroy(void* storage) noexcept { held(storage).~D(); }
+    static constexpr operations table{&call, &move, &destroy};
+  };
+  template <class D>
+  struct on_heap {
+    static D*& held(void* storage) noexcept { return *std::launder(static_cast<D**>(storage)); }
+    static void call(void* storage) { (*held(storage))(); }
+    static void move(void* from, void* to) noexcept { ::new (to) D*(held(from)); }
+    static void destroy(void* storage) noexcept { delete held(storage); }
+    static constexpr operations table{&call, &move, &destroy};
+  };
+
+  void take(task_body& other) noexcept {
+    if (other.table_ == nullptr) return;
+    other.table_->move(other.storage_, storage_);
+    table_ = std::exchange(other.table_, nullptr);
+  }
+  void reset() noexcept {
+    if (table_ != nullptr) std::exchange(table_, nullptr)->destroy(storage_);
+  }
+
+  alignas(std::max_align_t) std::byte storage_[inline_bytes];
+  const operations* table_ = nullptr;
+};
+
 /// One unit of queued work. `what` is a static description used in error messages ("copy", "axpy").
 struct task {
-  std::function<void()> body;
+  task_body body;
   const char* what = "work";
   /// Runs even when earlier work on the stream failed (event markers, collectives); other work is skipped.
   bool runs_after_failure = false;
