@@ -18,20 +18,26 @@
 #if LOCKSTEP_HAS_ONEDNN
 #include <dlfcn.h>
 
+#include <atomic>
 #include <bit>
+#include <chrono>
+#include <cstddef>
 #include <cstdint>
+#include <cstdlib>
 #include <cstring>
 #include <initializer_list>
 #include <memory>
 #include <mutex>
 #include <string>
 #include <unordered_map>
+#include <vector>
 
 #include <oneapi/dnnl/dnnl.h>
 #include <oneapi/dnnl/dnnl_version.h>
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/runtime/detail/host_runtime.hpp"
 
 #if DNNL_VERSION_MAJOR != 2
 #error "lockstep's host GEMMs use oneDNN 2.x's C API (Debian 12's libdnnl-dev 2.6.3); oneDNN 3 removed the operation descriptors it uses: build with -DLOCKSTEP_ONEDNN=OFF"
@@ -234,6 +240,17 @@ struct onednn_matmul_key_hash {
   }
 };
 
+/// Registers an exit handler that waits (at most 30 s) until the host streams have run their queued work. Called
+/// after each oneDNN primitive is created and after its first run, which is when oneDNN makes its global state
+/// (code, profiling hooks) and registers its destruction. At exit, handlers and static objects go in the reverse
+/// order of their registration: the wait then comes before any of that state is destroyed, so a program that
+/// returns from main while a stream still runs a primitive (a forward nobody synchronized) exits cleanly, as with
+/// GPUs, instead of crashing inside oneDNN (seen on an AVX2 CPU, where small GEMMs go to oneDNN). A handful of
+/// registrations per shape; glibc keeps them in blocks of 32.
+inline void onednn_wait_at_exit() noexcept {
+  (void)std::atexit([] { host_backend::runtime::instance().wait_for_queued_work(std::chrono::seconds(30)); });
+}
+
 /// One created matmul with its memory objects (whose buffers are set before each run) and its stream. Runs
 /// on one stream's worker at a time.
 class onednn_matmul {
@@ -282,6 +299,8 @@ class onednn_matmul {
     c_ = onednn_memory(c_md);
     if (scratchpad_bytes_ > 0) scratchpad_ = onednn_memory(*dnnl_primitive_desc_query_md(pd, dnnl_query_scratchpad_md, 0));
     stream_ = onednn_new_stream();
+    warm_up(key);
+    onednn_wait_at_exit();
   }
 
   onednn_matmul(const onednn_matmul&) = delete;
@@ -307,6 +326,13 @@ class onednn_matmul {
   /// Runs the matmul on the calling thread (a stream's worker): C = alpha op(A) op(B) + beta C.
   void run(const void* a, const void* b, void* c, void* scratchpad) const {
     onednn_one_thread_here();
+    execute(a, b, c, scratchpad);
+    if (!ran_.exchange(true, std::memory_order_relaxed)) onednn_wait_at_exit();
+  }
+
+ private:
+  // The matmul on the calling thread.
+  void execute(const void* a, const void* b, void* c, void* scratchpad) const {
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(a_.get(), const_cast<void*>(a)), "binding op(A)");
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(b_.get(), const_cast<void*>(b)), "binding op(B)");
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(c_.get(), c), "binding C");
@@ -321,7 +347,23 @@ class onednn_matmul {
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_wait(stream_.get()), "waiting for a oneDNN matmul");
   }
 
- private:
+  // A first run on zeros, here on the creating thread: oneDNN makes some of its global state (a kernel's code,
+  // generated once per process) at a primitive's first run and registers its destruction then. Made here, before
+  // onednn_wait_at_exit, it outlives the wait at exit; made by a stream's first run while the program exits, the
+  // exit could destroy it under that run (a crash in oneDNN's code generator, seen with a forward nobody
+  // synchronized before main returned).
+  void warm_up(const onednn_matmul_key& key) const {
+    if (!usable()) return;
+    const auto rows = [](std::int64_t r, std::int64_t ld) { return static_cast<std::size_t>(r * ld); };
+    const std::size_t bytes = size_of(key.type);
+    std::vector<std::byte> a(rows(key.ta ? key.k : key.m, key.lda) * bytes);
+    std::vector<std::byte> b(rows(key.tb ? key.n : key.k, key.ldb) * bytes);
+    std::vector<std::byte> c(rows(key.m, key.ldc) * bytes);
+    std::vector<std::byte> scratchpad(scratchpad_bytes_);
+    execute(a.data(), b.data(), c.data(), scratchpad.data());
+  }
+
+  mutable std::atomic<bool> ran_{false};  // run() ran once (a matmul runs on one stream's worker at a time)
   onednn_primitive_owner primitive_;
   onednn_stream_owner stream_{nullptr, &dnnl_stream_destroy};
   onednn_memory_owner a_, b_, c_, scratchpad_;

@@ -22,6 +22,7 @@
 
 #if LOCKSTEP_HAS_ONEDNN
 #include <array>
+#include <atomic>
 #include <bit>
 #include <cstddef>
 #include <cstdint>
@@ -164,6 +165,7 @@ class onednn_convolution {
                           ")");
     primitive_.reset(prim);
     stream_ = onednn_new_stream();
+    onednn_wait_at_exit();
   }
 
   onednn_convolution(const onednn_convolution&) = delete;
@@ -215,11 +217,13 @@ class onednn_convolution {
       if (x.reorder && !x.input()) run_reorder(x, x.inner.get(), x.plain.get());
     }
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_wait(stream_.get()), "waiting for a oneDNN convolution");
+    if (!ran_.exchange(true, std::memory_order_relaxed)) onednn_wait_at_exit();
   }
 
  private:
   enum class slot : std::uint8_t { a, b, c, out, out2 };  // run()'s arguments
   static constexpr std::size_t max_arguments = 5;
+  mutable std::atomic<bool> ran_{false};  // run() ran once
   struct argument {
     int arg = 0;
     slot from = slot::a;

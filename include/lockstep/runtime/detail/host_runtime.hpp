@@ -8,9 +8,12 @@
 #include <algorithm>
 #include <array>
 #include <atomic>
+#include <chrono>
+#include <cstdint>
 #include <memory>
 #include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include "lockstep/device/host_platform.hpp"
@@ -82,6 +85,38 @@ class device_runtime final : public stream_observer {
     if (first) std::rethrow_exception(first);
   }
 
+  /// Waits until every stream of the device has run what was queued on it when the call began, or until
+  /// `deadline`; true when they all did. Kept errors stay kept: nothing throws.
+  bool wait_idle_until(std::chrono::steady_clock::time_point deadline) noexcept {
+    std::vector<stream_state*> live;
+    try {
+      std::lock_guard lock(mutex_);
+      live.reserve(streams_.size());
+      for (auto* s : streams_) {
+        s->add_ref();
+        live.push_back(s);
+      }
+    } catch (...) {
+      for (auto* s : live) s->drop_ref();
+      return false;
+    }
+    bool idle = true;
+    for (auto* s : live) {
+      std::uint64_t target = 0;
+      try {
+        target = s->enqueued();
+      } catch (...) {
+        idle = false;
+      }
+      while (s->completed() < target && std::chrono::steady_clock::now() < deadline) {
+        std::this_thread::sleep_for(std::chrono::microseconds(200));
+      }
+      idle = idle && s->completed() >= target;
+      s->drop_ref();
+    }
+    return idle;
+  }
+
   void on_stream_shutdown(const stream_state* s) noexcept override {
     memory_.on_stream_destroyed(s);
     std::lock_guard lock(mutex_);
@@ -133,6 +168,13 @@ class runtime {
   [[nodiscard]] bool peer_access(int from, int to) const noexcept {
     return from == to ||
            (peers_[static_cast<std::size_t>(from)].load(std::memory_order_acquire) & (std::uint64_t{1} << to)) != 0;
+  }
+
+  /// Waits until the streams of every host device have run the work queued on them, for at most `limit` (a stream
+  /// blocked for good, waiting for a peer that will not come, must not hang the caller). Nothing throws.
+  void wait_for_queued_work(std::chrono::milliseconds limit) noexcept {
+    const auto deadline = std::chrono::steady_clock::now() + limit;
+    for (auto& d : devices_) (void)d->wait_idle_until(deadline);
   }
 
   /// The state of host device `index`; throws device_error naming the visible count when out of range.
