@@ -240,15 +240,16 @@ struct onednn_matmul_key_hash {
   }
 };
 
-/// Registers an exit handler that waits (at most 30 s) until the host streams have run their queued work. Called
+/// Registers an exit handler that waits (at most 2 s) until the host streams have run their queued work. Called
 /// after each oneDNN primitive is created and after its first run, which is when oneDNN makes its global state
 /// (code, profiling hooks) and registers its destruction. At exit, handlers and static objects go in the reverse
 /// order of their registration: the wait then comes before any of that state is destroyed, so a program that
 /// returns from main while a stream still runs a primitive (a forward nobody synchronized) exits cleanly, as with
-/// GPUs, instead of crashing inside oneDNN (seen on an AVX2 CPU, where small GEMMs go to oneDNN). A handful of
-/// registrations per shape; glibc keeps them in blocks of 32.
+/// GPUs, instead of crashing inside oneDNN (seen on an AVX2 CPU, where small GEMMs go to oneDNN). The bound keeps a
+/// process that exits after a failure, with a stream blocked for good (waiting for a peer that died), from
+/// lingering. Two registrations per primitive; glibc keeps them in blocks of 32.
 inline void onednn_wait_at_exit() noexcept {
-  (void)std::atexit([] { host_backend::runtime::instance().wait_for_queued_work(std::chrono::seconds(30)); });
+  (void)std::atexit([] { host_backend::runtime::instance().wait_for_queued_work(std::chrono::seconds(2)); });
 }
 
 /// One created matmul with its memory objects (whose buffers are set before each run) and its stream. Runs
