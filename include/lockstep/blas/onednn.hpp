@@ -249,7 +249,10 @@ struct onednn_matmul_key_hash {
 /// process that exits after a failure, with a stream blocked for good (waiting for a peer that died), from
 /// lingering. Two registrations per primitive; glibc keeps them in blocks of 32.
 inline void onednn_wait_at_exit() noexcept {
-  (void)std::atexit([] { host_backend::runtime::instance().wait_for_queued_work(std::chrono::seconds(2)); });
+  (void)std::atexit([] {
+    // a runtime made after this registration is destroyed before this runs: its destruction waited for its streams
+    if (auto* r = host_backend::runtime::if_alive()) r->wait_for_queued_work(std::chrono::seconds(2));
+  });
 }
 
 /// One created matmul with its memory objects (whose buffers are set before each run) and its stream. Runs

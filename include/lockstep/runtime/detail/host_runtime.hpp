@@ -145,6 +145,13 @@ class runtime {
     static runtime r(host_platform_configuration());
     return r;
   }
+  /// The process's runtime while it exists: null before its first use, and again once exit has destroyed it (for
+  /// code that runs at exit, and must neither start the platform nor touch a destroyed runtime).
+  [[nodiscard]] static runtime* if_alive() noexcept { return live_.load(std::memory_order_acquire); }
+
+  runtime(const runtime&) = delete;
+  runtime& operator=(const runtime&) = delete;
+  ~runtime() { live_.store(nullptr, std::memory_order_release); }
 
   [[nodiscard]] int device_count() const noexcept { return static_cast<int>(devices_.size()); }
 
@@ -192,7 +199,10 @@ class runtime {
   explicit runtime(const host_platform_config& config) : strict_(config.strictness == host_strictness::strict) {
     for (int i = 0; i < config.device_count; ++i)
       devices_.push_back(std::make_unique<device_runtime>(i, config.memory_limit(i), config.strictness));
+    live_.store(this, std::memory_order_release);
   }
+
+  static inline std::atomic<runtime*> live_{nullptr};  // constant-initialized, never destroyed: see if_alive
 
   const bool strict_;
   std::vector<std::unique_ptr<device_runtime>> devices_;
