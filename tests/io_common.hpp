@@ -1,4 +1,4 @@
-// Shared by test_io and io_fault_child: a small training run whose every byte of state can be compared.
+// test_io's (and its fault child's): a small training run whose every byte of state can be compared.
 #pragma once
 
 #include <optional>

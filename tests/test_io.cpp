@@ -7,7 +7,9 @@
 #include <signal.h>
 #include <spawn.h>
 #include <sys/resource.h>
+#include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <chrono>
 #include <cstdio>
@@ -16,6 +18,7 @@
 #include <limits>
 #include <optional>
 #include <random>
+#include <string>
 #include <thread>
 
 #include "lockstep/amp/loss_scaler.hpp"
@@ -806,13 +809,53 @@ TEST(checkpoint, an_asynchronous_save_stages_in_stream_order_while_training_goes
   EXPECT_CONTAINS(message_of<io_error>([&] { (void)failing.wait(); }), "disk on fire");
 }
 
-// ---- faults of the file system, in a child process (tests/io_fault_child.cpp) ------------------------------------
+// ---- faults of the file system, in a child process (this program, started with --io-fault-child) -----------------
 
-// Runs the child with `args`; returns its exit status (or 128 + signal) and what it printed.
+// The child: trains one step and saves it (step 1) under `dir`, trains another and saves again (step 2) into
+// `fault`:
+//   kill      SIGKILL once the files are written and synced, before the rename that publishes them
+//   fsize     a file-size limit (RLIMIT_FSIZE) far below the checkpoint's size: writes fail part-way
+//   readonly  the directory made read-only (and, as root, the process turned into nobody, whom it binds)
+// Prints the error of the second save and returns 3; returns 0 if it did not fail, 2 on a usage error.
+int fault_child(const std::string& fault, const fs::path& dir) {
+  try {
+    run r(device{device_kind::host, 0}, dtype::f32, false);
+    r.train(1);
+    {
+      checkpointer saver(dir);
+      auto st = r.state();
+      saver.save(st, r.s);
+    }
+    r.train(1);
+    checkpoint_options o;
+    if (fault == "kill") {
+      o.before_publish = [](const fs::path&) { ::raise(SIGKILL); };
+    } else if (fault == "fsize") {
+      ::signal(SIGXFSZ, SIG_IGN);  // EFBIG from write() instead of a signal
+      const rlimit limit{2000, 2000};
+      if (::setrlimit(RLIMIT_FSIZE, &limit) != 0) return 2;
+    } else if (fault == "readonly") {
+      if (::chmod(dir.c_str(), 0555) != 0) return 2;
+      if (::geteuid() == 0 && (::setgid(65534) != 0 || ::setuid(65534) != 0)) return 2;  // root ignores modes
+    } else {
+      return 2;
+    }
+    checkpointer saver(dir, o);
+    auto st = r.state();
+    saver.save(st, r.s);
+    std::printf("the second save did not fail\n");
+    return 0;
+  } catch (const std::exception& e) {
+    std::printf("%s\n", e.what());
+    return 3;
+  }
+}
+
+// Runs this program as the child with `args`; returns its exit status (or 128 + signal) and what it printed.
 std::pair<int, std::string> run_child(const std::vector<std::string>& args) {
-  const std::string exe = std::string(LOCKSTEP_BINARY_DIR) + "/tests/io_fault_child";
+  const std::string exe = fs::read_symlink("/proc/self/exe").string();
   const fs::path out = fs::temp_directory_path() / ("lockstep_io_child." + std::to_string(::getpid()) + ".txt");
-  std::vector<std::string> all{exe};
+  std::vector<std::string> all{exe, "--io-fault-child"};
   all.insert(all.end(), args.begin(), args.end());
   std::vector<char*> argv;
   for (auto& a : all) argv.push_back(a.data());
@@ -869,3 +912,16 @@ TEST(checkpoint_faults, a_read_only_directory_is_an_error_and_leaves_the_previou
 }
 
 }  // namespace
+
+// GoogleTest's main, or the fault tests' child (`--io-fault-child FAULT DIR`): one program, one compilation.
+int main(int argc, char** argv) {
+  if (argc >= 2 && std::string(argv[1]) == "--io-fault-child") {
+    if (argc != 4) {
+      std::fprintf(stderr, "usage: test_io --io-fault-child kill|fsize|readonly DIR\n");
+      return 2;
+    }
+    return fault_child(argv[2], argv[3]);
+  }
+  ::testing::InitGoogleTest(&argc, argv);
+  return RUN_ALL_TESTS();
+}

@@ -602,6 +602,28 @@ TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_
   }
 }
 
+// A program that returns from main while a host stream still runs its first convolutions and matmuls (nothing
+// synchronized) exits cleanly, as it would with GPUs: oneDNN's primitives run once where they are made, and an exit
+// handler waits for the host streams (blas/onednn.hpp). Without both, oneDNN could make a kernel's code under the
+// exit that destroys its state (a crash at exit, seen with matmuls on an AVX2 CPU).
+TEST(host_exit, a_program_that_returns_while_convolutions_and_matmuls_run_exits_cleanly) {
+  GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: its first primitives are made in the child
+  EXPECT_EXIT(
+      {
+        context ctx(default_stream(device{device_kind::host, 0}));
+        initializer init(3);
+        conv2d conv(8, 16, 3, ctx, init, conv2d_options{.padding = 1});
+        linear fc(256, 64, ctx, init);
+        tensor x = make_tensor(random_values(16 * 8 * 12 * 12, 5), shape{16, 8, 12, 12}, ctx.stream());
+        tensor rows = make_tensor(random_values(64 * 256, 6), shape{64, 256}, ctx.stream());
+        const tensor_view y = conv.forward(x, ctx);
+        (void)conv.backward(y, ctx, input_grad::required);
+        (void)fc.forward(rows, ctx);
+        std::exit(0);  // with the work still queued
+      },
+      ::testing::ExitedWithCode(0), "");
+}
+
 TEST_P(finite_differences_test, max_avg_and_global_pooling) {
   context ctx(default_stream(dev()));
   max_pool2d mp(2);

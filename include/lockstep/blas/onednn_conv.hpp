@@ -165,6 +165,7 @@ class onednn_convolution {
                           ")");
     primitive_.reset(prim);
     stream_ = onednn_new_stream();
+    warm_up();
     onednn_wait_at_exit();
   }
 
@@ -189,6 +190,16 @@ class onednn_convolution {
   /// `workspace` of workspace_bytes(), 64-byte aligned.
   void run(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace) const {
     onednn_one_thread_here();
+    execute(a, b, c, out, out2, workspace);
+    if (!ran_.exchange(true, std::memory_order_relaxed)) onednn_wait_at_exit();
+  }
+
+ private:
+  enum class slot : std::uint8_t { a, b, c, out, out2 };  // run()'s arguments
+  static constexpr std::size_t max_arguments = 5;
+
+  // The pass on the calling thread.
+  void execute(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace) const {
     const std::array<void*, 5> plain{const_cast<void*>(a), const_cast<void*>(b), const_cast<void*>(c), out, out2};
     // (an array, not a vector: nvcc 12's front end crashes on push_back({...}) of this C struct)
     std::array<dnnl_exec_arg_t, max_arguments + 1> args{};
@@ -217,13 +228,22 @@ class onednn_convolution {
       if (x.reorder && !x.input()) run_reorder(x, x.inner.get(), x.plain.get());
     }
     LOCKSTEP_ONEDNN_CHECK(dnnl_stream_wait(stream_.get()), "waiting for a oneDNN convolution");
-    if (!ran_.exchange(true, std::memory_order_relaxed)) onednn_wait_at_exit();
   }
 
- private:
-  enum class slot : std::uint8_t { a, b, c, out, out2 };  // run()'s arguments
-  static constexpr std::size_t max_arguments = 5;
+  // A first run on zeros, on the creating thread, for the reason onednn_matmul has one (onednn.hpp): the global
+  // state oneDNN makes at a primitive's first run then outlives the wait at exit. It takes, for its duration, host
+  // memory of the pass's plain tensors and workspace.
+  void warm_up() const {
+    std::array<std::vector<std::byte>, max_arguments> plain;
+    for (std::size_t i = 0; i < plain.size(); ++i) plain[i].resize(plain_bytes_[i]);
+    std::vector<std::byte> workspace(workspace_bytes_ + 63);
+    const auto address = reinterpret_cast<std::uintptr_t>(workspace.data());
+    execute(plain[0].data(), plain[1].data(), plain[2].data(), plain[3].data(), plain[4].data(),
+            workspace.data() + ((64 - address % 64) % 64));
+  }
+
   mutable std::atomic<bool> ran_{false};  // run() ran once
+  std::array<std::size_t, max_arguments> plain_bytes_{};  // of run()'s tensors, by slot
   struct argument {
     int arg = 0;
     slot from = slot::a;
@@ -261,6 +281,7 @@ class onednn_convolution {
     argument x;
     x.arg = arg;
     x.from = from;
+    plain_bytes_[static_cast<std::size_t>(from)] = dnnl_memory_desc_get_size(&plain);
     x.inner = onednn_memory(inner);
     if (dnnl_memory_desc_equal(&plain, &inner) != 0 && beta == 0.0f) {
       args_.push_back(std::move(x));

@@ -64,23 +64,15 @@ class device_runtime final : public stream_observer {
 
   /// Waits for every stream of the device (cudaDeviceSynchronize) and rethrows the first kept error.
   void synchronize() {
-    std::vector<stream_state*> live;
-    {
-      std::lock_guard lock(mutex_);
-      for (auto* s : streams_) {
-        s->add_ref();
-        live.push_back(s);
-      }
-    }
+    const stream_snapshot streams(*this);
     std::exception_ptr first;
-    for (auto* s : live) {
+    for (auto* s : streams.list) {
       try {
         s->wait_for(s->enqueued());
         s->rethrow_if_failed();
       } catch (...) {
         if (!first) first = std::current_exception();
       }
-      s->drop_ref();
     }
     if (first) std::rethrow_exception(first);
   }
@@ -88,33 +80,14 @@ class device_runtime final : public stream_observer {
   /// Waits until every stream of the device has run what was queued on it when the call began, or until
   /// `deadline`; true when they all did. Kept errors stay kept: nothing throws.
   bool wait_idle_until(std::chrono::steady_clock::time_point deadline) noexcept {
-    std::vector<stream_state*> live;
     try {
-      std::lock_guard lock(mutex_);
-      live.reserve(streams_.size());
-      for (auto* s : streams_) {
-        s->add_ref();
-        live.push_back(s);
-      }
+      const stream_snapshot streams(*this);
+      bool idle = true;
+      for (auto* s : streams.list) idle = s->wait_idle_until(deadline) && idle;
+      return idle;
     } catch (...) {
-      for (auto* s : live) s->drop_ref();
       return false;
     }
-    bool idle = true;
-    for (auto* s : live) {
-      std::uint64_t target = 0;
-      try {
-        target = s->enqueued();
-      } catch (...) {
-        idle = false;
-      }
-      while (s->completed() < target && std::chrono::steady_clock::now() < deadline) {
-        std::this_thread::sleep_for(std::chrono::microseconds(200));
-      }
-      idle = idle && s->completed() >= target;
-      s->drop_ref();
-    }
-    return idle;
   }
 
   void on_stream_shutdown(const stream_state* s) noexcept override {
@@ -124,6 +97,25 @@ class device_runtime final : public stream_observer {
   }
 
  private:
+  // The device's streams when it was made, each held by a reference (a stream destroyed meanwhile lives on until
+  // the snapshot is dropped), so that they are waited for without holding the device's lock.
+  struct stream_snapshot {
+    std::vector<stream_state*> list;
+    explicit stream_snapshot(device_runtime& d) {
+      std::lock_guard lock(d.mutex_);
+      list.reserve(d.streams_.size());
+      for (auto* s : d.streams_) {
+        s->add_ref();
+        list.push_back(s);
+      }
+    }
+    stream_snapshot(const stream_snapshot&) = delete;
+    stream_snapshot& operator=(const stream_snapshot&) = delete;
+    ~stream_snapshot() {
+      for (auto* s : list) s->drop_ref();
+    }
+  };
+
   // Up to 200 us of delay before some of a strict device's stream work: long enough to reorder two streams that
   // no event orders (a kernel of a few thousand elements takes microseconds), short enough for test suites.
   [[nodiscard]] std::uint32_t jitter() const noexcept { return strict_ ? 200 : 0; }

@@ -256,6 +256,17 @@ class stream_state {
     wait_done_locked(lock, seq);
   }
 
+  /// Blocks until everything queued when the call began has run, or until `deadline`; true if it ran.
+  bool wait_idle_until(std::chrono::steady_clock::time_point deadline) const {
+    std::unique_lock lock(mutex_);
+    const std::uint64_t seq = enqueued_;
+    ++done_waiters_;
+    const bool done =
+        work_done_.wait_until(lock, deadline, [&] { return completed_.load(std::memory_order_acquire) >= seq; });
+    --done_waiters_;
+    return done;
+  }
+
   /// Blocks until everything queued so far has run, then rethrows a kept error (and clears it).
   void synchronize() {
     LOCKSTEP_EXPECTS(!on_worker(), "synchronize() called from work queued on ", label_,
