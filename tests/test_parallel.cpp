@@ -530,6 +530,39 @@ TEST_P(data_parallel_test, replicas_normalize_with_device_0s_running_statistics_
 // A synchronized batch norm normalizes with the statistics of the whole global batch: DDP and data_parallel train as
 // one device does on it (f32: up to the order of additions; deterministic mode: the same bits, rank counts 1 to 4,
 // also with a rank whose shard is empty); without synchronization each replica's statistics are its own.
+// reset_report() starts the training window: what setup took (here a 4 MiB buffer made and freed before it) is the
+// report's setup peak, not its training peak, which stays what a step holds.
+TEST_P(ddp_test, the_report_keeps_the_setup_peak_apart_from_the_training_peak) {
+  if (!require_devices(2)) return;
+  constexpr std::uint64_t setup_bytes = 4u << 20;
+  std::vector<device_report> reports(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    const stream_ref s = ctx.stream();
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    { device_buffer<std::byte> scratch(setup_bytes, s); }  // setup's own temporary
+    s.synchronize();
+    ddp.reset_report();
+    const std::int64_t first = 4 * rc.rank();
+    tensor xb = device_tensor(slice(inputs(), first, 4, features), shape{4, features}, s);
+    tensor yb = device_labels(slice(labels(), first, 4, 1), s);
+    opt.zero_grad();
+    loss.forward(ddp.forward(xb), yb, ctx);
+    ddp.backward(loss.backward(ctx));
+    opt.step(s);
+    reports[static_cast<std::size_t>(rc.rank())] = ddp.report();
+  });
+  for (const auto& r : reports) {
+    EXPECT_GE(r.setup_peak_bytes, setup_bytes) << r.device;
+    EXPECT_GT(r.peak_bytes, 0u) << r.device;
+    EXPECT_LT(r.peak_bytes, setup_bytes) << r.device;  // the model is a few KiB: the step holds far less
+    EXPECT_GT(r.compute_ms, 0.0) << r.device;
+  }
+}
+
 TEST_P(ddp_test, synchronized_batch_norm_trains_as_one_device_on_the_global_batch) {
   if (!require_devices(4)) return;
   const auto single = train_single(dev(0), 64, std::nullopt, model_variant::sync_batch_norm);

@@ -527,7 +527,7 @@ run_result train_single(const options& o, const model_recipe& m, const datasets&
   run_result r;
   run_checkpoints ck(o, m.describe(), model, optimizer, compute, std::nullopt, active_preemption);
   loss_watch watch(o, compute);
-  reset_memory_stats(dev);
+  time.reset();  // what setup took becomes the report's setup peak
   run_epochs(
       o, loader, show, r, ck,
       [&](const auto& b) {
@@ -728,12 +728,13 @@ run_result train_ddp_mpi(const options& o, const model_recipe& m, const run_hook
   run_result r = train_ddp_rank(o, m, hooks, data, ctx, comm, comm_stream);
   // every rank's peak memory and times, to rank 0
   const device_report mine = r.devices.front();
-  constexpr std::size_t fields = 9;
+  constexpr std::size_t fields = 10;
   auto local = to_device(std::vector<double>{static_cast<double>(mine.peak_bytes), mine.compute_ms,
                                              mine.communication_ms, mine.wall_ms, mine.idle_ms, r.train_seconds,
                                              static_cast<double>(mine.parameter_bytes),
                                              static_cast<double>(mine.gradient_bytes),
-                                             static_cast<double>(mine.optimizer_bytes)},
+                                             static_cast<double>(mine.optimizer_bytes),
+                                             static_cast<double>(mine.setup_peak_bytes)},
                          compute);
   device_buffer<double> all(fields * static_cast<std::size_t>(comm.size()), compute);
   comm.all_gather(local.data(), all.data(), fields, dtype::i64, compute);  // 8-byte elements, gathered as bytes
@@ -753,6 +754,7 @@ run_result train_ddp_mpi(const options& o, const model_recipe& m, const run_hook
     d.parameter_bytes = static_cast<std::uint64_t>(f[6]);
     d.gradient_bytes = static_cast<std::uint64_t>(f[7]);
     d.optimizer_bytes = static_cast<std::uint64_t>(f[8]);
+    d.setup_peak_bytes = static_cast<std::uint64_t>(f[9]);
     r.devices.push_back(d);
   }
   return r;
@@ -870,11 +872,12 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
                   static_cast<long long>(r.scaler->skipped_steps), static_cast<long long>(r.scaler->steps),
                   static_cast<long long>(r.scaler->last_overflow_step));
     }
-    std::printf("%-22s %12s %12s %14s %10s\n", "device", "peak memory", "compute ms", "communicate ms", "idle ms");
+    std::printf("%-22s %12s %12s %12s %14s %10s\n", "device", "peak memory", "setup peak", "compute ms",
+                "communicate ms", "idle ms");
     for (std::size_t i = 0; i < r.devices.size(); ++i) {
       const auto& d = r.devices[i];
-      std::printf("%-22s %12s %12.0f %14.0f %10.0f\n", device_names[i].c_str(), format_bytes(d.peak_bytes).c_str(),
-                  d.compute_ms, d.communication_ms, d.idle_ms);
+      std::printf("%-22s %12s %12s %12.0f %14.0f %10.0f\n", device_names[i].c_str(), format_bytes(d.peak_bytes).c_str(),
+                  format_bytes(d.setup_peak_bytes).c_str(), d.compute_ms, d.communication_ms, d.idle_ms);
     }
     if (o.mode == "ddp") {  // what the training state takes on each device (ZeRO shards it)
       std::printf("%-22s %12s %12s %14s\n", o.zero > 0 ? ("state, ZeRO-" + std::to_string(o.zero)).c_str() : "state",
@@ -929,7 +932,8 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
   for (std::size_t i = 0; i < r.devices.size(); ++i) {
     const auto& d = r.devices[i];
     peak[device_names[i]] = d.peak_bytes;
-    per_device.push_back({{"device", device_names[i]}, {"peak_memory_bytes", d.peak_bytes}, {"compute_ms", d.compute_ms},
+    per_device.push_back({{"device", device_names[i]}, {"peak_memory_bytes", d.peak_bytes},
+                          {"setup_peak_memory_bytes", d.setup_peak_bytes}, {"compute_ms", d.compute_ms},
                           {"communication_ms", d.communication_ms}, {"idle_ms", d.idle_ms}, {"wall_ms", d.wall_ms}});
     if (o.mode == "ddp") {
       per_device.back()["parameter_bytes"] = d.parameter_bytes;

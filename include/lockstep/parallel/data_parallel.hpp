@@ -254,9 +254,9 @@ class data_parallel {
     for (auto& t : timelines_) out.push_back(t.report());
     return out;
   }
+  /// Starts a new window of the report; each device's memory peak so far becomes its setup_peak_bytes.
   void reset_report() {
     for (auto& t : timelines_) t.reset();
-    for (const device d : devices_) reset_memory_stats(d);
   }
 
  private:

@@ -443,10 +443,10 @@ class distributed_data_parallel {
     }
     return n;
   }
+  /// Starts a new window of the report; the memory peak so far becomes its setup_peak_bytes.
   void reset_report() {
-    compute_timeline_.reset();
+    compute_timeline_.reset();  // (both timelines reset the device's memory peak: the first keeps the setup peak)
     comm_timeline_.reset();
-    reset_memory_stats(replica_.get_device());
   }
 
  private:
