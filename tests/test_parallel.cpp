@@ -967,6 +967,42 @@ TEST_P(ddp_test, buckets_are_all_reduced_in_bucket_order_whatever_order_backward
   EXPECT_NE(grads[0], std::vector<float>(grads[0].size(), 0.0f));
 }
 
+// DDP's construction sends rank 0's values to every rank in packs of bounded size, larger parameters in place, so
+// that the staging never holds a second copy of the whole model; the working copies follow.
+TEST_P(ddp_test, parameters_are_broadcast_in_bounded_packs_and_large_ones_in_place) {
+  if (!require_devices(3)) return;
+  std::vector<std::vector<float>> before(3), masters(3), working(3);
+  run_on_devices(devices(3), [&](rank_context& rc) {
+    const auto r = static_cast<std::size_t>(rc.rank());
+    const stream_ref s = rc.compute_stream();
+    context ctx(s, dtype::f16);
+    graph model = make_model(ctx, seed + r);  // other values on every rank
+    const auto params = parameters_of(model);
+    const auto values = [&](std::vector<float>& m, std::vector<float>* w) {
+      for (const auto& p : params) {
+        const auto v = to_vector(p.param->value().span<const float>(), s);
+        m.insert(m.end(), v.begin(), v.end());
+        if (w == nullptr) continue;
+        for (const half h : to_vector(p.param->compute_value().span<const half>(), s)) w->push_back(to_float(h));
+      }
+    };
+    values(before[r], nullptr);
+    // packs of at most 100 values: the 640- and 512-value weights go in place, the rest packed
+    detail::broadcast_parameters(params, rc.comm(), s, 100);
+    values(masters[r], &working[r]);
+  });
+  ASSERT_FALSE(masters[0].empty());
+  EXPECT_EQ(masters[0], before[0]);
+  for (std::size_t r = 1; r < 3; ++r) {
+    EXPECT_NE(before[r], before[0]) << r;
+    EXPECT_EQ(masters[r], masters[0]) << r;
+    EXPECT_EQ(working[r], working[0]) << r;
+  }
+  for (std::size_t i = 0; i < masters[0].size(); ++i) {
+    ASSERT_EQ(working[0][i], to_float(convert<half>(masters[0][i]))) << i;  // refreshed from the new masters
+  }
+}
+
 TEST_P(ddp_test, gradients_live_in_their_buckets_and_keep_what_was_accumulated) {
   if (!require_devices(2)) return;
   run_on_devices(devices(2), [&](rank_context& rc) {

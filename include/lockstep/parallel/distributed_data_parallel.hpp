@@ -539,7 +539,7 @@ class distributed_data_parallel {
     // could take a block up to twice its size (host devices) and hold memory training does not need.
     release_cached_memory(r.get_device());
     if (r.sharded) {
-      shards_.shard_parameters();
+      shards_.create_exact_shards();
       release_cached_memory(r.get_device());
     }
   }

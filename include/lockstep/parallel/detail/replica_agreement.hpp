@@ -173,27 +173,46 @@ inline void check_same_settings(const std::vector<std::string>& lines, communica
   }
 }
 
-/// Rank 0's fp32 values to every rank, packed into one buffer, on `s` (after the whole device's work: the
-/// model's initialization ran on some stream); working copies refreshed. Returns when done.
-inline void broadcast_parameters(const parameter_list& params, communicator_ref comm, stream_ref s) {
+/// Rank 0's fp32 values to every rank, on `s` (after the whole device's work: the model's initialization ran on
+/// some stream); working copies refreshed. Returns when done. Small parameters go packed, in packs of at most
+/// `pack_elements` (16 MiB), larger ones in place: the staging never doubles the model's masters.
+inline void broadcast_parameters(const parameter_list& params, communicator_ref comm, stream_ref s,
+                                 std::size_t pack_elements = std::size_t{4} << 20) {
   if (comm.size() == 1 || params.empty()) return;
   synchronize(s.get_device());
-  std::size_t total = 0;
-  for (const auto& p : params) total += static_cast<std::size_t>(p.param->numel());
-  device_buffer<float> flat(total, s);
-  std::size_t offset = 0;
-  for (const auto& p : params) {
-    const auto n = static_cast<std::size_t>(p.param->numel());
-    copy(flat.span().subspan(offset, n), p.param->value().span<const float>(), s);
-    offset += n;
-  }
-  comm.broadcast(flat.span(), 0, s);
-  offset = 0;
-  for (const auto& p : params) {
-    const auto n = static_cast<std::size_t>(p.param->numel());
-    copy(p.param->value().span<float>(), device_span<const float>(flat.span().subspan(offset, n)), s);
-    p.param->refresh_working_copy(s);
-    offset += n;
+  const auto numel = [&](std::size_t i) { return static_cast<std::size_t>(params[i].param->numel()); };
+  std::size_t packed_total = 0;  // of the parameters that go packed
+  for (std::size_t i = 0; i < params.size(); ++i) packed_total += numel(i) < pack_elements ? numel(i) : 0;
+  device_buffer<float> pack;
+  for (std::size_t i = 0; i < params.size();) {
+    if (numel(i) >= pack_elements) {
+      comm.broadcast(params[i].param->value().span<float>(), 0, s);
+      params[i].param->refresh_working_copy(s);
+      ++i;
+      continue;
+    }
+    std::size_t end = i, elements = 0;
+    while (end < params.size() && numel(end) < pack_elements && elements + numel(end) <= pack_elements) {
+      elements += numel(end++);
+    }
+    if (elements == 0) {  // parameters without elements
+      i = end;
+      continue;
+    }
+    if (pack.size() == 0) pack = device_buffer<float>(std::min(pack_elements, packed_total), s);
+    std::size_t offset = 0;
+    for (std::size_t k = i; k < end; ++k) {
+      copy(pack.span().subspan(offset, numel(k)), params[k].param->value().span<const float>(), s);
+      offset += numel(k);
+    }
+    comm.broadcast(pack.span().subspan(0, elements), 0, s);
+    offset = 0;
+    for (std::size_t k = i; k < end; ++k) {
+      copy(params[k].param->value().span<float>(), device_span<const float>(pack.span().subspan(offset, numel(k))), s);
+      params[k].param->refresh_working_copy(s);
+      offset += numel(k);
+    }
+    i = end;
   }
   comm.synchronize(s);
 }
