@@ -606,7 +606,7 @@ TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_
 // synchronized) exits cleanly, as it would with GPUs: oneDNN's primitives run once where they are made, and an exit
 // handler waits for the host streams (blas/onednn.hpp). Without both, oneDNN could make a kernel's code under the
 // exit that destroys its state (a crash at exit, seen with matmuls on an AVX2 CPU).
-TEST(host_exit, a_program_that_returns_while_convolutions_and_matmuls_run_exits_cleanly) {
+TEST(host_exit_DeathTest, a_program_that_returns_while_convolutions_and_matmuls_run_exits_cleanly) {
   GTEST_FLAG_SET(death_test_style, "threadsafe");  // a fresh process: its first primitives are made in the child
   EXPECT_EXIT(
       {

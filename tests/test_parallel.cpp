@@ -987,8 +987,9 @@ TEST_P(ddp_test, parameters_are_broadcast_in_bounded_packs_and_large_ones_in_pla
       }
     };
     values(before[r], nullptr);
-    // packs of at most 100 values: the 640- and 512-value weights go in place, the rest packed
-    detail::broadcast_parameters(params, rc.comm(), s, 100);
+    // packs of at most 50 values: the 640- and 512-value weights go in place, the others in packs of 32, 16, 48
+    // and 3 values (16 + 48 would not fit)
+    detail::broadcast_parameters(params, rc.comm(), s, 50);
     values(masters[r], &working[r]);
   });
   ASSERT_FALSE(masters[0].empty());

@@ -231,8 +231,8 @@ class onednn_convolution {
   }
 
   // A first run on zeros, on the creating thread, for the reason onednn_matmul has one (onednn.hpp): the global
-  // state oneDNN makes at a primitive's first run then outlives the wait at exit. It takes, for its duration, host
-  // memory of the pass's plain tensors and workspace.
+  // state oneDNN makes at a primitive's first run then outlives the wait at exit. It takes, for its duration, heap
+  // memory of the pass's plain tensors and workspace (outside the device's accounting), once per primitive made.
   void warm_up() const {
     std::array<std::vector<std::byte>, max_arguments> plain;
     for (std::size_t i = 0; i < plain.size(); ++i) plain[i].resize(plain_bytes_[i]);

@@ -254,7 +254,8 @@ class data_parallel {
     for (auto& t : timelines_) out.push_back(t.report());
     return out;
   }
-  /// Starts a new window of the report; each device's memory peak so far becomes its setup_peak_bytes.
+  /// Starts a new window of the report; at the first call each device's memory peak so far becomes its
+  /// setup_peak_bytes.
   void reset_report() {
     for (auto& t : timelines_) t.reset();
   }

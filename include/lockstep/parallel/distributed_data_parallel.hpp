@@ -443,7 +443,7 @@ class distributed_data_parallel {
     }
     return n;
   }
-  /// Starts a new window of the report; the memory peak so far becomes its setup_peak_bytes.
+  /// Starts a new window of the report; at the first call the memory peak so far becomes its setup_peak_bytes.
   void reset_report() {
     compute_timeline_.reset();  // (both timelines reset the device's memory peak: the first keeps the setup peak)
     comm_timeline_.reset();
@@ -539,7 +539,7 @@ class distributed_data_parallel {
     // could take a block up to twice its size (host devices) and hold memory training does not need.
     release_cached_memory(r.get_device());
     if (r.sharded) {
-      shards_.create_exact_shards();
+      shards_.shard_parameters();
       release_cached_memory(r.get_device());
     }
   }

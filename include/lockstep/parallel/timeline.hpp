@@ -25,8 +25,8 @@ enum class phase : std::uint8_t { compute, communication };
 struct device_report {
   lockstep::device device;
   std::uint64_t peak_bytes = 0;   // peak bytes in use (memory statistics since the last reset)
-  // The highest peak before the last reset: the memory that building the model and the wrapper, initializing and
-  // loading a checkpoint took. A device needs max(peak_bytes, setup_peak_bytes).
+  // The peak before the first reset: the memory that building the model and the wrapper, initializing and loading
+  // a checkpoint took. A device needs max(peak_bytes, setup_peak_bytes).
   std::uint64_t setup_peak_bytes = 0;
   double compute_ms = 0;          // forward, backward, loss and optimizer work
   double communication_ms = 0;    // broadcasts, scatters, gathers, reductions, all-reduces
@@ -69,16 +69,16 @@ class timeline {
     r.wall_ms = wall_ms_;
     r.idle_ms = std::max(0.0, wall_ms_ - compute_ms_ - communication_ms_);
     r.peak_bytes = get_memory_stats(device_).peak_bytes_in_use;
-    r.setup_peak_bytes = setup_peak_bytes_;
+    r.setup_peak_bytes = setup_peak_bytes_.value_or(0);
     return r;
   }
 
-  /// Forgets the totals and starts a new measurement window: the device's memory peak is reset too (the peak so
-  /// far is kept as the setup peak).
+  /// Forgets the totals and starts a new measurement window. The device's memory peak is reset too (for every
+  /// user of the device's statistics); the peak before the first reset is kept as the setup peak.
   void reset() {
     compute_ms_ = communication_ms_ = wall_ms_ = 0;
     first_.reset();
-    setup_peak_bytes_ = std::max(setup_peak_bytes_, get_memory_stats(device_).peak_bytes_in_use);
+    if (!setup_peak_bytes_) setup_peak_bytes_ = get_memory_stats(device_).peak_bytes_in_use;
     reset_memory_stats(device_);
   }
 
@@ -121,7 +121,7 @@ class timeline {
   std::vector<std::optional<event>> pool_;
   std::optional<event> first_;  // start of the window
   double compute_ms_ = 0, communication_ms_ = 0, wall_ms_ = 0;
-  std::uint64_t setup_peak_bytes_ = 0;  // the highest memory peak before the last reset
+  std::optional<std::uint64_t> setup_peak_bytes_;  // the memory peak before the first reset
 };
 
 LOCKSTEP_ABI_END

@@ -178,6 +178,7 @@ inline void check_same_settings(const std::vector<std::string>& lines, communica
 /// `pack_elements` (16 MiB), larger ones in place: the staging never doubles the model's masters.
 inline void broadcast_parameters(const parameter_list& params, communicator_ref comm, stream_ref s,
                                  std::size_t pack_elements = std::size_t{4} << 20) {
+  LOCKSTEP_EXPECTS(pack_elements > 0, "broadcast_parameters: packs of 0 elements");
   if (comm.size() == 1 || params.empty()) return;
   synchronize(s.get_device());
   const auto numel = [&](std::size_t i) { return static_cast<std::size_t>(params[i].param->numel()); };

@@ -147,15 +147,11 @@ class zero_shards {
     fill_zero(b.values->bytes(), s);
     b.gathered.emplace(r_->get_device());
   }
-  /// The i-th parameter of bucket b reads its values from the bucket's values buffer, and gets its range as its
-  /// shard: under f16/bf16 its master values outside the range are freed here, before the next bucket's buffers
-  /// are allocated, so that the wrapper's construction never holds the whole masters beside all its buffers.
+  /// The i-th parameter of bucket b reads its values from the bucket's values buffer; its range is noted.
   void place(const ddp_bucket& b, std::size_t i) {
     parameter& p = r_->param(b, i);
     p.share_compute_storage(r_->value_slot(b, i, *b.values), b.values, r_->compute_stream());
-    const std::size_t k = b.layout.params[i];
-    parts_[k] = std::make_shared<zero_parameter_shard>(b.layout.shard_of(i, p.numel(), r_->comm.rank()));
-    parts_[k]->activate(parts_[k], p, r_->reused_buffers, r_->compute_stream());
+    parts_[b.layout.params[i]] = std::make_shared<zero_parameter_shard>(b.layout.shard_of(i, p.numel(), r_->comm.rank()));
   }
   /// ZeRO-2: `hook` runs before parameter k's whole gradient, logically zero, is first written.
   void set_first_write_hook(std::size_t k, std::function<void()> hook) { parts_[k]->set_first_write_hook(std::move(hook)); }
@@ -167,10 +163,11 @@ class zero_shards {
       part->set_read_hook(nullptr);
     }
   }
-  /// After placement: under ZeRO-2 in deterministic mode each gradient shard gets an exact sum kept across
-  /// micro-batches.
-  void create_exact_shards() {
+  /// After placement: every parameter gets its range as its shard (freeing the master values outside it), and
+  /// under ZeRO-2 in deterministic mode each gradient shard an exact sum kept across micro-batches.
+  void shard_parameters() {
     const stream_ref s = r_->compute_stream();
+    activate_all();
     if (r_->reused_buffers && r_->deterministic) {
       exact_shards_.resize(r_->params.size());
       for (std::size_t k = 0; k < r_->params.size(); ++k) {
