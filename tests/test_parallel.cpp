@@ -983,7 +983,9 @@ TEST_P(ddp_test, parameters_are_broadcast_in_bounded_packs_and_large_ones_in_pla
         const auto v = to_vector(p.param->value().span<const float>(), s);
         m.insert(m.end(), v.begin(), v.end());
         if (w == nullptr) continue;
-        for (const half h : to_vector(p.param->compute_value().span<const half>(), s)) w->push_back(to_float(h));
+        for (const lockstep::half h : to_vector(p.param->compute_value().span<const lockstep::half>(), s)) {
+          w->push_back(to_float(h));
+        }
       }
     };
     values(before[r], nullptr);
@@ -1000,7 +1002,7 @@ TEST_P(ddp_test, parameters_are_broadcast_in_bounded_packs_and_large_ones_in_pla
     EXPECT_EQ(working[r], working[0]) << r;
   }
   for (std::size_t i = 0; i < masters[0].size(); ++i) {
-    ASSERT_EQ(working[0][i], to_float(convert<half>(masters[0][i]))) << i;  // refreshed from the new masters
+    ASSERT_EQ(working[0][i], to_float(convert<lockstep::half>(masters[0][i]))) << i;  // refreshed from the new masters
   }
 }
 
