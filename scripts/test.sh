@@ -84,8 +84,12 @@ clang_consumer() {  # a user's training file (bench/compile_time/training_file.c
   clang++ --version | head -1
   cmake --build "$dir" --target compile_time_training_file || return 1
   rm -rf "$dir/checkpoints"
-  LOCKSTEP_HOST_DEVICES=2 LOCKSTEP_HOST_STRICT=1 "$dir/bench/compile_time_training_file" "$dir/checkpoints" \
-    | tee /dev/stderr | grep -Eq 'loss [0-9.]+, saved .*step-0+3'
+  # (printed from a variable: `tee /dev/stderr` reopens the log and truncates it when it is a file)
+  local out
+  out=$(LOCKSTEP_HOST_DEVICES=2 LOCKSTEP_HOST_STRICT=1 "$dir/bench/compile_time_training_file" "$dir/checkpoints" 2>&1) \
+    || { printf '%s\n' "$out"; return 1; }
+  printf '%s\n' "$out"
+  grep -Eq 'loss [0-9.]+, saved .*step-0+3' <<<"$out"
 }
 if command -v clang++ >/dev/null; then
   stage "clang build of a user's training file (graph, custom layer, DDP, f16, AdamW, loader, checkpointer), run" \

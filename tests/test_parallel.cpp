@@ -1055,6 +1055,41 @@ TEST_P(ddp_test, gradients_live_in_their_buckets_and_keep_what_was_accumulated) 
   });
 }
 
+// The model's own gradients go before the buckets that take them are allocated: the wrapper's construction never
+// holds both (a 16 MiB weight, broadcast in place: no staging either). Under f16 without ZeRO gradients travel in
+// f32 buckets, which do not take them: they get their memory back.
+TEST_P(ddp_test, the_construction_never_holds_the_models_gradients_beside_the_buckets) {
+  if (!require_devices(2)) return;
+  constexpr std::int64_t in = 2100, out = 2048;  // more than broadcast_parameters' pack
+  constexpr std::uint64_t grad_bytes = std::uint64_t{in} * out * 4;
+  for (const dtype type : {dtype::f32, dtype::f16}) {
+    std::vector<std::uint64_t> extra(2);
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      const stream_ref s = rc.compute_stream();
+      context ctx(s, type);
+      initializer init(seed);
+      linear model(in, out, ctx, init, bias::no);
+      s.synchronize();
+      release_cached_memory(rc.get_device());
+      reset_memory_stats(rc.get_device());
+      const std::uint64_t in_use = get_memory_stats(rc.get_device()).bytes_in_use;
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+      extra[static_cast<std::size_t>(rc.rank())] = get_memory_stats(rc.get_device()).peak_bytes_in_use - in_use;
+      // the gradient has memory and trains (under f16, its own again)
+      tensor xb(shape{1, in}, type, s);
+      fill_zero(xb.bytes(), s);
+      ASSERT_NO_THROW(ddp.backward(ddp.forward(xb)));
+      EXPECT_FALSE(model.weight().grad().empty());
+      EXPECT_FALSE(model.weight().grad_is_zero());
+    });
+    if (type != dtype::f32) continue;  // (an f32 bucket beside the f16 gradient: both are needed)
+    for (std::size_t r = 0; r < 2; ++r) {
+      EXPECT_LT(extra[r], grad_bytes / 2) << "rank " << r << ": the bucket beside the model's " << grad_bytes
+                                          << " gradient bytes";
+    }
+  }
+}
+
 TEST_P(ddp_test, no_sync_accumulates_locally_and_the_next_backward_reduces_it_all) {
   if (!require_devices(2)) return;
   // Two micro-batches of 32 (the first under no_sync) equal one step of 64 on one device.

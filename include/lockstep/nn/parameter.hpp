@@ -114,15 +114,14 @@ class parameter {
   /// A parameter named `name` (local to its layer: "weight") of shape `dims` on the device of `s`, with
   /// uninitialized fp32 values and a gradient in `compute_type`, marked zero.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
-      : name_(std::move(name)), dims_(dims), value_(tensor(dims, dtype::f32, s)) {
+      : name_(std::move(name)), dims_(dims), device_(s.get_device()), value_(tensor(dims, dtype::f32, s)) {
     set_compute_type(compute_type, s);
   }
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   [[nodiscard]] const shape& dims() const noexcept { return dims_; }
   [[nodiscard]] std::int64_t numel() const noexcept { return dims_.numel(); }
-  // (the gradient always exists; the master values may be a sharding wrapper's)
-  [[nodiscard]] device get_device() const noexcept { return grad_.view().get_device(); }
+  [[nodiscard]] device get_device() const noexcept { return device_; }
 
   /// The fp32 master values (what the optimizer updates and checkpoints store). Throws precondition_error while
   /// ZeRO shards the parameter: this rank updates only its shard (see master_shard()), and under f16/bf16 keeps
@@ -146,7 +145,7 @@ class parameter {
   }
   /// The gradient, in the compute precision.
   [[nodiscard]] tensor_view grad() const noexcept { return grad_.view(); }
-  [[nodiscard]] dtype compute_type() const noexcept { return grad_.view().type(); }
+  [[nodiscard]] dtype compute_type() const noexcept { return compute_type_; }
 
   /// True when the gradient is logically zero (zero_grad was called and nothing accumulated since).
   [[nodiscard]] bool grad_is_zero() const noexcept { return grad_zero_; }
@@ -170,6 +169,7 @@ class parameter {
           "parameters(list) of each of its sub-layers"));
     }
     if (!grad_zero_) return 1.0f;
+    expect_grad_memory();
     if (sharding_) sharding_->before_first_write();
     grad_zero_ = false;
     return 0.0f;
@@ -188,6 +188,7 @@ class parameter {
   /// Writes zeros into the whole gradient's memory when it is logically zero (running the first-write hook).
   void materialize_full_grad(stream_ref s) {
     if (!grad_zero_) return;
+    expect_grad_memory();
     if (sharding_) sharding_->before_first_write();
     fill_zero(grad_.view().bytes(), s);
     if (!exact_.empty()) {
@@ -315,6 +316,18 @@ class parameter {
   /// The gradient's memory is about to be reused by the wrapper that owns it: the next write overwrites it.
   void release_full_grad() noexcept { grad_zero_ = true; }
 
+  /// For a wrapper about to move the gradient into storage of its own (share_grad_storage): frees the
+  /// parameter's own gradient memory now, in stream order on `s`, if the gradient is logically zero and the memory
+  /// is its own, so that the wrapper's buffers are never allocated beside it. Until share_grad_storage or
+  /// restore_grad_memory, accumulating into the gradient is an error.
+  void release_grad_memory(stream_ref s) {
+    if (grad_zero_ && !grad_.borrowed()) grad_.reset(s);
+  }
+  /// Gives the parameter gradient memory of its own again if release_grad_memory left it none.
+  void restore_grad_memory(stream_ref s) {
+    if (grad_.empty()) grad_.own(tensor(dims_, compute_type_, s));
+  }
+
   /// Switches the compute precision: allocates the gradient in `type` and, for f16/bf16, a working copy
   /// refreshed from the master values (in stream order on `s`). f32 drops the working copy.
   void set_compute_type(dtype type, stream_ref s) {
@@ -323,6 +336,7 @@ class parameter {
     LOCKSTEP_EXPECTS(!is_sharded() && !working_.borrowed() && !value_.borrowed(), "parameter ", name_,
                      ": its compute type cannot change while a wrapper shards or holds its values");
     if (grad_.empty() || grad_.view().type() != type) grad_.own(tensor(dims_, type, s));
+    compute_type_ = type;
     grad_zero_ = true;
     if (type == dtype::f32) {
       working_.reset();
@@ -371,6 +385,14 @@ class parameter {
 
  private:
   // The elements `r` of `t`, flat.
+  // Accumulating into a gradient without memory (release_grad_memory, and a wrapper's construction failed before
+  // it gave the parameter storage or its memory back).
+  void expect_grad_memory() const {
+    LOCKSTEP_EXPECTS(!grad_.empty() || numel() == 0, "parameter ", name_, " ", dims_.str(),
+                     " has no gradient memory: a data-parallel wrapper's construction that failed took it; call "
+                     "set_compute_type on the parameter (or build the model again) before training it");
+  }
+
   [[nodiscard]] static tensor_view flat_range(const tensor_view& t, element_range r) {
     if (r.empty()) return tensor_view(t.data(), t.type(), shape{0}, t.get_device());
     return tensor_view(static_cast<std::byte*>(t.data()) + static_cast<std::size_t>(r.begin) * size_of(t.type()),
@@ -379,6 +401,8 @@ class parameter {
 
   std::string name_;
   shape dims_;
+  device device_{};
+  dtype compute_type_ = dtype::f32;  // the gradient's and the working copy's
   const void* owner_ = nullptr;  // the data-parallel wrapper of the parameter, if any
   std::array<std::shared_ptr<const std::string>, update_role_count> settings_;  // see set_update_settings
   maybe_owned_tensor value_;    // the fp32 master values (under ZeRO f16/bf16: the shard's); f32: shared by ZeRO

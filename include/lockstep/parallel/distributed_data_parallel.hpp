@@ -486,9 +486,42 @@ class distributed_data_parallel {
                                         .world = r.comm.size()};
     detail::bucket_plan plan = detail::plan_buckets(planned, o, hook_type(options_.hook));
     r.bucket_of = plan.bucket_of;
+    // The model's gradients move into the buckets (most of them): their own memory goes first, so that the
+    // buckets are never allocated beside it (ZeRO-2: buckets share buffers, so a gradient must start zero, its
+    // first write then waiting for the buffer's previous bucket: what one held before the wrapper is dropped).
+    // Those the buckets do not take get memory of their own again at the end, also when this throws.
+    for (const auto& p : r.params) {
+      if (r.reused_buffers) p.param->zero_grad();
+      p.param->release_grad_memory(s);
+    }
+    try {
+      allocate_buckets(plan);
+    } catch (...) {
+      try {
+        for (const auto& p : r.params) p.param->restore_grad_memory(s);
+      } catch (...) {  // (out of memory again: those without stay refused until set_compute_type)
+      }
+      throw;
+    }
+    for (const auto& p : r.params) p.param->restore_grad_memory(s);
+    sync_.create_staging();  // ZeRO with f16/bf16 on NCCL: their reduce-scatters' f32 buffer
+    // What the wrapper freed (gradients moved into buckets; under ZeRO the working copies, then the whole masters)
+    // goes back to the device rather than staying cached in its pool, where a later allocation of another size
+    // could take a block up to twice its size (host devices) and hold memory training does not need.
+    release_cached_memory(r.get_device());
+    if (r.sharded) {
+      shards_.shard_parameters();
+      release_cached_memory(r.get_device());
+    }
+  }
+
+  // The buckets of `plan`, their parameters' gradients (and, under ZeRO, values) placed in them.
+  void allocate_buckets(detail::bucket_plan& plan) {
+    ddp_replica& r = replica_;
+    const stream_ref s = r.compute_stream();
     // The pool's cached blocks (the model's initialization staging, say) go back first, so that the buckets
-    // (allocated once, for the whole run) are not served by larger cached blocks; see the end. (It waits for the
-    // frees still pending on streams.)
+    // (allocated once, for the whole run) are not served by larger cached blocks; see build_buckets. (It waits for
+    // the frees still pending on streams.)
     release_cached_memory(r.get_device());
     if (r.reused_buffers) shards_.create_reused_buffers(plan);
     r.buckets.resize(plan.buckets.size());
@@ -514,9 +547,6 @@ class distributed_data_parallel {
       }
       for (std::size_t i = 0; i < l.params.size(); ++i) {
         parameter& p = r.param(bk, i);
-        // ZeRO-2: buckets share buffers, so a gradient must start zero (its first write then waits for the
-        // buffer's previous bucket): what one held before the wrapper is dropped
-        if (r.reused_buffers) p.zero_grad();
         if (bk.grads) p.share_grad_storage(r.value_slot(bk, i, *bk.grads), bk.grads, s);
         if (r.deterministic) {
           p.share_exact_storage(r.slot(bk, i), bk.flat);
@@ -532,15 +562,6 @@ class distributed_data_parallel {
           }
         }
       }
-    }
-    sync_.create_staging();  // ZeRO with f16/bf16 on NCCL: their reduce-scatters' f32 buffer
-    // What the wrapper freed (gradients moved into buckets; under ZeRO the working copies, then the whole masters)
-    // goes back to the device rather than staying cached in its pool, where a later allocation of another size
-    // could take a block up to twice its size (host devices) and hold memory training does not need.
-    release_cached_memory(r.get_device());
-    if (r.sharded) {
-      shards_.shard_parameters();
-      release_cached_memory(r.get_device());
     }
   }
 
