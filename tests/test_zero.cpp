@@ -6,12 +6,16 @@
 // backend (host devices, 4 of them: LOCKSTEP_HOST_DEVICES=4; GPUs with NCCL, skipped without them).
 #include <gtest/gtest.h>
 
+#include <cstdint>
 #include <memory>
 #include <span>
 #include <string>
+#include <tuple>
+#include <utility>
 #include <vector>
 
 #include "lockstep/comm/run_on_devices.hpp"
+#include "lockstep/io/checkpoint.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
 #include "parallel_common.hpp"
 #include "test_support.hpp"
@@ -324,6 +328,65 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
                       });
                     }),
                     expected);
+  }
+}
+
+// visit_master_values gives weights_sha256 the digest of the consolidated model without whole values on the device:
+// its peak above what training holds stays below the model's master values (buckets of 512 bytes or one parameter:
+// at most 3,072 bytes of fp32 values gathered, against 5,480 bytes of masters), where consolidated() holds them all,
+// and the optimizer state.
+TEST_P(zero_test, weights_are_hashed_bucket_by_bucket_without_whole_values_on_any_device) {
+  if (!require_devices(2)) return;
+  for (const dtype type : {dtype::f32, dtype::bf16}) {
+    for (const int zero : {0, 1, 2}) {
+      std::vector<std::string> streamed(2), whole(2);
+      std::vector<std::uint64_t> streamed_peak(2), whole_peak(2), masters(2);
+      run_on_devices(devices(2), [&](rank_context& rc) {
+        const auto r = static_cast<std::size_t>(rc.rank());
+        const stream_ref s = rc.compute_stream();
+        context ctx(s, type);
+        graph model = make_model(ctx);
+        distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                      ddp_options{.bucket_bytes = 512, .first_bucket_bytes = 256, .zero = to_zero_stage(zero)});
+        const parameter_list params = parameters_of(model);
+        adamw opt(params.pointers(), adamw_options{.lr = 0.01f});
+        softmax_cross_entropy loss(reduction::mean);
+        for (int step = 0; step < 2; ++step) {
+          opt.zero_grad();
+          const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
+          tensor xf = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
+          tensor xb(shape{32, features}, type, s);
+          detail::convert_floating(xf, xb, s);
+          tensor yb = device_labels(slice(labels(), begin, 32, 1), s);
+          loss.forward(ddp.forward(xb), yb, ctx, 64);
+          ddp.backward(loss.backward(ctx));
+          opt.step(s);
+        }
+        masters[r] = static_cast<std::uint64_t>(params.numel()) * 4;
+        const auto measure = [&](const auto& hash) {
+          s.synchronize();
+          release_cached_memory(rc.get_device());
+          reset_memory_stats(rc.get_device());
+          const std::uint64_t in_use = get_memory_stats(rc.get_device()).bytes_in_use;
+          std::string digest = hash();
+          return std::pair{std::move(digest), get_memory_stats(rc.get_device()).peak_bytes_in_use - in_use};
+        };
+        std::tie(streamed[r], streamed_peak[r]) =
+            measure([&] { return weights_sha256(params, s, [&](const auto& f) { ddp.visit_master_values(f); }); });
+        std::tie(whole[r], whole_peak[r]) = measure([&] {
+          auto guard = ddp.consolidated(opt);
+          return weights_sha256(params, s);
+        });
+      });
+      for (std::size_t r = 0; r < 2; ++r) {
+        SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero << ", rank " << r);
+        EXPECT_EQ(streamed[r], whole[0]);
+        EXPECT_EQ(whole[r], whole[0]);
+        if (zero == 0) continue;  // (plain DDP: whole already, neither allocates)
+        EXPECT_LT(streamed_peak[r], masters[r] * 3 / 4);
+        EXPECT_GE(whole_peak[r], masters[r]);
+      }
+    }
   }
 }
 

@@ -333,8 +333,11 @@ class run_checkpoints {
   }
 
   /// Under ZeRO: runs its argument with whole parameters and optimizer state on every rank
-  /// (distributed_data_parallel::consolidated). Loading, saving and hashing go through it.
+  /// (distributed_data_parallel::consolidated). Loading and saving go through it (hashing through set_master_values).
   void set_whole(std::function<void(const std::function<void()>&)> whole) { whole_ = std::move(whole); }
+  /// Under ZeRO: where weights_sha256 reads the master values (distributed_data_parallel::visit_master_values),
+  /// so that hashing needs no more device memory than training.
+  void set_master_values(master_values_source source) { masters_ = std::move(source); }
 
   /// Loads --load-model or --resume; returns where the loop starts. Refuses a --save DIR that holds another run's
   /// checkpoints (without --overwrite) now, before training.
@@ -407,6 +410,7 @@ class run_checkpoints {
   }
 
   [[nodiscard]] std::string weights_sha256() {
+    if (masters_) return lockstep::weights_sha256(state_.model(), s_, masters_);
     std::string hash;
     whole_([&] { hash = lockstep::weights_sha256(state_.model(), s_); });
     return hash;
@@ -439,6 +443,7 @@ class run_checkpoints {
   std::optional<checkpointer> saver_;
   std::int64_t last_saved_ = -1;
   std::function<void(const std::function<void()>&)> whole_ = [](const std::function<void()>& body) { body(); };
+  master_values_source masters_;
 };
 
 bool under_mpirun() { return std::getenv("OMPI_COMM_WORLD_SIZE") != nullptr || std::getenv("PMI_SIZE") != nullptr; }
@@ -652,6 +657,7 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
         body();
       });
     });
+    ck.set_master_values([&](const auto& f) { ddp.visit_master_values(f); });
   }
   loss_watch watch(o, compute);
   if (hooks.before_training) hooks.before_training(world, under_mpirun() && o.mode == "ddp");
@@ -692,7 +698,7 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   r.last_grad_norm = optimizer.last_grad_norm(compute);
   r.devices.push_back(ddp.report());
   r.devices.back().optimizer_bytes = optimizer.state_bytes();
-  r.weights_sha256 = ck.weights_sha256();  // under ZeRO gathers whole values for a moment: after the report
+  r.weights_sha256 = ck.weights_sha256();  // under ZeRO gathers one bucket at a time: after the report
   ddp.gather_parameters();  // under ZeRO: every rank's last update, before rank 0 evaluates the model alone
   if (rank == 0 && (r.stopped.empty() || r.stopped == "--stop-after")) evaluate(model, data.test, ctx, o, r);
   return r;

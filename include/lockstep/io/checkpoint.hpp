@@ -428,16 +428,25 @@ inline void apply_model(const loaded_file& f, const std::vector<const safetensor
   }
 }
 
+/// Calls buffer(name, values) for the buffers and parameters() where the parameters' master values go, in the order
+/// of a model file (see for_each_model_tensor).
+template <class Buffer, class Parameters>
+void in_model_file_order(const parameter_list& params, Buffer&& buffer, Parameters&& parameters) {
+  for (const auto& b : params.buffers())
+    if (size_of(b.buffer->type()) == 8) buffer(b.name, b.buffer->view());
+  parameters();
+  for (const auto& b : params.buffers())
+    if (size_of(b.buffer->type()) != 8) buffer(b.name, b.buffer->view());
+}
+
 /// Calls f(name, values) for what a model file holds, in file order: buffers of 8-byte elements (batch norm's i64
 /// num_batches_tracked) first, so that every tensor's data stays aligned to its element size (a loader that maps the
 /// file and views its bytes as i64 needs 8), then the parameters' master values, then the other buffers.
 template <class F>
 void for_each_model_tensor(const parameter_list& params, F&& f) {
-  for (const auto& b : params.buffers())
-    if (size_of(b.buffer->type()) == 8) f(b.name, b.buffer->view());
-  for (const auto& p : params) f(p.name, p.param->value());
-  for (const auto& b : params.buffers())
-    if (size_of(b.buffer->type()) != 8) f(b.name, b.buffer->view());
+  in_model_file_order(params, f, [&] {
+    for (const auto& p : params) f(p.name, p.param->value());
+  });
 }
 
 /// Adds what a model file holds to `w` (for_each_model_tensor).
@@ -1435,16 +1444,49 @@ inline void load_model(const std::filesystem::path& file, const parameter_list& 
   s.synchronize();
 }
 
+/// What gives the whole fp32 master values of a parameter list when no device holds them whole (ZeRO:
+/// distributed_data_parallel::visit_master_values): called with f, it calls f(k, values) for every parameter k of
+/// the list, in order, with the values in host memory.
+using master_values_source =
+    std::function<void(const std::function<void(std::size_t, std::span<const float>)>&)>;
+
+/// weights_sha256 of `params` with their master values from `source` (the buffers from the device, on `s`): the
+/// same digest as weights_sha256(params, s) of the whole values. Throws precondition_error when the source gives
+/// other parameters than the list's, or in another order.
+inline std::string weights_sha256(const parameter_list& params, stream_ref s, const master_values_source& source) {
+  sha256 h;
+  const auto device_tensor = [&](const std::string&, const tensor_view& t) {
+    const auto bytes = to_vector(device_span<const std::uint8_t>(t.bytes()), s);
+    h.update(std::as_bytes(std::span(bytes)));
+  };
+  detail::in_model_file_order(params, device_tensor, [&] {
+    std::size_t next = 0;
+    source([&](std::size_t k, std::span<const float> values) {
+      LOCKSTEP_EXPECTS(k == next && k < params.size() && std::cmp_equal(values.size(), params[k].param->numel()),
+                       "weights_sha256: the master values' source gave parameter ", k, " (", values.size(),
+                       " values) where parameter ", next, " of ", params.size(), " was due",
+                       next < params.size() ? detail::concat(" (", params[next].name, ", ", params[next].param->numel(),
+                                                             " values)")
+                                            : std::string());
+      h.update(std::as_bytes(values));
+      ++next;
+    });
+    LOCKSTEP_EXPECTS(next == params.size(), "weights_sha256: the master values' source gave ", next, " of the ",
+                     params.size(), " parameters");
+  });
+  return h.hex_digest();
+}
+
 /// SHA-256 of the fp32 master values of `params` and of its buffers, as 64 hex digits: the bytes of the model file's
 /// data section (in its order: detail::for_each_model_tensor), so `weights_sha256` of two runs is equal exactly when
 /// their weights (and running statistics) are. Synchronizes `s`.
 inline std::string weights_sha256(const parameter_list& params, stream_ref s) {
-  sha256 h;
-  detail::for_each_model_tensor(params, [&](const std::string&, const tensor_view& t) {
-    const auto bytes = to_vector(device_span<const std::uint8_t>(t.bytes()), s);
-    h.update(std::as_bytes(std::span(bytes)));
+  return weights_sha256(params, s, [&](const std::function<void(std::size_t, std::span<const float>)>& f) {
+    for (std::size_t k = 0; k < params.size(); ++k) {
+      const std::vector<float> v = to_vector(params[k].param->value().span<const float>(), s);
+      f(k, std::span<const float>(v));
+    }
   });
-  return h.hex_digest();
 }
 
 LOCKSTEP_ABI_END

@@ -384,15 +384,15 @@ class parameter {
   }
 
  private:
-  // The elements `r` of `t`, flat.
-  // Accumulating into a gradient without memory (release_grad_memory, and a wrapper's construction failed before
-  // it gave the parameter storage or its memory back).
+  // Accumulating into a gradient without memory (release_grad_memory, and a wrapper's construction failed out of
+  // memory before it gave the parameter storage or its memory back).
   void expect_grad_memory() const {
     LOCKSTEP_EXPECTS(!grad_.empty() || numel() == 0, "parameter ", name_, " ", dims_.str(),
-                     " has no gradient memory: a data-parallel wrapper's construction that failed took it; call "
-                     "set_compute_type on the parameter (or build the model again) before training it");
+                     " has no gradient memory: a data-parallel wrapper whose construction failed out of memory took "
+                     "it; build the model again");
   }
 
+  // The elements `r` of `t`, flat.
   [[nodiscard]] static tensor_view flat_range(const tensor_view& t, element_range r) {
     if (r.empty()) return tensor_view(t.data(), t.type(), shape{0}, t.get_device());
     return tensor_view(static_cast<std::byte*>(t.data()) + static_cast<std::size_t>(r.begin) * size_of(t.type()),

@@ -68,9 +68,12 @@
 #include <algorithm>
 #include <cstdint>
 #include <exception>
+#include <functional>
 #include <optional>
+#include <span>
 #include <string>
 #include <utility>
+#include <vector>
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/config.hpp"
@@ -380,6 +383,22 @@ class distributed_data_parallel {
     return guard(this, &opt);
   }
 
+  /// Calls f(k, values) for every parameter k of parameters_of(model), in order, with its whole fp32 master values
+  /// in host memory (valid during the call). Under ZeRO no device holds the whole values meanwhile: each bucket's
+  /// are gathered into a buffer of that bucket's size, then copied to the host (which holds about one bucket's
+  /// values at a time), so that hashing the weights (weights_sha256 with this as its master_values_source) needs no
+  /// more device memory than training, unlike consolidated(). Collective: every rank calls it at the same point.
+  void visit_master_values(const std::function<void(std::size_t, std::span<const float>)>& f) {
+    if (replica_.sharded) {
+      shards_.visit_masters(f);
+      return;
+    }
+    for (std::size_t k = 0; k < replica_.params.size(); ++k) {
+      const std::vector<float> v = to_vector(replica_.param(k).value().span<const float>(), replica_.compute_stream());
+      f(k, std::span<const float>(v));
+    }
+  }
+
   /// While the returned guard lives, backward accumulates gradients locally without communication.
   [[nodiscard]] auto no_sync() {
     struct guard {
@@ -490,11 +509,11 @@ class distributed_data_parallel {
     // buckets are never allocated beside it (ZeRO-2: buckets share buffers, so a gradient must start zero, its
     // first write then waiting for the buffer's previous bucket: what one held before the wrapper is dropped).
     // Those the buckets do not take get memory of their own again at the end, also when this throws.
-    for (const auto& p : r.params) {
-      if (r.reused_buffers) p.param->zero_grad();
-      p.param->release_grad_memory(s);
-    }
     try {
+      for (const auto& p : r.params) {
+        if (r.reused_buffers) p.param->zero_grad();
+        p.param->release_grad_memory(s);
+      }
       allocate_buckets(plan);
     } catch (...) {
       try {

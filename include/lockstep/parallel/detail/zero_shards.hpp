@@ -4,14 +4,17 @@
 // bucket, all-gathered in place before the next forward (gather()). Stage 2 also keeps only the range's
 // gradients: the whole gradients of a bucket live in one of two buffers reused bucket after bucket, and the
 // reduced range is copied out of it into each parameter's gradient shard (copy_out). consolidate() and
-// reshard() gather whole values and optimizer state for checkpoints, and shard them again.
+// reshard() gather whole values and optimizer state for checkpoints, and shard them again; visit_masters() streams
+// the whole master values to the host without holding them whole on the device.
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <map>
 #include <memory>
+#include <span>
 #include <unordered_map>
 #include <utility>
 #include <vector>
@@ -296,6 +299,33 @@ class zero_shards {
     r_->comm.synchronize(s);
   }
 
+  /// Calls take(k, values) for every parameter k, in order, with its whole fp32 master values in host memory (valid
+  /// during the call), without whole values on the device: bucket by bucket through a buffer of one bucket's
+  /// values (gather_whole runs the last bucket, the first parameters, first: the host holds about one bucket's
+  /// values at a time). Collective. Inside a consolidation the values are whole already: read as they are.
+  template <class Take>
+  void visit_masters(Take&& take) {
+    const std::size_t n = r_->params.size();
+    std::size_t next = 0;
+    if (consolidations_ == 0) {
+      r_->check_communication();
+      const stream_ref s = r_->comm_stream;
+      std::map<std::size_t, std::vector<float>> arrived;  // gathered before their turn (a bucket's run backwards)
+      gather_whole([](std::size_t) { return true; }, [&](std::size_t k) { return r_->param(k).master_shard(); },
+                   [&](std::size_t k, const tensor_view& whole) {
+                     arrived.emplace(k, to_vector(whole.span<const float>(), s));
+                     for (auto it = arrived.find(next); it != arrived.end(); it = arrived.find(++next)) {
+                       take(next, std::span<const float>(it->second));
+                       arrived.erase(it);
+                     }
+                   });
+    }
+    for (; next < n; ++next) {  // inside a consolidation (and any parameter in no bucket)
+      const std::vector<float> v = to_vector(r_->param(next).value().span<const float>(), r_->compute_stream());
+      take(next, std::span<const float>(v));
+    }
+  }
+
   /// Back to shards after consolidate(): the optimizer state and the master values keep this rank's range.
   template <class Optimizer>
   void reshard(Optimizer& opt) {
@@ -373,7 +403,8 @@ class zero_shards {
     round_exact_limbs(p.compute_type(), to[0], to[1], to[2], p.grad_shard().data(), m, cs);
   }
 
-  // Whole fp32 tensors from every rank's shards, bucket by bucket, in stream order on the communication stream
+  // Whole fp32 tensors from every rank's shards, bucket by bucket (the last first: it holds the first parameters),
+  // in stream order on the communication stream
   // (which waits for the context's stream first; the context's stream waits for it at the end). For each
   // parameter k with wanted(k) (the same on every rank), piece(k) is its shard on this rank (shard().size()
   // floats) and take(k, whole) receives all numel() values, flat, in a temporary buffer.
@@ -381,7 +412,8 @@ class zero_shards {
   void gather_whole(Wanted&& wanted, Piece&& piece, Take&& take) {
     const stream_ref s = r_->comm_stream;
     r_->after(s, r_->compute_stream());
-    for (auto& b : r_->buckets) {
+    for (std::size_t bi = r_->buckets.size(); bi-- > 0;) {
+      ddp_bucket& b = r_->buckets[bi];
       const bucket_layout& l = b.layout;
       if (std::none_of(l.params.begin(), l.params.end(), wanted)) continue;
       tensor flat(shape{static_cast<std::int64_t>(l.value_elements)}, dtype::f32, s);
