@@ -518,7 +518,7 @@ class distributed_data_parallel {
     } catch (...) {
       try {
         for (const auto& p : r.params) p.param->restore_grad_memory(s);
-      } catch (...) {  // (out of memory again: those without stay refused until set_compute_type)
+      } catch (...) {  // (out of memory again: those left without refuse to accumulate, naming the parameter)
       }
       throw;
     }
