@@ -6,7 +6,12 @@
 // backend (host devices, 4 of them: LOCKSTEP_HOST_DEVICES=4; GPUs with NCCL, skipped without them).
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cstdint>
+#include <filesystem>
+#include <fstream>
+#include <iterator>
 #include <memory>
 #include <span>
 #include <string>
@@ -388,6 +393,161 @@ TEST_P(zero_test, weights_are_hashed_bucket_by_bucket_without_whole_values_on_an
       }
     }
   }
+}
+
+namespace {
+
+// Per rank, for the checkpoint test below: the parameters trained on straight and after a load, and the save's peak.
+struct streamed_save_result {
+  std::vector<float> straight, resumed;
+  std::uint64_t save_peak = 0, masters = 0;
+};
+
+// Trains 2 steps under ZeRO-`zero` in `type` with an optimizer made by make_opt(params), saves under `root` streamed
+// ("streamed", checkpoint_state::sharded) and consolidated ("consolidated"), trains 2 more; then a new model (other
+// initial values), wrapper and optimizer load the streamed checkpoint (each rank its own range) and train the same 2.
+template <class MakeOptimizer>
+streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int zero, const std::filesystem::path& root,
+                                              MakeOptimizer&& make_opt) {
+  streamed_save_result out;
+  const stream_ref s = rc.compute_stream();
+  const ddp_options options{.bucket_bytes = 512, .first_bucket_bytes = 256, .zero = to_zero_stage(zero)};
+  softmax_cross_entropy loss(reduction::mean);
+  const auto train = [&](context& ctx, distributed_data_parallel<graph>& ddp, auto& opt, int from, int to) {
+    for (int step = from; step < to; ++step) {
+      opt.zero_grad();
+      const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
+      tensor xf = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
+      tensor xb(shape{32, features}, type, s);
+      detail::convert_floating(xf, xb, s);
+      tensor yb = device_labels(slice(labels(), begin, 32, 1), s);
+      loss.forward(ddp.forward(xb), yb, ctx, 64);
+      ddp.backward(loss.backward(ctx));
+      opt.step(s);
+    }
+  };
+  context ctx(s, type);
+  graph model = make_model(ctx);
+  distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), options);
+  auto opt = make_opt(parameters_of(model).pointers());
+  train(ctx, ddp, opt, 0, 2);
+  out.masters = static_cast<std::uint64_t>(parameters_of(model).numel()) * 4;
+  checkpoint_state streamed(parameters_of(model));
+  streamed.optimizer(opt).sharded([&](const auto& f) { ddp.visit_whole_state(opt, f); });
+  streamed.position = {.step = 2, .precision = type};
+  s.synchronize();
+  release_cached_memory(rc.get_device());
+  reset_memory_stats(rc.get_device());
+  const std::uint64_t in_use = get_memory_stats(rc.get_device()).bytes_in_use;
+  checkpointer(root / "streamed").save(streamed, s, rc.comm());
+  out.save_peak = get_memory_stats(rc.get_device()).peak_bytes_in_use - in_use;
+  {
+    auto whole = ddp.consolidated(opt);
+    checkpoint_state st(parameters_of(model));
+    st.optimizer(opt).position = {.step = 2, .precision = type};
+    checkpointer(root / "consolidated").save(st, s, rc.comm());
+  }
+  train(ctx, ddp, opt, 2, 4);
+  {
+    auto whole = ddp.consolidated(opt);
+    out.straight = parameter_values(model, s);
+  }
+  context ctx2(s, type);
+  graph model2 = make_model(ctx2, seed + 1);
+  distributed_data_parallel ddp2(model2, ctx2, rc.comm(), rc.comm_stream(), options);
+  auto opt2 = make_opt(parameters_of(model2).pointers());
+  checkpoint_state loaded(parameters_of(model2));
+  loaded.optimizer(opt2);
+  (void)load_checkpoint(root / "streamed", loaded, s);
+  EXPECT_EQ(loaded.position.step, 2);
+  train(ctx2, ddp2, opt2, 2, 4);
+  auto whole = ddp2.consolidated(opt2);
+  out.resumed = parameter_values(model2, s);
+  return out;
+}
+
+}  // namespace
+
+// A checkpoint saved under ZeRO streams its whole tensors to rank 0 through the host (checkpoint_state::sharded with
+// visit_whole_state): the files hold the bytes of a consolidated save, the save's device peak above training stays
+// below the model's master values (bucket by bucket; AdamW's state is twice as large again), and each rank of a new
+// wrapper loads its own range, without a collective: training on from it gives the bits of training on. AdamW and
+// SGD with momentum, f32 and bf16, ZeRO-1 and 2.
+TEST_P(zero_test, checkpoints_stream_whole_tensors_to_the_writer_and_load_each_ranks_range) {
+  if (!require_devices(2)) return;
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("lockstep_test_zero." + std::to_string(::getpid()));
+  const auto file_bytes = [](const fs::path& p) {
+    std::ifstream in(p, std::ios::binary);
+    return std::string(std::istreambuf_iterator<char>(in), {});
+  };
+  for (const auto& [type, zero, adam] : {std::tuple{dtype::f32, 1, true}, std::tuple{dtype::f32, 2, false},
+                                         std::tuple{dtype::bf16, 1, false}, std::tuple{dtype::bf16, 2, true}}) {
+    SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero << (adam ? ", AdamW" : ", SGD"));
+    fs::remove_all(root);
+    std::vector<streamed_save_result> out(2);
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      const auto r = static_cast<std::size_t>(rc.rank());
+      if (adam) {
+        out[r] = save_streamed_and_resume(rc, type, zero, root, [](const std::vector<parameter*>& ps) {
+          return adamw(ps, adamw_options{.lr = 0.01f});
+        });
+      } else {
+        out[r] = save_streamed_and_resume(rc, type, zero, root, [](const std::vector<parameter*>& ps) {
+          return sgd(ps, sgd_options{.lr = 0.1f, .momentum = 0.9f});
+        });
+      }
+    });
+    for (const char* file : {"model.safetensors", "training.safetensors"}) {
+      const std::string a = file_bytes(root / "streamed" / "step-000000000002" / file);
+      EXPECT_FALSE(a.empty()) << file;
+      EXPECT_TRUE(a == file_bytes(root / "consolidated" / "step-000000000002" / file)) << file;
+    }
+    for (std::size_t r = 0; r < 2; ++r) {
+      EXPECT_EQ(out[r].resumed, out[0].straight) << "rank " << r;
+      EXPECT_EQ(out[r].straight, out[0].straight) << "rank " << r;
+      EXPECT_LT(out[r].save_peak, out[r].masters * 3 / 4) << "rank " << r;
+    }
+  }
+  fs::remove_all(root);
+}
+
+// Rank 0 cannot keep what the source gives (here a tensor given twice): the source still runs to its end on every
+// rank, every rank's save throws (rank 0 its error, the others "rank 0 could not write"), nothing is written, and the
+// ranks stay matched: the next save works.
+TEST_P(zero_test, a_streamed_save_that_rank_0_cannot_keep_fails_on_every_rank_and_the_next_one_works) {
+  if (!require_devices(2)) return;
+  namespace fs = std::filesystem;
+  const fs::path root = fs::temp_directory_path() / ("lockstep_test_zero_keep." + std::to_string(::getpid()));
+  fs::remove_all(root);
+  std::vector<std::string> messages(2);
+  std::vector<bool> saved(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = zero_stage::optimizer_state});
+    adamw opt(parameters_of(model).pointers(), adamw_options{});
+    bool twice = true;
+    checkpoint_state st(parameters_of(model));
+    st.optimizer(opt).sharded([&](const auto& f) {
+      ddp.visit_whole_state(opt, f);
+      if (!twice) return;
+      const parameter& p = *parameters_of(model)[0].param;
+      const std::vector<float> zeros(static_cast<std::size_t>(p.numel()));
+      f(p, master_values_tensor, std::span<const float>(zeros));
+    });
+    checkpointer saver(root);
+    messages[static_cast<std::size_t>(rc.rank())] = message_of<error>([&] { saver.save(st, s, rc.comm()); });
+    twice = false;
+    saved[static_cast<std::size_t>(rc.rank())] = fs::exists(saver.save(st, s, rc.comm()) / "manifest.json");
+  });
+  EXPECT_CONTAINS(messages[0], "gave tensor -1 of parameter ");
+  EXPECT_CONTAINS(messages[0], " twice");
+  EXPECT_CONTAINS(messages[1], "rank 0 could not write the checkpoint: ");
+  EXPECT_TRUE(saved[0]);
+  EXPECT_TRUE(saved[1]);
+  fs::remove_all(root);
 }
 
 TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward_and_step_changes_nothing) {

@@ -332,23 +332,23 @@ class run_checkpoints {
     }
   }
 
-  /// Under ZeRO: runs its argument with whole parameters and optimizer state on every rank
-  /// (distributed_data_parallel::consolidated). Loading and saving go through it (hashing through set_master_values).
-  void set_whole(std::function<void(const std::function<void()>&)> whole) { whole_ = std::move(whole); }
-  /// Under ZeRO: where weights_sha256 reads the master values (distributed_data_parallel::visit_master_values),
-  /// so that hashing needs no more device memory than training.
-  void set_master_values(master_values_source source) { masters_ = std::move(source); }
+  /// Under ZeRO: where saves read the whole master values and optimizer state (distributed_data_parallel::
+  /// visit_whole_state) and weights_sha256 the master values (visit_master_values), so that neither needs more
+  /// device memory than training. (Loads write each rank's own range.)
+  void set_sharded(whole_state_source state, master_values_source masters) {
+    state_.sharded(std::move(state));
+    masters_ = std::move(masters);
+  }
 
   /// Loads --load-model or --resume; returns where the loop starts. Refuses a --save DIR that holds another run's
   /// checkpoints (without --overwrite) now, before training.
   run_position start() {
-    if (!o_.load_model.empty()) whole_([&] { load_model(o_.load_model, state_.model(), s_); });
+    if (!o_.load_model.empty()) load_model(o_.load_model, state_.model(), s_);
     if (o_.resume.empty()) {
       expect_own_root();
       return state_.position;
     }
-    std::filesystem::path dir;
-    whole_([&] { dir = load_checkpoint(o_.resume, state_, s_); });
+    const std::filesystem::path dir = load_checkpoint(o_.resume, state_, s_);
     // What shapes the model, the data order or the learning rates must be as it was (the schedule's length
     // comes from --epochs and --max-steps).
     std::vector<std::string> keys = {"optimizer", "precision", "batch", "seed", "lr_schedule", "epochs", "max_steps"};
@@ -388,7 +388,7 @@ class run_checkpoints {
     state_.position.epoch_samples = at.epoch_samples;
     state_.position.dropout_step = static_cast<std::uint64_t>(at.step);
     state_.user = options_json();
-    whole_([&] { r.checkpoint = saver_->save(state_, s_, comm_).string(); });
+    r.checkpoint = saver_->save(state_, s_, comm_).string();
     last_saved_ = at.step;
   }
   [[nodiscard]] bool saved_at(std::int64_t step) const { return last_saved_ == step; }
@@ -411,9 +411,7 @@ class run_checkpoints {
 
   [[nodiscard]] std::string weights_sha256() {
     if (masters_) return lockstep::weights_sha256(state_.model(), s_, masters_);
-    std::string hash;
-    whole_([&] { hash = lockstep::weights_sha256(state_.model(), s_); });
-    return hash;
+    return lockstep::weights_sha256(state_.model(), s_);
   }
 
  private:
@@ -442,7 +440,6 @@ class run_checkpoints {
   std::vector<std::string> changed_;  // hyperparameters the command line changed on --resume
   std::optional<checkpointer> saver_;
   std::int64_t last_saved_ = -1;
-  std::function<void(const std::function<void()>&)> whole_ = [](const std::function<void()>& body) { body(); };
   master_values_source masters_;
 };
 
@@ -651,13 +648,8 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   run_result r;
   run_checkpoints ck(o, m.describe(), model, optimizer, compute, comm, active_preemption);
   if (ddp.zero() != zero_stage::none) {
-    ck.set_whole([&](const std::function<void()>& body) {
-      optimizer.visit([&](auto& opt) {
-        auto whole = ddp.consolidated(opt);
-        body();
-      });
-    });
-    ck.set_master_values([&](const auto& f) { ddp.visit_master_values(f); });
+    ck.set_sharded([&](const auto& f) { optimizer.visit([&](auto& opt) { ddp.visit_whole_state(opt, f); }); },
+                   [&](const auto& f) { ddp.visit_master_values(f); });
   }
   loss_watch watch(o, compute);
   if (hooks.before_training) hooks.before_training(world, under_mpirun() && o.mode == "ddp");

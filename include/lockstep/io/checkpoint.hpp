@@ -12,6 +12,10 @@
 //   saver.save_async(st, s [, comm]);                + manifest.json; asynchronously: written by a thread
 //   load_checkpoint(root, st, s);                    the newest complete checkpoint, onto s's device
 //
+// Under ZeRO no device holds whole master values or optimizer state: `st.sharded(source)` names where a save reads
+// them (distributed_data_parallel::visit_whole_state streams them to the host tensor by tensor; every rank calls
+// save, rank 0 writes), and a load writes each rank's own range of them.
+//
 // Writes are atomic: files go into a temporary directory beside the final one, are synced, and the directory
 // is renamed into place (or, when that step was saved before, exchanged with it in one renameat2); a crash at
 // any point leaves the earlier checkpoints intact, and older ones are removed
@@ -80,6 +84,14 @@
 #include "lockstep/runtime/stream.hpp"
 
 LOCKSTEP_ABI_BEGIN
+
+/// Where a save reads whole fp32 tensors that no device holds whole (ZeRO shards the master values and the
+/// optimizer state: distributed_data_parallel::visit_whole_state is one). Called with f, it calls f(p, which,
+/// values) once for every parameter p of the model with its master values (which == master_values_tensor) and for
+/// each of its optimizer state tensors (which = 0, 1), in any order, with the values in host memory (valid during
+/// the call). Collective: every rank of a distributed save calls it.
+using whole_state_source =
+    std::function<void(const std::function<void(const parameter&, int, std::span<const float>)>&)>;
 
 /// The version of the checkpoint layout this header writes (and the newest it reads).
 inline constexpr int checkpoint_format_version = 1;
@@ -397,9 +409,17 @@ inline void expect_no_extra_tensors(const loaded_file& f) {
   }
 }
 
-/// Copies a validated tensor's bytes to device memory in stream order on `s` (the file must outlive the copy).
-inline void copy_to_device(const loaded_file& f, const safetensors_tensor& t, const tensor_view& dst, stream_ref s) {
-  const auto src = f.data_of(t);
+/// Copies a validated tensor's bytes to device memory in stream order on `s` (the file must outlive the copy): all
+/// of them, or with `elements` that range of a flat view (a ZeRO shard).
+inline void copy_to_device(const loaded_file& f, const safetensors_tensor& t, const tensor_view& dst, stream_ref s,
+                           std::optional<element_range> elements = std::nullopt) {
+  auto src = f.data_of(t);
+  if (elements) {
+    const std::size_t es = size_of(t.type);
+    LOCKSTEP_EXPECTS(elements->end * es <= src.size(), "checkpoint: elements [", elements->begin, ", ", elements->end,
+                     ") of tensor '", t.name, "' (", src.size() / es, " elements)");
+    src = src.subspan(static_cast<std::size_t>(elements->begin) * es, static_cast<std::size_t>(elements->size()) * es);
+  }
   copy(dst.bytes(), std::span<const std::uint8_t>(reinterpret_cast<const std::uint8_t*>(src.data()), src.size()), s);
 }
 
@@ -420,8 +440,17 @@ inline std::vector<const safetensors_tensor*> expect_model(loaded_file& f, const
 inline void apply_model(const loaded_file& f, const std::vector<const safetensors_tensor*>& tensors,
                         const parameter_list& params, stream_ref s) {
   for (std::size_t i = 0; i < params.size(); ++i) {
-    copy_to_device(f, *tensors[i], params[i].param->value(), s);
-    params[i].param->refresh_working_copy(s);
+    parameter& p = *params[i].param;
+    if (!p.is_sharded()) {
+      copy_to_device(f, *tensors[i], p.value(), s);
+      p.refresh_working_copy(s);
+      continue;
+    }
+    // ZeRO: this rank's range of the master values, and the values forward reads whole, from one parameter's
+    // values on the device at a time (no collective: every rank reads the file)
+    tensor whole(p.dims(), dtype::f32, s);
+    copy_to_device(f, *tensors[i], whole.view(), s);
+    p.load_values(whole.view(), s);
   }
   for (std::size_t i = 0; i < params.buffers().size(); ++i) {
     copy_to_device(f, *tensors[params.size() + i], params.buffers()[i].buffer->view(), s);
@@ -429,7 +458,9 @@ inline void apply_model(const loaded_file& f, const std::vector<const safetensor
 }
 
 /// Calls buffer(name, values) for the buffers and parameters() where the parameters' master values go, in the order
-/// of a model file (see for_each_model_tensor).
+/// of a model file: buffers of 8-byte elements (batch norm's i64 num_batches_tracked) first, so that every tensor's
+/// data stays aligned to its element size (a loader that maps the file and views its bytes as i64 needs 8), then the
+/// parameters' master values, then the other buffers.
 template <class Buffer, class Parameters>
 void in_model_file_order(const parameter_list& params, Buffer&& buffer, Parameters&& parameters) {
   for (const auto& b : params.buffers())
@@ -439,28 +470,53 @@ void in_model_file_order(const parameter_list& params, Buffer&& buffer, Paramete
     if (size_of(b.buffer->type()) != 8) buffer(b.name, b.buffer->view());
 }
 
-/// Calls f(name, values) for what a model file holds, in file order: buffers of 8-byte elements (batch norm's i64
-/// num_batches_tracked) first, so that every tensor's data stays aligned to its element size (a loader that maps the
-/// file and views its bytes as i64 needs 8), then the parameters' master values, then the other buffers.
-template <class F>
-void for_each_model_tensor(const parameter_list& params, F&& f) {
-  in_model_file_order(params, f, [&] {
-    for (const auto& p : params) f(p.name, p.param->value());
-  });
-}
-
-/// Adds what a model file holds to `w` (for_each_model_tensor).
-inline void add_model_tensors(file_writer& w, const parameter_list& params) {
-  for_each_model_tensor(params, [&](const std::string& name, const tensor_view& t) { w.add_device(name, t); });
-}
-
-/// A small host tensor's bytes.
+/// A host tensor's bytes.
 template <class T>
 std::vector<std::byte> host_bytes(std::span<const T> values) {
   std::vector<std::byte> out(values.size_bytes());
   if (!out.empty()) std::memcpy(out.data(), values.data(), out.size());
   return out;
 }
+
+/// Whole fp32 tensors a save read from a whole_state_source (the writing rank keeps them in host memory until the
+/// file writer takes them), by parameter and tensor (master_values_tensor, or an optimizer state's index).
+class whole_tensors {
+ public:
+  void keep(const parameter& p, int which, std::span<const float> values) {
+    LOCKSTEP_EXPECTS(std::cmp_equal(values.size(), p.numel()), "checkpoint: the whole-state source gave ", values.size(),
+                     " values of parameter ", p.name(), " (tensor ", which, "), which has ", p.numel());
+    LOCKSTEP_EXPECTS(tensors_.emplace(std::pair{&p, which}, host_bytes(values)).second,
+                     "checkpoint: the whole-state source gave tensor ", which, " of parameter ", p.name(), " twice");
+  }
+  /// The bytes of tensor `which` of `p`, taken out; nullopt when the source gave none (a parameter it does not
+  /// shard: saved from the device).
+  [[nodiscard]] std::optional<std::vector<std::byte>> take(const parameter& p, int which) {
+    const auto it = tensors_.find(std::pair{&p, which});
+    if (it == tensors_.end()) return std::nullopt;
+    std::vector<std::byte> out = std::move(it->second);
+    tensors_.erase(it);
+    return out;
+  }
+
+ private:
+  std::map<std::pair<const parameter*, int>, std::vector<std::byte>> tensors_;
+};
+
+/// Adds what a model file holds to `w` (in_model_file_order): the master values from `whole` when it has them.
+inline void add_model_tensors(file_writer& w, const parameter_list& params, whole_tensors* whole = nullptr) {
+  const auto device = [&](const std::string& name, const tensor_view& t) { w.add_device(name, t); };
+  in_model_file_order(params, device, [&] {
+    for (const auto& p : params) {
+      auto kept = whole != nullptr ? whole->take(*p.param, master_values_tensor) : std::nullopt;
+      if (kept) {
+        w.add_host(p.name, dtype::f32, dims_of(p.param->dims()), std::move(*kept));
+      } else {
+        w.add_device(p.name, p.param->value());  // (throws for a sharded parameter, naming the fix)
+      }
+    }
+  });
+}
+
 template <class T>
 std::vector<T> host_values(const loaded_file& f, const safetensors_tensor& t) {
   std::vector<T> out(t.size_bytes() / sizeof(T));
@@ -475,7 +531,8 @@ inline std::vector<std::uint8_t> read_device(device_span<std::uint8_t> span, str
 
 /// One part of a checkpoint besides the model: what it adds on save, checks and restores on load.
 struct checkpoint_part {
-  std::function<void(file_writer& training, nlohmann::json& manifest, stream_ref s)> save;
+  /// `whole`: where the optimizer state comes from when the state is sharded (checkpoint_state::sharded), or null
+  std::function<void(file_writer& training, nlohmann::json& manifest, stream_ref s, whole_tensors* whole)> save;
   std::function<void(loaded_file& training, const nlohmann::json& manifest)> validate;
   std::function<void(loaded_file& training, const nlohmann::json& manifest, stream_ref s)> apply;
 };
@@ -549,9 +606,6 @@ class checkpoint_state {
         if (!Optimizer::group_needs_state(opt.options(g))) continue;
         for (std::size_t i = 0; i < opt.params(g).size(); ++i) {
           const parameter* p = opt.params(g)[i];
-          LOCKSTEP_EXPECTS(!p->is_sharded(), "checkpoint: parameter '", names.at(p), "' is sharded over the ranks "
-                           "(ZeRO), and so is its optimizer state: save, load and hash inside "
-                           "distributed_data_parallel::consolidated(optimizer)");
           for (int k = 0; k < state_count; ++k)
             f(g, i, k, "optimizer.state." + names.at(p) + "." + detail::state_name(adam, k));
         }
@@ -564,9 +618,22 @@ class checkpoint_state {
     };
     const auto groups = [&opt] { return static_cast<std::int64_t>(opt.group_count()); };
     detail::checkpoint_part part;
-    part.save = [&opt, each_state, group_names, groups, kind](detail::file_writer& w, nlohmann::json& m, stream_ref s) {
+    part.save = [&opt, each_state, group_names, groups, kind](detail::file_writer& w, nlohmann::json& m, stream_ref s,
+                                                              detail::whole_tensors* whole) {
       opt.materialize_state(s);  // zeroes before the first step: the same updates, and a uniform layout
-      each_state([&](std::size_t g, std::size_t i, int k, std::string name) { w.add_device(std::move(name), opt.state(g, i, k)); });
+      each_state([&](std::size_t g, std::size_t i, int k, std::string name) {
+        const parameter& p = *opt.params(g)[i];
+        auto kept = whole != nullptr ? whole->take(p, k) : std::nullopt;
+        if (kept) {
+          w.add_host(std::move(name), dtype::f32, detail::dims_of(p.dims()), std::move(*kept));
+          return;
+        }
+        LOCKSTEP_EXPECTS(!p.is_sharded(), "checkpoint: parameter '", p.name(), "' is sharded over the ranks (ZeRO), and "
+                         "so is its optimizer state: name where a save reads them whole (checkpoint_state::sharded with "
+                         "distributed_data_parallel::visit_whole_state), or save inside "
+                         "distributed_data_parallel::consolidated(optimizer)");
+        w.add_device(std::move(name), opt.state(g, i, k));
+      });
       const auto raw = detail::read_device(opt.step_counters(), s);
       std::vector<kernels::optimizer_counters> c(opt.group_count());
       std::memcpy(c.data(), raw.data(), c.size() * sizeof c[0]);
@@ -608,8 +675,15 @@ class checkpoint_state {
         std::remove_cvref_t<decltype(opt.options(g))> probe{};
         detail::restore_options(probe, gs[g]);  // throws (json) when a field is missing
       }
-      each_state([&](std::size_t g, std::size_t i, int, const std::string& name) {
-        detail::expect_tensor(f, name, dtype::f32, detail::dims_of(opt.params(g)[i]->dims()), false);
+      each_state([&](std::size_t g, std::size_t i, int k, const std::string& name) {
+        const parameter& p = *opt.params(g)[i];
+        detail::expect_tensor(f, name, dtype::f32, detail::dims_of(p.dims()), false);
+        // each rank loads the range it updates (ZeRO: its shard) into state of that size
+        const tensor_view held = opt.state(g, i, k);
+        LOCKSTEP_EXPECTS(held.empty() || held.numel() == p.shard().size(), "load_checkpoint: the optimizer state of ",
+                         p.name(), " covers ", held.numel(), " elements but this rank updates ", p.shard().size(),
+                         " of them: it was allocated before distributed_data_parallel sharded the parameters (ZeRO); "
+                         "build the wrapper before loading");
       });
       detail::expect_tensor(f, "optimizer.step", dtype::i64, std::vector<std::int64_t>{groups()}, false);
       detail::expect_tensor(f, "optimizer.bias_correction1", dtype::f32, std::vector<std::int64_t>{groups()}, false);
@@ -617,8 +691,9 @@ class checkpoint_state {
     };
     part.apply = [&opt, each_state](detail::loaded_file& f, const nlohmann::json& m, stream_ref s) {
       opt.materialize_state(s);
+      // every rank its own range (ZeRO: the parameter's shard; the state tensor is that range, flat)
       each_state([&](std::size_t g, std::size_t i, int k, const std::string& name) {
-        detail::copy_to_device(f, *f.header.find(name), opt.state(g, i, k), s);
+        detail::copy_to_device(f, *f.header.find(name), opt.state(g, i, k), s, opt.params(g)[i]->shard());
       });
       const auto steps = detail::host_values<std::int64_t>(f, *f.header.find("optimizer.step"));
       const auto bc1 = detail::host_values<float>(f, *f.header.find("optimizer.bias_correction1"));
@@ -653,7 +728,7 @@ class checkpoint_state {
         {"scaler.last_overflow_step", dtype::i64, offsetof(kernels::scaler_state, last_overflow_step)},
         {"scaler.consecutive_skips", dtype::i64, offsetof(kernels::scaler_state, consecutive_skips), false}};
     detail::checkpoint_part part;
-    part.save = [&sc](detail::file_writer& w, nlohmann::json& m, stream_ref s) {
+    part.save = [&sc](detail::file_writer& w, nlohmann::json& m, stream_ref s, detail::whole_tensors*) {
       const auto raw = detail::read_device(sc.state_bytes(), s);
       for (const field& x : fields) {
         std::vector<std::byte> b(size_of(x.type));
@@ -690,7 +765,7 @@ class checkpoint_state {
   template <class Optimizer, class Schedule>
   checkpoint_state& schedule(lr_scheduler<Optimizer, Schedule>& sched) {
     detail::checkpoint_part part;
-    part.save = [&sched](detail::file_writer&, nlohmann::json& m, stream_ref) {
+    part.save = [&sched](detail::file_writer&, nlohmann::json& m, stream_ref, detail::whole_tensors*) {
       m["schedule"] = {{"step", sched.last_step()}, {"base_lrs", sched.base_lrs()}};
     };
     part.validate = [&sched](detail::loaded_file&, const nlohmann::json& m) {
@@ -710,6 +785,16 @@ class checkpoint_state {
     return *this;
   }
 
+  /// The model's master values and the optimizer's state are sharded over the ranks (ZeRO): a save reads them whole
+  /// from `source` (distributed_data_parallel::visit_whole_state: checkpointer::save calls it on every rank, rank 0
+  /// keeps what it gives in host memory and writes it), so that saving needs no more device memory than training.
+  /// A load needs nothing: each rank writes its own range of them.
+  checkpoint_state& sharded(whole_state_source source) {
+    sharded_ = std::move(source);
+    return *this;
+  }
+  [[nodiscard]] const whole_state_source& sharded_source() const noexcept { return sharded_; }
+
   /// The loop's position: set it before saving; load_checkpoint sets it.
   run_position position;
   /// The run's identity, recorded in every checkpoint it saves. By default the process's run: a new random one per
@@ -728,6 +813,7 @@ class checkpoint_state {
  private:
   parameter_list model_;
   std::map<std::string, detail::checkpoint_part> parts_;
+  whole_state_source sharded_;
 };
 
 LOCKSTEP_ABI_END
@@ -798,14 +884,15 @@ inline std::int64_t step_of_dir_name(const std::string& name) {
 
 /// Gets everything `st` saves ready on `s` (see staging; a snapshot reuses `reuse` when it is large enough);
 /// returns once the copies are queued (small state is read at once, which synchronizes `s`).
+/// `whole`: the master values and optimizer state read from checkpoint_state::sharded_source, or null.
 inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st, stream_ref s, staging how,
-                                                           pinned_buffer<std::byte> reuse) {
+                                                           pinned_buffer<std::byte>& reuse, whole_tensors* whole) {
   auto out = std::make_unique<staged_checkpoint>();
   out->step = st.position.step;
-  add_model_tensors(out->model, st.model());
+  add_model_tensors(out->model, st.model(), whole);
   for (const auto& p : st.model()) out->parameters.insert(p.name);
   nlohmann::json manifest;
-  for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s);
+  for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s, whole);
   const bool direct = how == staging::direct && s.get_device().is_host();
   const std::size_t snapshot = direct ? 0 : out->model.device_bytes() + out->training.device_bytes();
   out->staging = reuse.size() >= snapshot ? std::move(reuse) : pinned_buffer<std::byte>(snapshot, s.get_device());
@@ -1193,13 +1280,36 @@ class checkpointer {
 
   void start(checkpoint_state& state, stream_ref s, std::optional<communicator_ref> ranks, detail::staging how) {
     wait();
-    ranks_ = ranks && ranks->size() > 1 ? ranks : std::nullopt;
+    const std::optional<communicator_ref> group = ranks && ranks->size() > 1 ? ranks : std::nullopt;
+    const bool writes = !group || group->rank() == 0;
+    // Sharded state: every rank takes part in the source's collectives, before rank 0 may be refused the root's
+    // lock below, and rank 0 keeps the whole tensors; when it cannot (out of host memory, a tensor given twice),
+    // the source still runs to its end, so that the ranks stay matched, and every rank hears of it as of a refused
+    // lock. A collective of the source that fails throws at once (the communicator's fault handling fails the peers).
+    std::optional<detail::whole_tensors> whole;
+    std::exception_ptr not_kept;
+    if (state.sharded_source()) {
+      whole.emplace();
+      state.sharded_source()([&](const parameter& p, int which, std::span<const float> values) {
+        if (!writes || not_kept) return;
+        try {
+          whole->keep(p, which, values);
+        } catch (...) {
+          not_kept = std::current_exception();
+        }
+      });
+    }
+    ranks_ = group;
     stream_ = s;
     pending_ = true;
-    if (ranks_ && ranks_->rank() != 0) return;
+    if (!writes) return;
+    if (not_kept) {
+      failure_ = not_kept;
+      return;
+    }
     try {
       lock();  // one writer per root: refused before anything is written (the other ranks hear of it)
-      staged_ = detail::stage_checkpoint(state, s, how, std::move(spare_));
+      staged_ = detail::stage_checkpoint(state, s, how, spare_, whole ? &*whole : nullptr);
     } catch (...) {
       failure_ = std::current_exception();
       return;
@@ -1478,14 +1588,11 @@ inline std::string weights_sha256(const parameter_list& params, stream_ref s, co
 }
 
 /// SHA-256 of the fp32 master values of `params` and of its buffers, as 64 hex digits: the bytes of the model file's
-/// data section (in its order: detail::for_each_model_tensor), so `weights_sha256` of two runs is equal exactly when
+/// data section (in its order: detail::in_model_file_order), so `weights_sha256` of two runs is equal exactly when
 /// their weights (and running statistics) are. Synchronizes `s`.
 inline std::string weights_sha256(const parameter_list& params, stream_ref s) {
   return weights_sha256(params, s, [&](const std::function<void(std::size_t, std::span<const float>)>& f) {
-    for (std::size_t k = 0; k < params.size(); ++k) {
-      const std::vector<float> v = to_vector(params[k].param->value().span<const float>(), s);
-      f(k, std::span<const float>(v));
-    }
+    detail::visit_values_on_host(params, s, f);
   });
 }
 

@@ -49,6 +49,11 @@ struct element_range {
 
 class parameter;
 
+/// Which whole fp32 tensor of a parameter a whole-state visitor gives (checkpoint_state::sharded,
+/// distributed_data_parallel::visit_whole_state): its master values, or (0, 1) the optimizer's state tensor of that
+/// index (SGD's momentum_buffer; AdamW's exp_avg, exp_avg_sq).
+inline constexpr int master_values_tensor = -1;
+
 LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
@@ -98,6 +103,9 @@ class parameter_sharding {
   virtual void zero_grad() noexcept = 0;
   /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
   virtual void materialize_gradient(stream_ref s) = 0;
+  /// The values forward reads are about to be written whole on the context's stream (load_values): orders it
+  /// after a gather of them still in flight.
+  virtual void before_write() = 0;
 };
 
 /// Who sets a parameter's update settings (parameter::set_update_settings).
@@ -132,8 +140,9 @@ class parameter {
       throw precondition_error(detail::concat(
           "parameter ", name_, ": ZeRO shards it over the ranks: this rank updates elements [", r.begin, ", ",
           r.end, ") of its ", numel(), sharding_->keeps_masters() ? " and keeps only their fp32 master values" : "",
-          "; read master_shard(), or gather whole values with distributed_data_parallel::consolidated(optimizer) "
-          "(save, load and hash checkpoints inside it)"));
+          "; read master_shard(); a checkpoint reads whole values through distributed_data_parallel::"
+          "visit_whole_state (checkpoint_state::sharded), weights_sha256 through visit_master_values; or gather them "
+          "on every rank with distributed_data_parallel::consolidated(optimizer)"));
     }
     return value_.view();
   }
@@ -311,6 +320,29 @@ class parameter {
     tensor whole(dims_, dtype::f32, s);
     copy(whole.span<float>(), full.span<const float>(), s);
     value_.own(std::move(whole), s);
+  }
+
+  /// Writes all numel() fp32 master values from `full` (flat, on this device) in stream order on `s` (the
+  /// context's stream), sharded or not: the shard's range into the master values the wrapper keeps (f16/bf16 under
+  /// ZeRO), or into the parameter's own; and the values forward reads (the working copy, or the f32 values) whole,
+  /// so that no gather is needed.
+  void load_values(const tensor_view& full, stream_ref s) {
+    LOCKSTEP_EXPECTS(full.type() == dtype::f32 && full.numel() == numel() && full.get_device() == get_device(),
+                     "parameter ", name_, ": load_values needs its ", numel(), " fp32 master values on ",
+                     get_device().str());
+    if (sharding_) sharding_->before_write();
+    const auto values = full.span<const float>();
+    if (is_sharded() && sharding_->keeps_masters()) {
+      const element_range r = sharding_->range();
+      if (!r.empty()) {
+        copy(sharding_->masters().span<float>(),
+             values.subspan(static_cast<std::size_t>(r.begin), static_cast<std::size_t>(r.size())), s);
+      }
+    } else {
+      copy(value_.view().span<float>(), values, s);
+    }
+    if (working_.empty()) return;
+    dispatch_floating(working_.view().type(), "load_values", [&]<class T>() { cast<T, float>(values, working_.view().span<T>(), s); });
   }
 
   /// The gradient's memory is about to be reused by the wrapper that owns it: the next write overwrites it.
@@ -507,6 +539,16 @@ class parameter_list {
 LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
+
+/// Calls f(k, values) for every parameter k of `params` from `first` on, in order, with its whole fp32 master values
+/// (value()) copied to host memory (valid during the call); synchronizes `s` once per parameter.
+template <class F>
+void visit_values_on_host(const parameter_list& params, stream_ref s, F&& f, std::size_t first = 0) {
+  for (std::size_t k = first; k < params.size(); ++k) {
+    const std::vector<float> v = to_vector(params[k].param->value().span<const float>(), s);
+    f(k, std::span<const float>(v));
+  }
+}
 
 /// Under ZeRO each rank holds a shard of the gradients: a check or a norm over them needs the ranks (`what`
 /// names the call, `why` says what the ranks are for).

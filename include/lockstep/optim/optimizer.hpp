@@ -204,8 +204,8 @@ class optimizer_core {
             const auto held = static_cast<std::size_t>(g.state[i][0].numel());
             LOCKSTEP_EXPECTS(held == n, "optimizer state of ", p->name(), " covers ", held, " elements but this rank "
                              "updates ", n, " of them: the optimizer stepped (or loaded state) before "
-                             "distributed_data_parallel sharded the parameters (ZeRO); build the wrapper first, and "
-                             "load checkpoints inside ddp.consolidated(optimizer)");
+                             "distributed_data_parallel sharded the parameters (ZeRO); build the wrapper first, also "
+                             "before loading a checkpoint");
           }
           if (n == 0) continue;
           tensor_group<K> tg{};

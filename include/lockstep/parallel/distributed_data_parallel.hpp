@@ -49,8 +49,9 @@
 // all-reduce); on NCCL, which adds them in the type, an f16/bf16 bucket is widened into one f32 buffer for its
 // reduce-scatter and each rank's range rounded back once (parallel/detail/gradient_sync.hpp): DDP's sums there too.
 // Inside no_sync(), stage 1 accumulates whole gradients as DDP does; stage 2 reduce-scatters every backward
-// and adds into the shard. Checkpoints and weights_sha256 need whole values: `consolidated(optimizer)`
-// gathers the master values and the optimizer state on every rank for as long as its guard lives.
+// and adds into the shard. Checkpoints and weights_sha256 read whole tensors through the host, bucket by bucket
+// (visit_whole_state, visit_master_values; a load writes each rank's range); `consolidated(optimizer)` gathers the
+// master values and the optimizer state whole on every rank's device for as long as its guard lives.
 //
 // Failures: a failed all-reduce (a peer that died, stopped or aborted; a timeout; ranks that issue different
 // collectives) fails the step on every rank. On host devices the communication stream keeps the error and the
@@ -354,9 +355,11 @@ class distributed_data_parallel {
   }
 
   /// ZeRO: while the returned guard lives, every rank holds whole parameters (their fp32 master values) and the
-  /// whole state of `opt` (the optimizer of these parameters), as plain DDP does: save or load checkpoints, or
-  /// compute weights_sha256, inside it. Its end shards them again (keeping whatever was loaded). Collective:
-  /// every rank creates and ends it at the same point. Without ZeRO, a guard that does nothing.
+  /// whole state of `opt` (the optimizer of these parameters), as plain DDP does, for code that reads or writes them
+  /// whole on the device. Its end shards them again (keeping whatever was written). Checkpoints and weights_sha256
+  /// need no consolidation, and no whole tensors on any device: visit_whole_state, visit_master_values, and loads
+  /// write each rank's range. Collective: every rank creates and ends it at the same point. Without ZeRO, a guard
+  /// that does nothing.
   template <class Optimizer>
   [[nodiscard]] auto consolidated(Optimizer& opt) {
     struct guard {
@@ -393,10 +396,23 @@ class distributed_data_parallel {
       shards_.visit_masters(f);
       return;
     }
-    for (std::size_t k = 0; k < replica_.params.size(); ++k) {
-      const std::vector<float> v = to_vector(replica_.param(k).value().span<const float>(), replica_.compute_stream());
-      f(k, std::span<const float>(v));
+    detail::visit_values_on_host(replica_.params, replica_.compute_stream(), f);
+  }
+
+  /// Calls f(p, which, values) for every parameter p of parameters_of(model) with its whole fp32 master values
+  /// (which == master_values_tensor) and with each of its state tensors in `opt` (which = 0, 1), in host memory
+  /// (valid during the call), in no particular order. Under ZeRO no device holds whole tensors meanwhile (as in
+  /// visit_master_values, bucket by bucket), so that saving a checkpoint needs no more device memory than training:
+  /// give it to the checkpoint (`state.sharded([&](const auto& f) { ddp.visit_whole_state(opt, f); })`). Every rank
+  /// first materializes the optimizer's state (zeros before the first step). Collective: every rank calls it at
+  /// the same point.
+  template <class Optimizer, class F>
+  void visit_whole_state(Optimizer& opt, F&& f) {
+    if (replica_.sharded) {
+      shards_.visit_state(opt, f);
+      return;
     }
+    detail::visit_whole_state_as_held(replica_, opt, f);
   }
 
   /// While the returned guard lives, backward accumulates gradients locally without communication.

@@ -111,4 +111,33 @@ inline void convert_floating(const tensor_view& from, const tensor_view& to, str
   });
 }
 
+/// Calls f(group, index in group, parameter index in r.params) for every wrapped parameter for which `opt` holds
+/// state (all of a group's state tensors exist once it has any).
+template <class Optimizer, class F>
+void for_each_state(const ddp_replica& r, Optimizer& opt, F&& f) {
+  for (std::size_t g = 0; g < opt.group_count(); ++g) {
+    if (!opt.has_state(g)) continue;
+    const auto& ps = opt.params(g);
+    for (std::size_t i = 0; i < ps.size(); ++i) {
+      const auto it = r.index.find(ps[i]);
+      if (it != r.index.end()) f(g, i, it->second);
+    }
+  }
+}
+
+/// zero_shards::visit_state where every rank holds the whole tensors (plain DDP, or inside a consolidation): each
+/// read to the host as it is, one tensor at a time, on the context's stream.
+template <class Optimizer, class Take>
+void visit_whole_state_as_held(const ddp_replica& r, Optimizer& opt, Take&& take) {
+  const stream_ref s = r.compute_stream();
+  opt.materialize_state(s);
+  visit_values_on_host(r.params, s, [&](std::size_t k, std::span<const float> v) { take(r.param(k), master_values_tensor, v); });
+  for_each_state(r, opt, [&](std::size_t g, std::size_t i, std::size_t k) {
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      const std::vector<float> v = to_vector(opt.state(g, i, which).template span<const float>(), s);
+      take(r.param(k), which, std::span<const float>(v));
+    }
+  });
+}
+
 LOCKSTEP_DETAIL_END

@@ -4,8 +4,9 @@
 // bucket, all-gathered in place before the next forward (gather()). Stage 2 also keeps only the range's
 // gradients: the whole gradients of a bucket live in one of two buffers reused bucket after bucket, and the
 // reduced range is copied out of it into each parameter's gradient shard (copy_out). consolidate() and
-// reshard() gather whole values and optimizer state for checkpoints, and shard them again; visit_masters() streams
-// the whole master values to the host without holding them whole on the device.
+// reshard() gather whole values and optimizer state on every rank, and shard them again; visit_masters() and
+// visit_state() stream the whole master values (and optimizer state) to the host without holding them whole on
+// the device (weights_sha256, checkpoints).
 #pragma once
 
 #include <algorithm>
@@ -59,6 +60,9 @@ class zero_parameter_shard final : public parameter_sharding {
   }
   void before_first_write() override {
     if (first_write_) first_write_();
+  }
+  void before_write() override {
+    if (read_hook_) std::exchange(read_hook_, nullptr)();  // the values' all-gather, if still pending
   }
   void zero_grad() noexcept override { gradient_zero_ = true; }
   void materialize_gradient(stream_ref s) override {
@@ -278,18 +282,12 @@ class zero_shards {
     // materialized it) that the others lack, so all materialize it (zeros; the next step stays a first step).
     opt.materialize_state(r_->compute_stream());
     const stream_ref s = r_->comm_stream;
-    std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
-    for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
-    for (int which = 0; which < Optimizer::state_count; ++which) {
-      gather_whole([&](std::size_t k) { return where.contains(k); },
-                   [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
-                   [&](std::size_t k, const tensor_view& whole) {
-                     tensor t(r_->param(k).dims(), dtype::f32, s);
-                     copy(t.span<float>(), whole.span<const float>(), s);
-                     // the shard was read on this stream (gather_whole's copy): freed after that read
-                     opt.replace_state(where.at(k).first, where.at(k).second, which, std::move(t)).set_stream(s);
-                   });
-    }
+    gather_state(opt, [&](std::size_t k, std::size_t g, std::size_t i, int which, const tensor_view& whole) {
+      tensor t(r_->param(k).dims(), dtype::f32, s);
+      copy(t.span<float>(), whole.span<const float>(), s);
+      // the shard was read on this stream (gather_whole's copy): freed after that read
+      opt.replace_state(g, i, which, std::move(t)).set_stream(s);
+    });
     gather_whole([&](std::size_t k) { return parts_[k]->keeps_masters(); },  // f16/bf16: masters sharded
                  [&](std::size_t k) { return r_->param(k).master_shard(); },
                  [&](std::size_t k, const tensor_view& whole) { parts_[k]->deactivate(r_->param(k), whole, s); });
@@ -305,7 +303,6 @@ class zero_shards {
   /// values at a time). Collective. Inside a consolidation the values are whole already: read as they are.
   template <class Take>
   void visit_masters(Take&& take) {
-    const std::size_t n = r_->params.size();
     std::size_t next = 0;
     if (consolidations_ == 0) {
       r_->check_communication();
@@ -320,10 +317,33 @@ class zero_shards {
                      }
                    });
     }
-    for (; next < n; ++next) {  // inside a consolidation (and any parameter in no bucket)
-      const std::vector<float> v = to_vector(r_->param(next).value().span<const float>(), r_->compute_stream());
-      take(next, std::span<const float>(v));
+    visit_values_on_host(r_->params, r_->compute_stream(), take, next);  // inside a consolidation
+  }
+
+  /// Calls take(p, which, values) for every parameter p with its whole fp32 master values (which ==
+  /// master_values_tensor) and with each of its optimizer state tensors (which = 0, 1), in host memory (valid during
+  /// the call), without whole tensors on the device: bucket by bucket as in visit_masters, each tensor given as soon
+  /// as its bucket is gathered, every optimizer state tensor of one index, then of the next, then the master values
+  /// (checkpoint_state::sharded). Collective. Every rank first materializes the
+  /// optimizer's state (zeros before the first step), so that every rank gathers the same tensors.
+  template <class Optimizer, class Take>
+  void visit_state(Optimizer& opt, Take&& take) {
+    if (consolidations_ > 0) {
+      visit_whole_state_as_held(*r_, opt, take);
+      return;
     }
+    r_->check_communication();
+    opt.materialize_state(r_->compute_stream());
+    const stream_ref s = r_->comm_stream;
+    const auto to_host = [&](std::size_t k, int which, const tensor_view& whole) {
+      const std::vector<float> v = to_vector(whole.span<const float>(), s);
+      take(r_->param(k), which, std::span<const float>(v));
+    };
+    gather_state(opt, [&](std::size_t k, std::size_t, std::size_t, int which, const tensor_view& whole) {
+      to_host(k, which, whole);
+    });
+    gather_whole([](std::size_t) { return true; }, [&](std::size_t k) { return r_->param(k).master_shard(); },
+                 [&](std::size_t k, const tensor_view& whole) { to_host(k, master_values_tensor, whole); });
   }
 
   /// Back to shards after consolidate(): the optimizer state and the master values keep this rank's range.
@@ -332,7 +352,7 @@ class zero_shards {
     if (--consolidations_ > 0) return;
     const stream_ref s = r_->compute_stream();
     for (int which = 0; which < Optimizer::state_count; ++which) {
-      for_each_state(opt, [&](std::size_t g, std::size_t i, std::size_t k) {
+      for_each_state(*r_, opt, [&](std::size_t g, std::size_t i, std::size_t k) {
         const element_range r = parts_[k]->range();
         tensor part(shape{r.size()}, dtype::f32, s);
         if (!r.empty()) {
@@ -437,17 +457,18 @@ class zero_shards {
     r_->compute_stream().wait(gathered_);
   }
 
-  // Calls f(group, index in group, parameter index) for every wrapped parameter for which `opt` holds state (all
-  // of a group's state tensors exist once it has any).
-  template <class Optimizer, class F>
-  void for_each_state(Optimizer& opt, F&& f) {
-    for (std::size_t g = 0; g < opt.group_count(); ++g) {
-      if (!opt.has_state(g)) continue;
-      const auto& ps = opt.params(g);
-      for (std::size_t i = 0; i < ps.size(); ++i) {
-        const auto it = r_->index.find(ps[i]);
-        if (it != r_->index.end()) f(g, i, it->second);
-      }
+  // Every optimizer state tensor whole, through gather_whole: take(parameter index, group, index in group, which
+  // state tensor, whole values) for each, one state index after the other.
+  template <class Optimizer, class Take>
+  void gather_state(Optimizer& opt, Take&& take) {
+    std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
+    for_each_state(*r_, opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      gather_whole([&](std::size_t k) { return where.contains(k); },
+                   [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
+                   [&](std::size_t k, const tensor_view& whole) {
+                     take(k, where.at(k).first, where.at(k).second, which, whole);
+                   });
     }
   }
 
