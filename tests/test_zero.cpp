@@ -434,7 +434,8 @@ streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int 
   out.masters = static_cast<std::uint64_t>(parameters_of(model).numel()) * 4;
   checkpoint_state streamed(parameters_of(model));
   streamed.optimizer(opt).sharded([&](const auto& f) { ddp.visit_whole_state(opt, f); });
-  streamed.position = {.step = 2, .precision = type};
+  streamed.position.step = 2;
+  streamed.position.precision = type;
   s.synchronize();
   release_cached_memory(rc.get_device());
   reset_memory_stats(rc.get_device());
@@ -444,7 +445,9 @@ streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int 
   {
     auto whole = ddp.consolidated(opt);
     checkpoint_state st(parameters_of(model));
-    st.optimizer(opt).position = {.step = 2, .precision = type};
+    st.optimizer(opt);
+    st.position.step = 2;
+    st.position.precision = type;
     checkpointer(root / "consolidated").save(st, s, rc.comm());
   }
   train(ctx, ddp, opt, 2, 4);
