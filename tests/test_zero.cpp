@@ -34,6 +34,24 @@ namespace {
 class zero_test : public backend_test {};
 INSTANTIATE_TEST_SUITE_P(all, zero_test, all_backends(), backend_name);
 
+// Steps [from, to) of the 64-row global batches (32 rows per rank, 2 ranks) in the context's type.
+template <class Optimizer>
+void train_steps(rank_context& rc, context& ctx, distributed_data_parallel<graph>& ddp, Optimizer& opt, int from, int to) {
+  const stream_ref s = ctx.stream();
+  softmax_cross_entropy loss(reduction::mean);
+  for (int step = from; step < to; ++step) {
+    opt.zero_grad();
+    const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
+    tensor xf = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
+    tensor xb(shape{32, features}, ctx.compute_type(), s);
+    detail::convert_floating(xf, xb, s);
+    tensor yb = device_labels(slice(labels(), begin, 32, 1), s);
+    loss.forward(ddp.forward(xb), yb, ctx, 64);
+    ddp.backward(loss.backward(ctx));
+    opt.step(s);
+  }
+}
+
 // Recipe r on one thread per device; every rank's result.
 std::vector<recipe_result> train_recipe_threads(const device_set& devices, std::int64_t batch, const recipe& r) {
   std::vector<recipe_result> out(devices.size());
@@ -355,18 +373,7 @@ TEST_P(zero_test, weights_are_hashed_bucket_by_bucket_without_whole_values_on_an
                                       ddp_options{.bucket_bytes = 512, .first_bucket_bytes = 256, .zero = to_zero_stage(zero)});
         const parameter_list params = parameters_of(model);
         adamw opt(params.pointers(), adamw_options{.lr = 0.01f});
-        softmax_cross_entropy loss(reduction::mean);
-        for (int step = 0; step < 2; ++step) {
-          opt.zero_grad();
-          const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
-          tensor xf = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
-          tensor xb(shape{32, features}, type, s);
-          detail::convert_floating(xf, xb, s);
-          tensor yb = device_labels(slice(labels(), begin, 32, 1), s);
-          loss.forward(ddp.forward(xb), yb, ctx, 64);
-          ddp.backward(loss.backward(ctx));
-          opt.step(s);
-        }
+        train_steps(rc, ctx, ddp, opt, 0, 2);
         masters[r] = static_cast<std::uint64_t>(params.numel()) * 4;
         const auto measure = [&](const auto& hash) {
           s.synchronize();
@@ -412,19 +419,8 @@ streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int 
   streamed_save_result out;
   const stream_ref s = rc.compute_stream();
   const ddp_options options{.bucket_bytes = 512, .first_bucket_bytes = 256, .zero = to_zero_stage(zero)};
-  softmax_cross_entropy loss(reduction::mean);
   const auto train = [&](context& ctx, distributed_data_parallel<graph>& ddp, auto& opt, int from, int to) {
-    for (int step = from; step < to; ++step) {
-      opt.zero_grad();
-      const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
-      tensor xf = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
-      tensor xb(shape{32, features}, type, s);
-      detail::convert_floating(xf, xb, s);
-      tensor yb = device_labels(slice(labels(), begin, 32, 1), s);
-      loss.forward(ddp.forward(xb), yb, ctx, 64);
-      ddp.backward(loss.backward(ctx));
-      opt.step(s);
-    }
+    train_steps(rc, ctx, ddp, opt, from, to);
   };
   context ctx(s, type);
   graph model = make_model(ctx);
