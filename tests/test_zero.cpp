@@ -520,7 +520,7 @@ TEST_P(zero_test, a_streamed_save_that_rank_0_cannot_keep_fails_on_every_rank_an
   const fs::path root = fs::temp_directory_path() / ("lockstep_test_zero_keep." + std::to_string(::getpid()));
   fs::remove_all(root);
   std::vector<std::string> messages(2);
-  std::vector<bool> saved(2);
+  std::vector<char> saved(2, 0);  // (not vector<bool>: the ranks write their elements at once)
   run_on_devices(devices(2), [&](rank_context& rc) {
     const stream_ref s = rc.compute_stream();
     context ctx(s);
@@ -539,7 +539,7 @@ TEST_P(zero_test, a_streamed_save_that_rank_0_cannot_keep_fails_on_every_rank_an
     checkpointer saver(root);
     messages[static_cast<std::size_t>(rc.rank())] = message_of<error>([&] { saver.save(st, s, rc.comm()); });
     twice = false;
-    saved[static_cast<std::size_t>(rc.rank())] = fs::exists(saver.save(st, s, rc.comm()) / "manifest.json");
+    saved[static_cast<std::size_t>(rc.rank())] = fs::exists(saver.save(st, s, rc.comm()) / "manifest.json") ? 1 : 0;
   });
   EXPECT_CONTAINS(messages[0], "gave tensor -1 of parameter ");
   EXPECT_CONTAINS(messages[0], " twice");
