@@ -2,7 +2,7 @@
 # Under a device memory limit that plain DDP exceeds (it fails with the out-of-memory sentence), ZeRO-2 builds and
 # trains the model, saves a checkpoint after STOP_AFTER steps, resumes from it and ends with the weights_sha256
 # that plain DDP reaches with enough memory: the wrapper's construction holds no second copy of the gradients, the
-# save and the hash stream whole tensors to the host bucket by bucket, and the load writes each rank's range.
+# save and the hash stream whole tensors to the host in chunks, and the load writes each rank's range.
 #   sample_memory_limit.sh MLP_TRAIN LIMIT STOP_AFTER -- OPTIONS...   (OPTIONS: a DDP run on 4 host devices, without --zero)
 set -uo pipefail
 sample=$1 limit=$2 stop_after=$3

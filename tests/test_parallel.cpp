@@ -1443,6 +1443,38 @@ TEST_P(ddp_test, ranks_with_different_optimizer_options_or_clipping_are_refused_
   EXPECT_EQ(clip_steps[1], 1);
 }
 
+// Ranks whose wrappers have other options (other buckets, another ZeRO stage: they would issue other collectives)
+// are refused at construction, on every rank, naming both; a visit chunk smaller than a float per rank is refused.
+TEST_P(ddp_test, ranks_with_different_wrapper_options_are_refused_at_construction) {
+  if (!require_devices(2)) return;
+  const auto refusals = [&](const ddp_options& rank_0, const ddp_options& rank_1) {
+    std::array<std::string, 2> errors;
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      context ctx(rc.compute_stream());
+      graph model = make_model(ctx);
+      try {
+        distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), rc.rank() == 0 ? rank_0 : rank_1);
+      } catch (const precondition_error& e) {
+        errors[static_cast<std::size_t>(rc.rank())] = e.what();
+      }
+    });
+    return errors;
+  };
+  for (const auto& e : refusals({}, {.bucket_bytes = 1024})) {
+    EXPECT_CONTAINS(e, "the ranks do not train with the same settings: for the wrapper, rank 0 has buckets of 26214400 "
+                       "bytes (the first 1048576), ZeRO stage 0, reduction sum, hook none, buffers broadcast, visit "
+                       "chunks of 4194304 bytes and rank 1 has buckets of 1024 bytes (the first 1048576)");
+  }
+  for (const auto& e : refusals({.zero = zero_stage::gradients}, {.zero = zero_stage::optimizer_state})) {
+    EXPECT_CONTAINS(e, "ZeRO stage 2");
+    EXPECT_CONTAINS(e, "ZeRO stage 1");
+  }
+  for (const auto& e : refusals({}, {})) EXPECT_EQ(e, "");
+  for (const auto& e : refusals({.visit_chunk_bytes = 4}, {.visit_chunk_bytes = 4})) {
+    EXPECT_CONTAINS(e, "visit_chunk_bytes must hold a float per rank (2 ranks: 8 bytes), got 4");
+  }
+}
+
 TEST_P(ddp_test, a_rank_that_throws_makes_the_others_fail_fast) {
   if (!require_devices(3)) return;
   const auto start = std::chrono::steady_clock::now();

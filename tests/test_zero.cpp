@@ -355,13 +355,14 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
 }
 
 // visit_master_values gives weights_sha256 the digest of the consolidated model without whole values on the device:
-// its peak above what training holds stays below the model's master values (buckets of 512 bytes or one parameter:
-// at most 3,072 bytes of fp32 values gathered, against 5,480 bytes of masters), where consolidated() holds them all,
-// and the optimizer state.
-TEST_P(zero_test, weights_are_hashed_bucket_by_bucket_without_whole_values_on_any_device) {
+// its peak above what training holds stays below the model's master values (gathered through chunks of 200 bytes,
+// also with the whole model in one bucket, against 5,480 bytes of masters), where consolidated() holds them all, and
+// the optimizer state.
+TEST_P(zero_test, weights_are_hashed_in_chunks_without_whole_values_on_any_device) {
   if (!require_devices(2)) return;
   for (const dtype type : {dtype::f32, dtype::bf16}) {
     for (const int zero : {0, 1, 2}) {
+      const std::size_t bucket = zero == 2 ? std::size_t{1} << 20 : 512;  // ZeRO-2: the whole model in one bucket
       std::vector<std::string> streamed(2), whole(2);
       std::vector<std::uint64_t> streamed_peak(2), whole_peak(2), masters(2);
       run_on_devices(devices(2), [&](rank_context& rc) {
@@ -370,7 +371,8 @@ TEST_P(zero_test, weights_are_hashed_bucket_by_bucket_without_whole_values_on_an
         context ctx(s, type);
         graph model = make_model(ctx);
         distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
-                                      ddp_options{.bucket_bytes = 512, .first_bucket_bytes = 256, .zero = to_zero_stage(zero)});
+                                      ddp_options{.bucket_bytes = bucket, .first_bucket_bytes = bucket / 2,
+                                                  .zero = to_zero_stage(zero), .visit_chunk_bytes = 200});
         const parameter_list params = parameters_of(model);
         adamw opt(params.pointers(), adamw_options{.lr = 0.01f});
         train_steps(rc, ctx, ddp, opt, 0, 2);
@@ -418,7 +420,11 @@ streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int 
                                               MakeOptimizer&& make_opt) {
   streamed_save_result out;
   const stream_ref s = rc.compute_stream();
-  const ddp_options options{.bucket_bytes = 512, .first_bucket_bytes = 256, .zero = to_zero_stage(zero)};
+  // streamed through chunks of 200 bytes (25 floats per rank: the ranges end inside a chunk); ZeRO-2 with the whole
+  // model in one bucket, ZeRO-1 in buckets of 512 bytes
+  const std::size_t bucket = zero == 2 ? std::size_t{1} << 20 : 512;
+  const ddp_options options{.bucket_bytes = bucket, .first_bucket_bytes = bucket / 2, .zero = to_zero_stage(zero),
+                            .visit_chunk_bytes = 200};
   const auto train = [&](context& ctx, distributed_data_parallel<graph>& ddp, auto& opt, int from, int to) {
     train_steps(rc, ctx, ddp, opt, from, to);
   };
@@ -469,9 +475,9 @@ streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int 
 
 // A checkpoint saved under ZeRO streams its whole tensors to rank 0 through the host (checkpoint_state::sharded with
 // visit_whole_state): the files hold the bytes of a consolidated save, the save's device peak above training stays
-// below the model's master values (bucket by bucket; AdamW's state is twice as large again), and each rank of a new
-// wrapper loads its own range, without a collective: training on from it gives the bits of training on. AdamW and
-// SGD with momentum, f32 and bf16, ZeRO-1 and 2.
+// below the model's master values (gathered in chunks, also with the model in one bucket; AdamW's state is twice as
+// large again), and each rank of a new wrapper loads its own range, without a collective: training on from it gives
+// the bits of training on. AdamW and SGD with momentum, f32 and bf16, ZeRO-1 and 2.
 TEST_P(zero_test, checkpoints_stream_whole_tensors_to_the_writer_and_load_each_ranks_range) {
   if (!require_devices(2)) return;
   namespace fs = std::filesystem;

@@ -49,7 +49,7 @@
 // all-reduce); on NCCL, which adds them in the type, an f16/bf16 bucket is widened into one f32 buffer for its
 // reduce-scatter and each rank's range rounded back once (parallel/detail/gradient_sync.hpp): DDP's sums there too.
 // Inside no_sync(), stage 1 accumulates whole gradients as DDP does; stage 2 reduce-scatters every backward
-// and adds into the shard. Checkpoints and weights_sha256 read whole tensors through the host, bucket by bucket
+// and adds into the shard. Checkpoints and weights_sha256 read whole tensors through the host, in chunks
 // (visit_whole_state, visit_master_values; a load writes each rank's range); `consolidated(optimizer)` gathers the
 // master values and the optimizer state whole on every rank's device for as long as its guard lives.
 //
@@ -59,11 +59,12 @@
 // optimizer step) does not run, and the next synchronization throws. On GPUs the communicator's watchdog
 // aborts it. Either way the next backward() throws before queuing anything (comm.check()).
 //
-// The parts (parallel/detail/): bucket_plan (the pure layout), gradient_sync (one sync_kind per backward: launch
-// and finish), exact_partials (deterministic mode's gathered partial gradients), zero_shards (ZeRO's shards,
-// gathers and consolidation), replica_agreement (the same parameters on every rank, rank 0's values broadcast),
-// over ddp_replica (what they share). This file orders them: construction, forward, backward, no_sync,
-// consolidated, the report.
+// The parts (parallel/detail/): bucket_plan (the pure layout), bucket_memory (the buckets allocated and the
+// gradients placed in them), gradient_sync (one sync_kind per backward: launch and finish), exact_partials
+// (deterministic mode's gathered partial gradients), zero_shards (ZeRO's shards, gathers and consolidation),
+// replica_agreement (the same parameters and settings on every rank, rank 0's values broadcast), global_batch (the
+// loss's share of the global batch), over ddp_replica (what they share). This file orders them: construction,
+// forward, backward, no_sync, consolidated, the report.
 #pragma once
 
 #include <algorithm>
@@ -81,10 +82,13 @@
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/layer.hpp"
+#include "lockstep/parallel/detail/bucket_memory.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/ddp_replica.hpp"
 #include "lockstep/parallel/detail/exact_partials.hpp"
+#include "lockstep/parallel/detail/global_batch.hpp"
 #include "lockstep/parallel/detail/gradient_sync.hpp"
+#include "lockstep/parallel/detail/host_visits.hpp"
 #include "lockstep/parallel/detail/replica_agreement.hpp"
 #include "lockstep/parallel/detail/replica_groups.hpp"
 #include "lockstep/parallel/detail/zero_shards.hpp"
@@ -128,6 +132,10 @@ struct ddp_options {
   /// PyTorch's broadcast_buffers: every replica normalizes evaluation batches alike and checkpoints (written by rank
   /// 0) hold what every rank uses. Off: each rank keeps its own.
   bool broadcast_buffers = true;
+  /// Under ZeRO, the device memory through which visit_whole_state and visit_master_values (checkpoints,
+  /// weights_sha256) gather whole tensors: every rank's part of one chunk of a bucket (at least a float per rank).
+  /// Smaller: less memory, more collectives.
+  std::size_t visit_chunk_bytes = std::size_t{4} << 20;
 };
 
 template <layer Model>
@@ -158,15 +166,22 @@ class distributed_data_parallel {
     replica_.reused_buffers = replica_.sharded && options.zero == zero_stage::gradients;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
     detail::check_same_parameters(replica_.params, comm, comm_stream);
+    detail::check_same_settings({options_line(options_)}, comm, comm_stream);  // they shape the collectives
     detail::broadcast_parameters(replica_.params, comm, comm_stream);
     synchronize(ctx.get_device());  // the buffers' initial values are written (a model may have no parameters)
     detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);
     comm.synchronize(comm_stream);
-    build_buckets();
-    rows_ = tensor(shape{1}, dtype::i64, ctx.stream());
-    rows_ready_.emplace(ctx.get_device());
-    no_loss_ = tensor(shape{1}, dtype::f32, ctx.stream());
-    ctx.set_share(&share_);
+    detail::build_buckets(replica_, shards_, sync_,
+                          {.bucket_bytes = options_.bucket_bytes,
+                           .first_bucket_bytes = options_.first_bucket_bytes,
+                           .deterministic = replica_.deterministic,
+                           .own_type = options_.zero != zero_stage::none,
+                           .sharded = replica_.sharded,
+                           .reused_buffers = replica_.reused_buffers,
+                           .exact_collective = replica_.exact_collective,
+                           .world = comm.size()},
+                          hook_type(options_.hook));
+    batch_.emplace(replica_, options_.reduction == gradient_reduction::sum);  // registers the loss's share
     for (const auto& p : replica_.params) p.param->set_owner(this);  // last: a constructor that throws leaves none
   }
 
@@ -178,7 +193,6 @@ class distributed_data_parallel {
     for (const auto& p : replica_.params) {
       if (p.param->owner() == this) p.param->set_owner(nullptr);
     }
-    if (replica_.ctx->share() == &share_) replica_.ctx->set_share(nullptr);
   }
 
   /// The ZeRO stage in effect: options.zero, or none on one rank (nothing to shard).
@@ -202,7 +216,7 @@ class distributed_data_parallel {
   /// backward (gather_parameters()). In training with gradient_reduction::sum, a loss computed on the output is this
   /// rank's share of the global batch's (see the file comment).
   tensor_view forward(const tensor_view& x) {
-    share_batch(x.rows());  // first: the rows' sum does not wait behind ZeRO's gathers
+    batch_->count(x.rows());  // first: the rows' sum does not wait behind ZeRO's gathers
     gather_parameters();
     if (syncing_) sync_buffers();
     context& ctx = *replica_.ctx;
@@ -212,12 +226,7 @@ class distributed_data_parallel {
     tensor_view y = model_->forward(x, ctx);
     forward_used_replicas_ = replicas_.calls() > 0;
     output_ = y;
-    if (shares_batch()) {
-      share_.pending = true;
-      share_.output = y.data();
-      share_.rows = y.dims().rank() == 0 ? 1 : y.dims()[0];
-      share_.values = y.numel();
-    }
+    batch_->forward_output(y);
     compute_timeline_.end(ctx.stream());
     return y;
   }
@@ -229,14 +238,10 @@ class distributed_data_parallel {
     context& ctx = *replica_.ctx;
     const stream_ref s = ctx.stream();
     replica_.check_communication();
-    if (!counted_) share_batch(0);  // a rank without rows this step calls backward without forward: the rows' sum,
-    gather_parameters();            // the gathers
-    if (syncing_) sync_buffers();   // and the buffers' broadcast
-    counted_ = false;
-    share_.output = nullptr;  // the step's loss ran: a later forward outside the wrapper (evaluation) is not a share
-    share_.pending = false;
-    // a rank whose loss did not run (no rows) keeps its step with the others' (dropout masks of the next steps)
-    if (shares_batch() && ctx.step() == step_at_share_) ctx.advance_step();
+    if (!batch_->counted()) batch_->count(0);  // a rank without rows this step calls backward without forward: the
+    gather_parameters();                        // rows' sum, the gathers
+    if (syncing_) sync_buffers();               // and the buffers' broadcast
+    batch_->loss_ran();
     shards_.wait_for_gathers();  // backward and the step after it: after every all-gather (which reads the shards)
     LOCKSTEP_EXPECTS(ctx.deterministic().has_value() == replica_.deterministic,
                      "distributed_data_parallel::backward: the context's deterministic mode changed since the wrapper was "
@@ -257,7 +262,7 @@ class distributed_data_parallel {
     // ZeRO-2 keeps no whole gradients to accumulate into: it reduces every time
     if (!syncing_ && !replica_.reused_buffers) {
       accumulated_ = true;  // every rank's call, with rows or not: the next backward adds to these sums
-      share_.loss = nullptr;  // no communication: the loss stays this rank's share
+      batch_->keep_local_loss();  // no communication
       if (run_model) {
         compute_timeline_.begin(phase::compute, s);
         model_->backward(grad, ctx, input_grad::not_required);
@@ -265,7 +270,7 @@ class distributed_data_parallel {
       }
       return;
     }
-    const bool summed_loss = sum_loss();
+    const bool summed_loss = batch_->sum_loss();
     sync_.begin();
     if (run_model) {
       ctx.set_gradients_ready_hook([this](std::span<parameter* const> ps) { sync_.gradients_ready(ps); });
@@ -292,66 +297,6 @@ class distributed_data_parallel {
   /// gather, and without ZeRO.
   void gather_parameters() {
     if (replica_.sharded) shards_.gather(comm_timeline_);
-  }
-
-  /// Whether a forward's loss is a share of the global batch's: training, with gradients summed over the ranks.
-  [[nodiscard]] bool shares_batch() const noexcept {
-    return replica_.ctx->training() && options_.reduction == gradient_reduction::sum;
-  }
-
-  /// The global batch of this forward (batch_share): the rows summed over the ranks on the communication stream (the
-  /// loss waits for the event after it; nothing when the context was told them); and this rank's default row offset.
-  /// Every rank calls it once per step (in forward, or in the backward of a rank without a forward), before ZeRO's
-  /// gathers and the buffers' broadcast.
-  void share_batch(std::int64_t rows) {
-    share_ = {};
-    counted_ = shares_batch();
-    if (!counted_) return;
-    context& ctx = *replica_.ctx;
-    ctx.set_share(&share_);  // (two wrappers may share a context: the one that ran forward last)
-    step_at_share_ = ctx.step();
-    ctx.default_row_offset(rank() * rows);
-    if (ctx.global_rows() > 0 || world_size() == 1) {
-      share_.global_rows = ctx.global_rows() > 0 ? ctx.global_rows() : rows;
-      return;
-    }
-    // the sum on the communication stream; only the loss's factor waits for it (rows_ready), not the forward
-    const stream_ref s = ctx.stream();
-    if (rows_summed_) s.wait(*rows_ready_);  // the last sum has read rows_ before it is written again
-    launch_elementwise(1, kernels::fill_op<std::int64_t>{rows_.as<std::int64_t>(), rows}, s, "batch rows");
-    replica_.after(replica_.comm_stream, s);
-    replica_.comm.all_reduce(rows_.data(), rows_.data(), 1, dtype::i64, reduce_op::sum, replica_.comm_stream);
-    rows_ready_->record(replica_.comm_stream);
-    rows_summed_ = true;
-    share_.global_rows_on_device = rows_.as<std::int64_t>();
-    share_.rows_ready = &*rows_ready_;
-  }
-
-  /// The ranks' shares of the loss (what the loss registered in batch_share, or zero) summed in place on the
-  /// communication stream, before the buckets. Returns whether it did.
-  bool sum_loss() {
-    float* loss = std::exchange(share_.loss, nullptr);
-    if (!shares_batch() || world_size() == 1) return false;
-    const stream_ref s = replica_.compute_stream();
-    if (loss == nullptr) {
-      loss = no_loss_.as<float>();
-      fill_zero(no_loss_.span<float>(), s);
-    }
-    replica_.after(replica_.comm_stream, s);
-    replica_.comm.all_reduce(loss, loss, 1, dtype::f32, reduce_op::sum, replica_.comm_stream);
-    return true;
-  }
-
-  /// Rank 0's buffers to every rank on the communication stream, after the compute stream's last update of them
-  /// and before the forward that reads them: once per synchronized step (in forward, or in the backward of a rank
-  /// without rows), so every rank issues the same collectives.
-  void sync_buffers() {
-    if (!buffers_stale_) return;
-    buffers_stale_ = false;
-    if (!options_.broadcast_buffers || replica_.params.buffers().empty() || replica_.comm.size() == 1) return;
-    replica_.after(replica_.comm_stream, replica_.compute_stream());
-    detail::broadcast_buffers(replica_.params, replica_.comm, replica_.comm_stream, buffers_flat_);
-    replica_.after(replica_.compute_stream(), replica_.comm_stream);
   }
 
   /// ZeRO: while the returned guard lives, every rank holds whole parameters (their fp32 master values) and the
@@ -388,12 +333,12 @@ class distributed_data_parallel {
 
   /// Calls f(k, values) for every parameter k of parameters_of(model), in order, with its whole fp32 master values
   /// in host memory (valid during the call). Under ZeRO no device holds the whole values meanwhile: each bucket's
-  /// are gathered into a buffer of that bucket's size, then copied to the host (which holds about one bucket's
-  /// values at a time), so that hashing the weights (weights_sha256 with this as its master_values_source) needs no
+  /// are gathered in chunks through a buffer of options.visit_chunk_bytes and copied to the host (which holds about
+  /// one bucket's values at a time), so that hashing the weights (weights_sha256 with this as its master_values_source) needs no
   /// more device memory than training, unlike consolidated(). Collective: every rank calls it at the same point.
   void visit_master_values(const std::function<void(std::size_t, std::span<const float>)>& f) {
     if (replica_.sharded) {
-      shards_.visit_masters(f);
+      detail::visit_masters(replica_, shards_, options_.visit_chunk_bytes, f);
       return;
     }
     detail::visit_values_on_host(replica_.params, replica_.compute_stream(), f);
@@ -402,14 +347,14 @@ class distributed_data_parallel {
   /// Calls f(p, which, values) for every parameter p of parameters_of(model) with its whole fp32 master values
   /// (which == master_values_tensor) and with each of its state tensors in `opt` (which = 0, 1), in host memory
   /// (valid during the call), in no particular order. Under ZeRO no device holds whole tensors meanwhile (as in
-  /// visit_master_values, bucket by bucket), so that saving a checkpoint needs no more device memory than training:
+  /// visit_master_values, in chunks), so that saving a checkpoint needs no more device memory than training:
   /// give it to the checkpoint (`state.sharded([&](const auto& f) { ddp.visit_whole_state(opt, f); })`). Every rank
   /// first materializes the optimizer's state (zeros before the first step). Collective: every rank calls it at
   /// the same point.
   template <class Optimizer, class F>
   void visit_whole_state(Optimizer& opt, F&& f) {
     if (replica_.sharded) {
-      shards_.visit_state(opt, f);
+      detail::visit_state(replica_, shards_, options_.visit_chunk_bytes, opt, f);
       return;
     }
     detail::visit_whole_state_as_held(replica_, opt, f);
@@ -443,41 +388,11 @@ class distributed_data_parallel {
 
   /// Bytes this rank holds for the parameters: the values forward reads (the working copies, or the master
   /// values under f32) and the fp32 master values (under ZeRO and f16/bf16: the shard's).
-  [[nodiscard]] std::uint64_t parameter_bytes() const {
-    const bool sharded = replica_.sharded;
-    std::uint64_t n = 0;
-    for (const auto& p : replica_.params) {
-      const parameter& q = *p.param;
-      const auto numel = static_cast<std::uint64_t>(q.numel());
-      if (q.working().empty()) {
-        n += sharded ? 0 : 4 * numel;  // under ZeRO in the buckets' value buffers, counted below
-      } else {
-        n += 4 * static_cast<std::uint64_t>(q.master_shard().numel()) + (sharded ? 0 : numel * size_of(q.compute_type()));
-      }
-    }
-    return n + shards_.values_bytes();
-  }
+  [[nodiscard]] std::uint64_t parameter_bytes() const { return detail::parameter_bytes(replica_, shards_); }
   /// Bytes this rank holds for the gradients: the buckets (with their padding), gradients kept apart from them,
   /// deterministic mode's accumulators, under ZeRO-2 the two reused buffers and the gradient shards, and under ZeRO
   /// with f16/bf16 on NCCL the f32 buffer of their reduce-scatters.
-  [[nodiscard]] std::uint64_t gradient_bytes() const {
-    if (replica_.reused_buffers) return shards_.reused_gradient_bytes() + sync_.staging_bytes();
-    std::uint64_t n = sync_.staging_bytes();
-    for (const auto& b : replica_.buckets) {
-      n += b.flat->size_bytes();
-      if (b.grads) {  // deterministic mode with all_reduce_exact: the gradients in a buffer of the bucket
-        n += b.grads->size_bytes();
-        continue;
-      }
-      for (std::size_t i = 0; i < b.layout.params.size(); ++i) {
-        // deterministic mode: the buckets hold the accumulators, the gradients their own memory
-        if (replica_.deterministic || !replica_.in_place(b, i)) {
-          n += static_cast<std::uint64_t>(replica_.param(b, i).grad().bytes().size());
-        }
-      }
-    }
-    return n;
-  }
+  [[nodiscard]] std::uint64_t gradient_bytes() const { return detail::gradient_bytes(replica_, shards_, sync_); }
   /// Starts a new window of the report; at the first call the memory peak so far becomes its setup_peak_bytes.
   void reset_report() {
     compute_timeline_.reset();  // (both timelines reset the device's memory peak: the first keeps the setup peak)
@@ -486,7 +401,6 @@ class distributed_data_parallel {
 
  private:
   using ddp_replica = detail::ddp_replica;
-  using ddp_bucket = detail::ddp_bucket;
 
   // The options, checked before anything is built.
   static const ddp_options& checked(const ddp_options& options, const context& ctx, communicator_ref comm,
@@ -497,6 +411,9 @@ class distributed_data_parallel {
                      ": all must be the rank's device");
     LOCKSTEP_EXPECTS(options.bucket_bytes > 0 && options.first_bucket_bytes > 0,
                      "distributed_data_parallel: bucket sizes must be positive");
+    LOCKSTEP_EXPECTS(options.visit_chunk_bytes >= sizeof(float) * static_cast<std::size_t>(comm.size()),
+                     "distributed_data_parallel: visit_chunk_bytes must hold a float per rank (", comm.size(), " ranks: ",
+                     sizeof(float) * static_cast<std::size_t>(comm.size()), " bytes), got ", options.visit_chunk_bytes);
     (void)to_zero_stage(static_cast<int>(options.zero));
     LOCKSTEP_EXPECTS(options.zero == zero_stage::none || options.hook == comm_hook::none,
                      "distributed_data_parallel: ZeRO stage ", static_cast<int>(options.zero), " reduces gradients in "
@@ -504,100 +421,26 @@ class distributed_data_parallel {
     return options;
   }
 
-  // The buckets' layout (bucket_plan.hpp), then their memory, and every parameter's gradient (and under ZeRO its
-  // values) placed in it.
-  void build_buckets() {
-    ddp_replica& r = replica_;
-    const stream_ref s = r.compute_stream();
-    std::vector<detail::planned_parameter> planned;
-    for (const auto& p : r.params) planned.push_back({p.param->numel(), p.param->compute_type()});
-    const detail::bucket_plan_options o{.bucket_bytes = options_.bucket_bytes,
-                                        .first_bucket_bytes = options_.first_bucket_bytes,
-                                        .deterministic = r.deterministic,
-                                        .own_type = options_.zero != zero_stage::none,
-                                        .sharded = r.sharded,
-                                        .reused_buffers = r.reused_buffers,
-                                        .exact_collective = r.exact_collective,
-                                        .world = r.comm.size()};
-    detail::bucket_plan plan = detail::plan_buckets(planned, o, hook_type(options_.hook));
-    r.bucket_of = plan.bucket_of;
-    // The model's gradients move into the buckets (most of them): their own memory goes first, so that the
-    // buckets are never allocated beside it (ZeRO-2: buckets share buffers, so a gradient must start zero, its
-    // first write then waiting for the buffer's previous bucket: what one held before the wrapper is dropped).
-    // Those the buckets do not take get memory of their own again at the end, also when this throws.
-    try {
-      for (const auto& p : r.params) {
-        if (r.reused_buffers) p.param->zero_grad();
-        p.param->release_grad_memory(s);
-      }
-      allocate_buckets(plan);
-    } catch (...) {
-      try {
-        for (const auto& p : r.params) p.param->restore_grad_memory(s);
-      } catch (...) {  // (out of memory again: those left without refuse to accumulate, naming the parameter)
-      }
-      throw;
-    }
-    for (const auto& p : r.params) p.param->restore_grad_memory(s);
-    sync_.create_staging();  // ZeRO with f16/bf16 on NCCL: their reduce-scatters' f32 buffer
-    // What the wrapper freed (gradients moved into buckets; under ZeRO the working copies, then the whole masters)
-    // goes back to the device rather than staying cached in its pool, where a later allocation of another size
-    // could take a block up to twice its size (host devices) and hold memory training does not need.
-    release_cached_memory(r.get_device());
-    if (r.sharded) {
-      shards_.shard_parameters();
-      release_cached_memory(r.get_device());
-    }
+  /// Rank 0's buffers to every rank on the communication stream, after the compute stream's last update of them
+  /// and before the forward that reads them: once per synchronized step (in forward, or in the backward of a rank
+  /// without rows), so every rank issues the same collectives.
+  void sync_buffers() {
+    if (!buffers_stale_) return;
+    buffers_stale_ = false;
+    if (!options_.broadcast_buffers || replica_.params.buffers().empty() || replica_.comm.size() == 1) return;
+    replica_.after(replica_.comm_stream, replica_.compute_stream());
+    detail::broadcast_buffers(replica_.params, replica_.comm, replica_.comm_stream, buffers_flat_);
+    replica_.after(replica_.compute_stream(), replica_.comm_stream);
   }
 
-  // The buckets of `plan`, their parameters' gradients (and, under ZeRO, values) placed in them.
-  void allocate_buckets(detail::bucket_plan& plan) {
-    ddp_replica& r = replica_;
-    const stream_ref s = r.compute_stream();
-    // The pool's cached blocks (the model's initialization staging, say) go back first, so that the buckets
-    // (allocated once, for the whole run) are not served by larger cached blocks; see build_buckets. (It waits for
-    // the frees still pending on streams.)
-    release_cached_memory(r.get_device());
-    if (r.reused_buffers) shards_.create_reused_buffers(plan);
-    r.buckets.resize(plan.buckets.size());
-    for (std::size_t b = 0; b < plan.buckets.size(); ++b) {
-      ddp_bucket& bk = r.buckets[b];
-      bk.layout = std::move(plan.buckets[b]);
-      const detail::bucket_layout& l = bk.layout;
-      if (r.reused_buffers) {
-        bk.flat = shards_.reused_buffer(b);
-        bk.released.emplace(r.get_device());
-      } else {
-        bk.flat = std::make_shared<tensor>(shape{static_cast<std::int64_t>(l.buffer_elements)}, l.wire, s);
-        fill_zero(bk.flat->bytes(), s);  // the padding between gradients stays zero
-      }
-      if (r.sharded) shards_.create_values(bk);
-      bk.done.emplace(r.get_device());
-      if (r.deterministic) {
-        bk.outside = std::make_shared<tensor>(shape{static_cast<std::int64_t>(l.params.size())}, dtype::i64, s);
-      }
-      if (!l.exact_ends.empty()) {  // one all_reduce_exact per bucket (exact_partials::collect)
-        bk.grads = std::make_shared<tensor>(shape{static_cast<std::int64_t>(l.value_elements)}, l.value_type, s);
-        fill_zero(bk.grads->bytes(), s);
-      }
-      for (std::size_t i = 0; i < l.params.size(); ++i) {
-        parameter& p = r.param(bk, i);
-        if (bk.grads) p.share_grad_storage(r.value_slot(bk, i, *bk.grads), bk.grads, s);
-        if (r.deterministic) {
-          p.share_exact_storage(r.slot(bk, i), bk.flat);
-          // ZeRO-2: the whole gradient (only ever zeroed: the sums are rounded into the shard) after the words
-          if (r.reused_buffers) p.share_grad_storage(reused_grad_slot(bk, i), bk.flat, s);
-        } else if (p.compute_type() == l.wire) {
-          p.share_grad_storage(r.slot(bk, i), bk.flat, s);
-        }
-        if (r.sharded) {
-          shards_.place(bk, i);
-          if (r.reused_buffers) {
-            shards_.set_first_write_hook(l.params[i], [this, b] { shards_.before_first_write(b, sync_.launched()); });
-          }
-        }
-      }
-    }
+  // The options every rank must share (compared at construction): what shapes the wrapper's collectives.
+  static std::string options_line(const ddp_options& o) {
+    return detail::settings_line(
+        "wrapper", 0, "",
+        detail::concat("buckets of ", o.bucket_bytes, " bytes (the first ", o.first_bucket_bytes, "), ZeRO stage ",
+                       static_cast<int>(o.zero), ", reduction ", o.reduction == gradient_reduction::sum ? "sum" : "mean",
+                       ", hook ", o.hook == comm_hook::none ? "none" : name_of(hook_type(o.hook)), ", buffers ",
+                       o.broadcast_buffers ? "broadcast" : "own", ", visit chunks of ", o.visit_chunk_bytes, " bytes"));
   }
 
   static dtype hook_type(comm_hook hook) noexcept {
@@ -607,12 +450,6 @@ class distributed_data_parallel {
       case comm_hook::none: break;
     }
     return dtype::f32;
-  }
-
-  // ZeRO-2 in deterministic mode: where the i-th parameter's whole gradient goes in bucket b's reused buffer.
-  [[nodiscard]] tensor_view reused_grad_slot(const ddp_bucket& b, std::size_t i) const {
-    return tensor_view(static_cast<std::byte*>(b.flat->data()) + b.layout.reused_grad_offset(i), b.layout.value_type,
-                       replica_.param(b, i).dims(), replica_.get_device());
   }
 
   Model* model_;
@@ -626,13 +463,7 @@ class distributed_data_parallel {
   bool syncing_ = true;             // outside no_sync()
   detail::communicator_replicas replicas_;  // the context's replica_group (synchronized batch norm)
   bool forward_used_replicas_ = false;      // the last forward summed over the ranks
-  batch_share share_;               // the context's: the global batch of this step's loss
-  bool counted_ = false;            // share_batch summed the rows since the last backward
-  std::uint64_t step_at_share_ = 0;  // the context's step when the rows were summed
-  tensor rows_;                     // the global batch's rows (i64, summed over the ranks)
-  std::optional<event> rows_ready_;  // recorded on the communication stream after their sum
-  bool rows_summed_ = false;
-  tensor no_loss_;                  // a zero loss, for a rank whose loss was not registered
+  std::optional<detail::global_batch> batch_;  // the loss's share of the global batch (after the buckets)
   tensor_view output_;                      // the last forward's output
   tensor buffers_flat_;             // the buffers packed for their broadcast
   bool buffers_stale_ = false;      // a synchronized backward ran since their last broadcast
@@ -646,22 +477,7 @@ class distributed_data_parallel {
   /// clipping or precision then fail at once, naming both values, instead of training apart.
   void agree_on_settings() {
     if (!syncing_ || settings_compared_ >= 2) return;
-    const context& ctx = *replica_.ctx;
-    std::vector<std::string> lines{detail::settings_line(
-        "precision", 0, "", detail::concat("compute in ", name_of(ctx.compute_type()),
-                                           ctx.deterministic() ? ", deterministic" : ""))};
-    // per role, a line where the setting changes along the parameters (in their order, the same on every rank)
-    for (std::size_t r = 0; r < update_role_count; ++r) {
-      std::string last;
-      for (std::size_t i = 0; i < replica_.params.size(); ++i) {
-        const auto& text = replica_.params[i].param->update_settings(static_cast<update_role>(r));
-        const std::string value = text != nullptr ? *text : std::string("none");
-        if (i > 0 && value == last) continue;
-        last = value;
-        lines.push_back(detail::settings_line(name_of(static_cast<update_role>(r)), i, replica_.params[i].name, value));
-      }
-    }
-    detail::check_same_settings(lines, replica_.comm, replica_.comm_stream);
+    detail::check_same_settings(detail::settings_lines(*replica_.ctx, replica_.params), replica_.comm, replica_.comm_stream);
     ++settings_compared_;  // (after the check: a refused backward called again checks again)
   }
 };

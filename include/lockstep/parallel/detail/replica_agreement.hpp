@@ -14,6 +14,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/config.hpp"
+#include "lockstep/nn/context.hpp"
 #include "lockstep/nn/parameter.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/tensor.hpp"
@@ -106,6 +107,25 @@ inline std::string settings_line(std::string_view role, std::size_t index, const
   return concat(role, '#', index, " '", name, "': ", value);
 }
 
+/// What every rank must train with (check_same_settings): the context's precision, then per update role (the
+/// learning rate, the loss scaler, the clipper...) a line where the setting changes along the parameters (in their
+/// order, the same on every rank).
+inline std::vector<std::string> settings_lines(const context& ctx, const parameter_list& params) {
+  std::vector<std::string> lines{settings_line(
+      "precision", 0, "", concat("compute in ", name_of(ctx.compute_type()), ctx.deterministic() ? ", deterministic" : ""))};
+  for (std::size_t r = 0; r < update_role_count; ++r) {
+    std::string last;
+    for (std::size_t i = 0; i < params.size(); ++i) {
+      const auto& text = params[i].param->update_settings(static_cast<update_role>(r));
+      const std::string value = text != nullptr ? *text : std::string("none");
+      if (i > 0 && value == last) continue;
+      last = value;
+      lines.push_back(settings_line(name_of(static_cast<update_role>(r)), i, params[i].name, value));
+    }
+  }
+  return lines;
+}
+
 /// Every rank must train with the same settings: `lines` (settings_line, the same order on every rank) are gathered
 /// on `s` (the first 4 KiB, and a hash of all of them) and compared with rank 0's. Throws precondition_error naming
 /// the first setting that differs, its parameter and both values.
@@ -169,7 +189,7 @@ inline void check_same_settings(const std::vector<std::string>& lines, communica
     }
     throw precondition_error(concat("distributed_data_parallel: the ranks do not train with the same settings: ",
                                     difference, ". Every rank must use the same optimizer options, loss scaler, "
-                                    "gradient clipping and precision (were the ranks started with other options?)"));
+                                    "gradient clipping, precision and wrapper options (were the ranks started with other options?)"));
   }
 }
 

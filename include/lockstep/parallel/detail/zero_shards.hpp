@@ -4,16 +4,14 @@
 // bucket, all-gathered in place before the next forward (gather()). Stage 2 also keeps only the range's
 // gradients: the whole gradients of a bucket live in one of two buffers reused bucket after bucket, and the
 // reduced range is copied out of it into each parameter's gradient shard (copy_out). consolidate() and
-// reshard() gather whole values and optimizer state on every rank, and shard them again; visit_masters() and
-// visit_state() stream the whole master values (and optimizer state) to the host without holding them whole on
-// the device (weights_sha256, checkpoints).
+// reshard() gather whole values and optimizer state on every rank, and shard them again (host_visits.hpp streams
+// them to the host instead, without whole tensors on the device).
 #pragma once
 
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <functional>
-#include <map>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -131,6 +129,7 @@ class zero_shards {
   zero_shards& operator=(const zero_shards&) = delete;
   ~zero_shards() {
     if (pending_reads_) r_->compute_stream().wait(gathered_);  // nobody waits for the gathers after this
+    detach_hooks();  // (also when the wrapper's constructor threw after placing them)
   }
 
   // ---- placement (at construction) ----
@@ -282,7 +281,8 @@ class zero_shards {
     // materialized it) that the others lack, so all materialize it (zeros; the next step stays a first step).
     opt.materialize_state(r_->compute_stream());
     const stream_ref s = r_->comm_stream;
-    gather_state(opt, [&](std::size_t k, std::size_t g, std::size_t i, int which, const tensor_view& whole) {
+    const auto to_device = [this](auto&& wanted, auto&& piece, auto&& take) { gather_whole(wanted, piece, take); };
+    gather_state(opt, to_device, [&](std::size_t k, std::size_t g, std::size_t i, int which, const tensor_view& whole) {
       tensor t(r_->param(k).dims(), dtype::f32, s);
       copy(t.span<float>(), whole.span<const float>(), s);
       // the shard was read on this stream (gather_whole's copy): freed after that read
@@ -297,54 +297,23 @@ class zero_shards {
     r_->comm.synchronize(s);
   }
 
-  /// Calls take(k, values) for every parameter k, in order, with its whole fp32 master values in host memory (valid
-  /// during the call), without whole values on the device: bucket by bucket through a buffer of one bucket's
-  /// values (gather_whole runs the last bucket, the first parameters, first: the host holds about one bucket's
-  /// values at a time). Collective. Inside a consolidation the values are whole already: read as they are.
-  template <class Take>
-  void visit_masters(Take&& take) {
-    std::size_t next = 0;
-    if (consolidations_ == 0) {
-      r_->check_communication();
-      const stream_ref s = r_->comm_stream;
-      std::map<std::size_t, std::vector<float>> arrived;  // gathered before their turn (a bucket's run backwards)
-      gather_whole([](std::size_t) { return true; }, [&](std::size_t k) { return r_->param(k).master_shard(); },
-                   [&](std::size_t k, const tensor_view& whole) {
-                     arrived.emplace(k, to_vector(whole.span<const float>(), s));
-                     for (auto it = arrived.find(next); it != arrived.end(); it = arrived.find(++next)) {
-                       take(next, std::span<const float>(it->second));
-                       arrived.erase(it);
-                     }
-                   });
+  /// Every optimizer state tensor of `opt` whole, through `gather` (gather_whole's signature: the device, or the
+  /// host in chunks): take(parameter index, group, index in group, which state tensor, whole values) for each, one
+  /// state index after the other.
+  template <class Optimizer, class Gather, class Take>
+  void gather_state(Optimizer& opt, Gather&& gather, Take&& take) const {
+    std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
+    for_each_state(*r_, opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
+    for (int which = 0; which < Optimizer::state_count; ++which) {
+      gather([&](std::size_t k) { return where.contains(k); },
+             [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
+             [&](std::size_t k, const auto& whole) { take(k, where.at(k).first, where.at(k).second, which, whole); });
     }
-    visit_values_on_host(r_->params, r_->compute_stream(), take, next);  // inside a consolidation
   }
-
-  /// Calls take(p, which, values) for every parameter p with its whole fp32 master values (which ==
-  /// master_values_tensor) and with each of its optimizer state tensors (which = 0, 1), in host memory (valid during
-  /// the call), without whole tensors on the device: bucket by bucket as in visit_masters, each tensor given as soon
-  /// as its bucket is gathered, every optimizer state tensor of one index, then of the next, then the master values
-  /// (checkpoint_state::sharded). Collective. Every rank first materializes the
-  /// optimizer's state (zeros before the first step), so that every rank gathers the same tensors.
-  template <class Optimizer, class Take>
-  void visit_state(Optimizer& opt, Take&& take) {
-    if (consolidations_ > 0) {
-      visit_whole_state_as_held(*r_, opt, take);
-      return;
-    }
-    r_->check_communication();
-    opt.materialize_state(r_->compute_stream());
-    const stream_ref s = r_->comm_stream;
-    const auto to_host = [&](std::size_t k, int which, const tensor_view& whole) {
-      const std::vector<float> v = to_vector(whole.span<const float>(), s);
-      take(r_->param(k), which, std::span<const float>(v));
-    };
-    gather_state(opt, [&](std::size_t k, std::size_t, std::size_t, int which, const tensor_view& whole) {
-      to_host(k, which, whole);
-    });
-    gather_whole([](std::size_t) { return true; }, [&](std::size_t k) { return r_->param(k).master_shard(); },
-                 [&](std::size_t k, const tensor_view& whole) { to_host(k, master_values_tensor, whole); });
-  }
+  /// Parameter k's range on this rank.
+  [[nodiscard]] element_range range(std::size_t k) const { return parts_[k]->range(); }
+  /// Whether a consolidation holds the tensors whole (consolidate() not yet resharded).
+  [[nodiscard]] bool consolidated() const noexcept { return consolidations_ > 0; }
 
   /// Back to shards after consolidate(): the optimizer state and the master values keep this rank's range.
   template <class Optimizer>
@@ -455,21 +424,6 @@ class zero_shards {
     }
     gathered_.record(s);
     r_->compute_stream().wait(gathered_);
-  }
-
-  // Every optimizer state tensor whole, through gather_whole: take(parameter index, group, index in group, which
-  // state tensor, whole values) for each, one state index after the other.
-  template <class Optimizer, class Take>
-  void gather_state(Optimizer& opt, Take&& take) {
-    std::unordered_map<std::size_t, std::pair<std::size_t, std::size_t>> where;  // parameter -> (group, index)
-    for_each_state(*r_, opt, [&](std::size_t g, std::size_t i, std::size_t k) { where.emplace(k, std::pair{g, i}); });
-    for (int which = 0; which < Optimizer::state_count; ++which) {
-      gather_whole([&](std::size_t k) { return where.contains(k); },
-                   [&](std::size_t k) { return opt.state(where.at(k).first, where.at(k).second, which); },
-                   [&](std::size_t k, const tensor_view& whole) {
-                     take(k, where.at(k).first, where.at(k).second, which, whole);
-                   });
-    }
   }
 
   ddp_replica* r_;
