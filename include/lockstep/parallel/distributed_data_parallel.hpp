@@ -142,7 +142,7 @@ template <layer Model>
 class distributed_data_parallel {
  public:
   /// Wraps `model` (on ctx's device) for rank comm.rank() of comm.size(). Collectives run on `comm_stream`
-  /// (a second stream of the same device). Checks that every rank has the same parameters, then broadcasts
+  /// (a second stream of the same device). Checks that every rank has the same parameters and options, then broadcasts
   /// rank 0's values (this waits for the other ranks: every rank must construct its wrapper). `model`, `ctx`,
   /// `comm` and the stream must outlive this object.
   distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,

@@ -1,7 +1,8 @@
 // lockstep/parallel/detail/replica_agreement.hpp — before DDP trains, every rank must wrap the same model and
 // start from the same values: the parameters' and buffers' names, shapes and types are compared across ranks (a
 // mismatch names the rank and the parameter), then rank 0's values are broadcast; before each forward, rank 0's
-// buffers are.
+// buffers are. Settings (the wrapper's options at construction; the optimizer, scaler, clipping and precision at the
+// first synchronized backward calls) are compared as lines of text, naming the first that differs.
 #pragma once
 
 #include <algorithm>
