@@ -1463,7 +1463,17 @@ TEST_P(ddp_test, ranks_with_different_wrapper_options_are_refused_at_constructio
   for (const auto& e : refusals({}, {.bucket_bytes = 1024})) {
     EXPECT_CONTAINS(e, "the ranks do not train with the same settings: for the wrapper, rank 0 has buckets of 26214400 "
                        "bytes (the first 1048576), ZeRO stage 0, reduction sum, hook none, buffers broadcast, visit "
-                       "chunks of 4194304 bytes and rank 1 has buckets of 1024 bytes (the first 1048576)");
+                       "chunks of 4194304 bytes, not deterministic and rank 1 has buckets of 1024 bytes (the first "
+                       "1048576)");
+  }
+  // deterministic mode changes the buckets (exact sums), its chunks the gathered partials: refused before any step
+  for (const auto& e : refusals({}, {.deterministic = deterministic_options{}})) {
+    EXPECT_CONTAINS(e, "not deterministic and rank 1 has ");
+    EXPECT_CONTAINS(e, "deterministic in chunks of 32 rows");
+  }
+  for (const auto& e : refusals({.deterministic = deterministic_options{.chunk_rows = 16}},
+                                {.deterministic = deterministic_options{}})) {
+    EXPECT_CONTAINS(e, "deterministic in chunks of 16 rows and rank 1 has");
   }
   for (const auto& e : refusals({.zero = zero_stage::gradients}, {.zero = zero_stage::optimizer_state})) {
     EXPECT_CONTAINS(e, "ZeRO stage 2");

@@ -540,11 +540,11 @@ LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
-/// Calls f(k, values) for every parameter k of `params` from `first` on, in order, with its whole fp32 master values
+/// Calls f(k, values) for every parameter k of `params`, in order, with its whole fp32 master values
 /// (value()) copied to host memory (valid during the call); synchronizes `s` once per parameter.
 template <class F>
-void visit_values_on_host(const parameter_list& params, stream_ref s, F&& f, std::size_t first = 0) {
-  for (std::size_t k = first; k < params.size(); ++k) {
+void visit_values_on_host(const parameter_list& params, stream_ref s, F&& f) {
+  for (std::size_t k = 0; k < params.size(); ++k) {
     const std::vector<float> v = to_vector(params[k].param->value().span<const float>(), s);
     f(k, std::span<const float>(v));
   }

@@ -166,7 +166,7 @@ class distributed_data_parallel {
     replica_.reused_buffers = replica_.sharded && options.zero == zero_stage::gradients;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
     detail::check_same_parameters(replica_.params, comm, comm_stream);
-    detail::check_same_settings({options_line(options_)}, comm, comm_stream);  // they shape the collectives
+    detail::check_same_settings({options_line(options_, ctx)}, comm, comm_stream);  // they shape the collectives
     detail::broadcast_parameters(replica_.params, comm, comm_stream);
     synchronize(ctx.get_device());  // the buffers' initial values are written (a model may have no parameters)
     detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);
@@ -188,8 +188,7 @@ class distributed_data_parallel {
   distributed_data_parallel(const distributed_data_parallel&) = delete;
   distributed_data_parallel& operator=(const distributed_data_parallel&) = delete;
   /// The parameters stay as they are (sharded under ZeRO: use consolidated() before, to keep whole values).
-  ~distributed_data_parallel() {
-    shards_.detach_hooks();
+  ~distributed_data_parallel() {  // (ZeRO's hooks go with shards_)
     for (const auto& p : replica_.params) {
       if (p.param->owner() == this) p.param->set_owner(nullptr);
     }
@@ -433,14 +432,19 @@ class distributed_data_parallel {
     replica_.after(replica_.compute_stream(), replica_.comm_stream);
   }
 
-  // The options every rank must share (compared at construction): what shapes the wrapper's collectives.
-  static std::string options_line(const ddp_options& o) {
+  // The options every rank must share (compared at construction): what shapes the wrapper's collectives, with the
+  // context's deterministic mode in effect (exact sums in the buckets; its chunks make the gathered partials).
+  static std::string options_line(const ddp_options& o, const context& ctx) {
+    const std::string deterministic =
+        ctx.deterministic() ? detail::concat("deterministic in chunks of ", ctx.deterministic()->chunk_rows, " rows")
+                            : std::string("not deterministic");
     return detail::settings_line(
         "wrapper", 0, "",
         detail::concat("buckets of ", o.bucket_bytes, " bytes (the first ", o.first_bucket_bytes, "), ZeRO stage ",
                        static_cast<int>(o.zero), ", reduction ", o.reduction == gradient_reduction::sum ? "sum" : "mean",
                        ", hook ", o.hook == comm_hook::none ? "none" : name_of(hook_type(o.hook)), ", buffers ",
-                       o.broadcast_buffers ? "broadcast" : "own", ", visit chunks of ", o.visit_chunk_bytes, " bytes"));
+                       o.broadcast_buffers ? "broadcast" : "own", ", visit chunks of ", o.visit_chunk_bytes, " bytes, ",
+                       deterministic));
   }
 
   static dtype hook_type(comm_hook hook) noexcept {

@@ -8,7 +8,6 @@
 #include <algorithm>
 #include <cstddef>
 #include <cstdint>
-#include <map>
 #include <span>
 #include <vector>
 
@@ -18,75 +17,61 @@
 
 LOCKSTEP_DETAIL_BEGIN
 
-/// Whole fp32 tensors from every rank's shards, into host memory: for each parameter k with wanted(k) (the same on
-/// every rank), piece(k) is its shard on this rank (shards.range(k).size() floats) and take(k, values) receives all
-/// numel() values (host memory, valid during the call). Bucket by bucket, the last first (it holds the first
-/// parameters); within a bucket, in chunks of at most `chunk_bytes` over all ranks, on the communication stream
-/// (which waits for the context's stream first; the context's stream waits for it at the end). Collective.
+/// Whole fp32 tensors from every rank's shards, into host memory (zero_shards::gather_chunks): for each parameter k
+/// with wanted(k) (the same on every rank), piece(k) is its shard on this rank and take(k, values) receives all
+/// numel() values (host memory, valid during the call), in ascending order of k. Each bucket's chunks of at most
+/// `chunk_bytes` over all ranks go through one device buffer into a host image of the bucket, whose tensors are
+/// given when it is whole. On the communication stream (the context's stream waits for it at the end). Collective.
 template <class Wanted, class Piece, class Take>
 void gather_to_host(ddp_replica& r, const zero_shards& shards, std::size_t chunk_bytes, Wanted&& wanted, Piece&& piece,
                     Take&& take) {
   const stream_ref s = r.comm_stream;
   const auto world = static_cast<std::size_t>(r.comm.size());
-  const auto me = static_cast<std::size_t>(r.comm.rank());
   std::size_t largest = 0;  // a rank's range in the largest bucket
   for (const auto& b : r.buckets) largest = std::max(largest, b.layout.shard_elements);
   const std::size_t chunk = std::max<std::size_t>(1, std::min(largest, chunk_bytes / sizeof(float) / world));
-  r.after(s, r.compute_stream());
   tensor buffer(shape{static_cast<std::int64_t>(world * chunk)}, dtype::f32, s);
   std::vector<float> image;  // the bucket's values, in the values' layout
-  for (std::size_t bi = r.buckets.size(); bi-- > 0;) {
-    const bucket_layout& l = r.buckets[bi].layout;
-    if (std::none_of(l.params.begin(), l.params.end(), wanted)) continue;
-    image.assign(l.value_elements, 0.0f);
-    for (std::size_t at = 0; at < l.shard_elements; at += chunk) {  // this rank's elements [from, from + n) of the bucket
-      const std::size_t n = std::min(chunk, l.shard_elements - at), from = l.rank_offset(static_cast<int>(me)) + at;
-      const device_span<float> mine = buffer.span<float>().subspan(me * n, n);
-      fill_zero(mine, s);
-      for (std::size_t i = 0; i < l.params.size(); ++i) {
-        const std::size_t k = l.params[i];
-        const element_range range = shards.range(k);
-        if (!wanted(k) || range.empty()) continue;
-        const std::size_t begin = l.value_offsets[i] + static_cast<std::size_t>(range.begin);  // the piece in the bucket
-        const std::size_t first = std::max(begin, from), last = std::min(begin + static_cast<std::size_t>(range.size()), from + n);
-        if (first >= last) continue;
-        copy(mine.subspan(first - from, last - first), piece(k).template span<const float>().subspan(first - begin, last - first), s);
-      }
-      r.comm.all_gather(mine.data(), buffer.data(), n, dtype::f32, s);
-      const std::vector<float> arrived = to_vector(buffer.span<const float>().subspan(0, world * n), s);
-      for (std::size_t q = 0; q < world; ++q) {
-        std::copy_n(arrived.begin() + static_cast<std::ptrdiff_t>(q * n), n,
-                    image.begin() + static_cast<std::ptrdiff_t>(l.rank_offset(static_cast<int>(q)) + at));
-      }
+  try {
+    shards.gather_chunks(chunk, wanted, piece,
+      [&](const ddp_bucket& b, std::size_t) {
+        image.resize(b.layout.value_elements);  // (every element arrives: the ranks' ranges cover the bucket)
+        return buffer.span<float>();
+      },
+      [&](const ddp_bucket& b, std::size_t at, std::size_t n, device_span<const float> gathered) {
+        const bucket_layout& l = b.layout;
+        for (std::size_t q = 0; q < world; ++q) {
+          copy(std::span<float>(image).subspan(l.rank_offset(static_cast<int>(q)) + at, n), gathered.subspan(q * n, n), s);
+        }
+        if (at + n < l.shard_elements) return;
+        s.synchronize();  // the image is whole
+        for (std::size_t i = l.params.size(); i-- > 0;) {  // ascending k
+          const std::size_t k = l.params[i];
+          if (wanted(k)) take(k, std::span<const float>(image).subspan(l.value_offsets[i], static_cast<std::size_t>(r.param(k).numel())));
+        }
+      });
+  } catch (...) {  // copies into the image may still be queued: they end before it does
+    try {
+      s.synchronize();
+    } catch (...) {
     }
-    for (std::size_t i = 0; i < l.params.size(); ++i) {
-      const std::size_t k = l.params[i];
-      if (wanted(k)) take(k, std::span<const float>(image).subspan(l.value_offsets[i], static_cast<std::size_t>(r.param(k).numel())));
-    }
+    throw;
   }
-  r.after(r.compute_stream(), s);  // (to_vector waited for the reads already; this keeps the order explicit)
+  r.after(r.compute_stream(), s);  // (the copies to the host waited for the reads already; this keeps the order explicit)
 }
 
 /// Calls take(k, values) for every parameter k, in order, with its whole fp32 master values in host memory (valid
-/// during the call), through gather_to_host (the host holds about one bucket's values at a time: the last bucket,
-/// holding the first parameters, comes first). Inside a consolidation the values are whole already: read as they are.
+/// during the call), through gather_to_host (the host holds one bucket's values at a time). Inside a
+/// consolidation the values are whole already: read as they are.
 template <class Take>
 void visit_masters(ddp_replica& r, const zero_shards& shards, std::size_t chunk_bytes, Take&& take) {
-  std::size_t next = 0;
-  if (!shards.consolidated()) {
-    r.check_communication();
-    std::map<std::size_t, std::vector<float>> arrived;  // gathered before their turn (a bucket's run backwards)
-    gather_to_host(r, shards, chunk_bytes, [](std::size_t) { return true; },
-                   [&](std::size_t k) { return r.param(k).master_shard(); },
-                   [&](std::size_t k, std::span<const float> whole) {
-                     arrived.emplace(k, std::vector<float>(whole.begin(), whole.end()));
-                     for (auto it = arrived.find(next); it != arrived.end(); it = arrived.find(++next)) {
-                       take(next, std::span<const float>(it->second));
-                       arrived.erase(it);
-                     }
-                   });
+  if (shards.consolidated()) {
+    visit_values_on_host(r.params, r.compute_stream(), take);
+    return;
   }
-  visit_values_on_host(r.params, r.compute_stream(), take, next);  // inside a consolidation
+  r.check_communication();
+  gather_to_host(r, shards, chunk_bytes, [](std::size_t) { return true; },
+                 [&](std::size_t k) { return r.param(k).master_shard(); }, take);  // (in ascending order)
 }
 
 /// Calls take(p, which, values) for every parameter p with its whole fp32 master values (which ==

@@ -12,6 +12,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <functional>
+#include <limits>
 #include <memory>
 #include <span>
 #include <unordered_map>
@@ -161,14 +162,6 @@ class zero_shards {
   }
   /// ZeRO-2: `hook` runs before parameter k's whole gradient, logically zero, is first written.
   void set_first_write_hook(std::size_t k, std::function<void()> hook) { parts_[k]->set_first_write_hook(std::move(hook)); }
-  /// The wrapper ends: its hooks go (the parameters keep their shards, stale or not).
-  void detach_hooks() {
-    for (const auto& part : parts_) {
-      if (!part) continue;
-      part->set_first_write_hook(nullptr);
-      part->set_read_hook(nullptr);
-    }
-  }
   /// After placement: every parameter gets its range as its shard (freeing the master values outside it), and
   /// under ZeRO-2 in deterministic mode each gradient shard an exact sum kept across micro-batches.
   void shard_parameters() {
@@ -312,6 +305,45 @@ class zero_shards {
   }
   /// Parameter k's range on this rank.
   [[nodiscard]] element_range range(std::size_t k) const { return parts_[k]->range(); }
+  /// Whole fp32 tensors from every rank's shards, on the communication stream (which first waits for the context's
+  /// stream). Bucket by bucket, the last first (it holds the first parameters: within a bucket, and from bucket to
+  /// bucket, the parameters come in descending order), for each bucket holding a parameter k with wanted(k) (the
+  /// same on every rank): buffer(b, n) gives a device span of at least world x n floats, n = min(chunk,
+  /// shard_elements); each rank's range is gathered in chunks [at, at + n) of at most n floats (one chunk at least,
+  /// so that every rank issues the same collectives), this rank's from piece(k) (its shard: range(k).size() floats,
+  /// zeros elsewhere), and arrived(b, at, n, gathered) receives rank q's part of the chunk at q x n of `gathered`.
+  template <class Wanted, class Piece, class Buffer, class Arrived>
+  void gather_chunks(std::size_t chunk, Wanted&& wanted, Piece&& piece, Buffer&& buffer, Arrived&& arrived) const {
+    LOCKSTEP_EXPECTS(chunk > 0, "zero_shards::gather_chunks: chunks of 0 elements");
+    const stream_ref s = r_->comm_stream;
+    const auto world = static_cast<std::size_t>(r_->comm.size()), me = static_cast<std::size_t>(r_->comm.rank());
+    r_->after(s, r_->compute_stream());
+    for (std::size_t bi = r_->buckets.size(); bi-- > 0;) {
+      const ddp_bucket& b = r_->buckets[bi];
+      const bucket_layout& l = b.layout;
+      if (std::none_of(l.params.begin(), l.params.end(), wanted)) continue;
+      const std::size_t most = std::min(chunk, l.shard_elements);
+      const device_span<float> room = buffer(b, most);
+      for (std::size_t at = 0, n = most; at == 0 || at < l.shard_elements; at += n) {  // this rank's [from, from + n)
+        n = std::min(most, l.shard_elements - at);
+        const std::size_t from = l.rank_offset(static_cast<int>(me)) + at;
+        const device_span<float> mine = room.subspan(me * n, n);
+        fill_zero(mine, s);
+        for (std::size_t i = 0; i < l.params.size(); ++i) {
+          const std::size_t k = l.params[i];
+          const element_range r = parts_[k]->range();
+          if (!wanted(k) || r.empty()) continue;
+          const std::size_t begin = l.value_offsets[i] + static_cast<std::size_t>(r.begin);  // the shard in the bucket
+          const std::size_t first = std::max(begin, from), last = std::min(begin + static_cast<std::size_t>(r.size()), from + n);
+          if (first >= last) continue;
+          copy(mine.subspan(first - from, last - first), piece(k).template span<const float>().subspan(first - begin, last - first), s);
+        }
+        r_->comm.all_gather(mine.data(), room.data(), n, dtype::f32, s);
+        arrived(b, at, n, device_span<const float>(room.subspan(0, world * n)));
+        if (n == 0) break;  // a bucket without elements: its one (empty) chunk
+      }
+    }
+  }
   /// Whether a consolidation holds the tensors whole (consolidate() not yet resharded).
   [[nodiscard]] bool consolidated() const noexcept { return consolidations_ > 0; }
 
@@ -355,6 +387,15 @@ class zero_shards {
   }
 
  private:
+  // The wrapper ends: its hooks go (the parameters keep their shards, stale or not). (ZeRO-2's first-write hooks
+  // capture the wrapper's gradient_sync, destroyed just before this: nothing runs a hook in between.)
+  void detach_hooks() {
+    for (const auto& part : parts_) {
+      if (!part) continue;
+      part->set_first_write_hook(nullptr);
+      part->set_read_hook(nullptr);
+    }
+  }
   // Every parameter's values stale (after backward) or current (after a gather).
   void set_stale(bool stale) {
     for (const auto& part : parts_) part->set_stale(stale);
@@ -392,36 +433,25 @@ class zero_shards {
     round_exact_limbs(p.compute_type(), to[0], to[1], to[2], p.grad_shard().data(), m, cs);
   }
 
-  // Whole fp32 tensors from every rank's shards, bucket by bucket (the last first: it holds the first parameters),
-  // in stream order on the communication stream
-  // (which waits for the context's stream first; the context's stream waits for it at the end). For each
-  // parameter k with wanted(k) (the same on every rank), piece(k) is its shard on this rank (shard().size()
-  // floats) and take(k, whole) receives all numel() values, flat, in a temporary buffer.
+  // Whole fp32 tensors from every rank's shards (gather_chunks), each bucket's in one temporary device buffer of its
+  // values' layout, in stream order on the communication stream (the context's stream waits for it at the end):
+  // take(k, whole) receives parameter k's numel() values (for every k with wanted(k)) in that buffer.
   template <class Wanted, class Piece, class Take>
   void gather_whole(Wanted&& wanted, Piece&& piece, Take&& take) {
     const stream_ref s = r_->comm_stream;
-    r_->after(s, r_->compute_stream());
-    for (std::size_t bi = r_->buckets.size(); bi-- > 0;) {
-      ddp_bucket& b = r_->buckets[bi];
-      const bucket_layout& l = b.layout;
-      if (std::none_of(l.params.begin(), l.params.end(), wanted)) continue;
-      tensor flat(shape{static_cast<std::int64_t>(l.value_elements)}, dtype::f32, s);
-      fill_zero(flat.span<float>(), s);
-      for (std::size_t i = 0; i < l.params.size(); ++i) {
-        const std::size_t k = l.params[i];
-        const element_range r = parts_[k]->range();
-        if (!wanted(k) || r.empty()) continue;
-        copy(flat.span<float>().subspan(l.value_offsets[i] + static_cast<std::size_t>(r.begin), static_cast<std::size_t>(r.size())),
-             piece(k).template span<const float>(), s);
-      }
-      r_->comm.all_gather(flat.span<float>().data() + l.rank_offset(r_->comm.rank()), flat.data(), l.shard_elements,
-                          dtype::f32, s);
-      for (std::size_t i = 0; i < l.params.size(); ++i) {
-        const std::size_t k = l.params[i];
-        if (!wanted(k)) continue;
-        take(k, r_->value_slot(b, i, flat));
-      }
-    }
+    tensor flat;
+    gather_chunks(
+        std::numeric_limits<std::size_t>::max(), wanted, piece,
+        [&](const ddp_bucket& b, std::size_t) {
+          flat = tensor();  // the last bucket's freed first (its readers were queued on `s`)
+          flat = tensor(shape{static_cast<std::int64_t>(b.layout.value_elements)}, dtype::f32, s);
+          return flat.span<float>();  // one chunk of each rank's whole range: the values' layout
+        },
+        [&](const ddp_bucket& b, std::size_t, std::size_t, device_span<const float>) {
+          for (std::size_t i = b.layout.params.size(); i-- > 0;) {
+            if (wanted(b.layout.params[i])) take(b.layout.params[i], r_->value_slot(b, i, flat));
+          }
+        });
     gathered_.record(s);
     r_->compute_stream().wait(gathered_);
   }
