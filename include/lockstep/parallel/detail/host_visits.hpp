@@ -33,23 +33,28 @@ void gather_to_host(ddp_replica& r, const zero_shards& shards, std::size_t chunk
   tensor buffer(shape{static_cast<std::int64_t>(world * chunk)}, dtype::f32, s);
   std::vector<float> image;  // the bucket's values, in the values' layout
   try {
-    shards.gather_chunks(chunk, wanted, piece,
-      [&](const ddp_bucket& b, std::size_t) {
-        image.resize(b.layout.value_elements);  // (every element arrives: the ranks' ranges cover the bucket)
-        return buffer.span<float>();
-      },
-      [&](const ddp_bucket& b, std::size_t at, std::size_t n, device_span<const float> gathered) {
-        const bucket_layout& l = b.layout;
-        for (std::size_t q = 0; q < world; ++q) {
-          copy(std::span<float>(image).subspan(l.rank_offset(static_cast<int>(q)) + at, n), gathered.subspan(q * n, n), s);
-        }
-        if (at + n < l.shard_elements) return;
-        s.synchronize();  // the image is whole
-        for (std::size_t i = l.params.size(); i-- > 0;) {  // ascending k
-          const std::size_t k = l.params[i];
-          if (wanted(k)) take(k, std::span<const float>(image).subspan(l.value_offsets[i], static_cast<std::size_t>(r.param(k).numel())));
-        }
-      });
+    shards.gather_chunks(
+        chunk, wanted, piece,
+        [&](const ddp_bucket& b) {
+          image.resize(b.layout.value_elements);  // (every element arrives: the ranks' ranges cover the bucket)
+          return buffer.span<float>();
+        },
+        [&](const ddp_bucket& b, std::size_t at, std::size_t n, device_span<const float> gathered) {
+          const bucket_layout& l = b.layout;
+          for (std::size_t q = 0; q < world; ++q) {
+            const std::size_t to = l.rank_offset(static_cast<int>(q)) + at;  // rank q's part in the image
+            copy(std::span<float>(image).subspan(to, n), gathered.subspan(q * n, n), s);
+          }
+          if (at + n < l.shard_elements) return;
+          s.synchronize();  // the image is whole
+          for (std::size_t i = l.params.size(); i-- > 0;) {  // ascending k
+            const std::size_t k = l.params[i];
+            if (wanted(k)) {
+              take(k, std::span<const float>(image).subspan(l.value_offsets[i],
+                                                            static_cast<std::size_t>(r.param(k).numel())));
+            }
+          }
+        });
   } catch (...) {  // copies into the image may still be queued: they end before it does
     try {
       s.synchronize();

@@ -308,10 +308,10 @@ class zero_shards {
   /// Whole fp32 tensors from every rank's shards, on the communication stream (which first waits for the context's
   /// stream). Bucket by bucket, the last first (it holds the first parameters: within a bucket, and from bucket to
   /// bucket, the parameters come in descending order), for each bucket holding a parameter k with wanted(k) (the
-  /// same on every rank): buffer(b, n) gives a device span of at least world x n floats, n = min(chunk,
-  /// shard_elements); each rank's range is gathered in chunks [at, at + n) of at most n floats (one chunk at least,
-  /// so that every rank issues the same collectives), this rank's from piece(k) (its shard: range(k).size() floats,
-  /// zeros elsewhere), and arrived(b, at, n, gathered) receives rank q's part of the chunk at q x n of `gathered`.
+  /// same on every rank): buffer(b) gives a device span of at least world x min(chunk, b's shard_elements) floats;
+  /// each rank's range is gathered in chunks [at, at + n) of at most that many floats (one chunk at least, so that
+  /// every rank issues the same collectives), this rank's from piece(k) (its shard: range(k).size() floats, zeros
+  /// elsewhere), and arrived(b, at, n, gathered) receives rank q's part of the chunk at q x n of `gathered`.
   template <class Wanted, class Piece, class Buffer, class Arrived>
   void gather_chunks(std::size_t chunk, Wanted&& wanted, Piece&& piece, Buffer&& buffer, Arrived&& arrived) const {
     LOCKSTEP_EXPECTS(chunk > 0, "zero_shards::gather_chunks: chunks of 0 elements");
@@ -323,9 +323,10 @@ class zero_shards {
       const bucket_layout& l = b.layout;
       if (std::none_of(l.params.begin(), l.params.end(), wanted)) continue;
       const std::size_t most = std::min(chunk, l.shard_elements);
-      const device_span<float> room = buffer(b, most);
-      for (std::size_t at = 0, n = most; at == 0 || at < l.shard_elements; at += n) {  // this rank's [from, from + n)
-        n = std::min(most, l.shard_elements - at);
+      const device_span<float> room = buffer(b);
+      std::size_t at = 0;
+      do {  // this rank's [from, from + n); once for a bucket without elements
+        const std::size_t n = std::min(most, l.shard_elements - at);
         const std::size_t from = l.rank_offset(static_cast<int>(me)) + at;
         const device_span<float> mine = room.subspan(me * n, n);
         fill_zero(mine, s);
@@ -340,8 +341,8 @@ class zero_shards {
         }
         r_->comm.all_gather(mine.data(), room.data(), n, dtype::f32, s);
         arrived(b, at, n, device_span<const float>(room.subspan(0, world * n)));
-        if (n == 0) break;  // a bucket without elements: its one (empty) chunk
-      }
+        at += n;
+      } while (at < l.shard_elements);
     }
   }
   /// Whether a consolidation holds the tensors whole (consolidate() not yet resharded).
@@ -442,7 +443,7 @@ class zero_shards {
     tensor flat;
     gather_chunks(
         std::numeric_limits<std::size_t>::max(), wanted, piece,
-        [&](const ddp_bucket& b, std::size_t) {
+        [&](const ddp_bucket& b) {
           flat = tensor();  // the last bucket's freed first (its readers were queued on `s`)
           flat = tensor(shape{static_cast<std::int64_t>(b.layout.value_elements)}, dtype::f32, s);
           return flat.span<float>();  // one chunk of each rank's whole range: the values' layout
