@@ -62,7 +62,8 @@ fi
 # Sanitizer builds: -g1 (line tables, so every report's stack has file:line; no variable locations, whose tracking
 # took a third of the compile time). AddressSanitizer's at -O0: instrumented code at -O1 took 2.5 times as long to
 # compile (test_amp.cpp: 173 s against 68 s) for tests that ran 1.6 times faster (test_zero: 38 s against 61 s).
-# ThreadSanitizer's at -O1: it builds few programs, and its races run long at -O0.
+# (The samples build at -O0 there too; -Wmaybe-uninitialized and the like need optimization: the nvcc stage's -O1
+# tests and -O3 samples have them.) ThreadSanitizer's at -O1: it builds few programs, and its races run long at -O0.
 stage "g++ build, AddressSanitizer + UndefinedBehaviorSanitizer (host backend)" \
   configure_build_test "$build_root/asan" "" -DCMAKE_BUILD_TYPE=Debug -DCMAKE_CXX_FLAGS_DEBUG="-g1 -O0" \
   -DLOCKSTEP_CUDA=OFF -DLOCKSTEP_SANITIZE=address,undefined -DLOCKSTEP_BUILD_BENCHMARKS=OFF -DLOCKSTEP_BUILD_TESTS=ON

@@ -308,9 +308,9 @@ class zero_shards {
   /// Whole fp32 tensors from every rank's shards, on the communication stream (which first waits for the context's
   /// stream). Bucket by bucket, the last first (it holds the first parameters: within a bucket, and from bucket to
   /// bucket, the parameters come in descending order), for each bucket holding a parameter k with wanted(k) (the
-  /// same on every rank): buffer(b) gives a device span of at least world x min(chunk, b's shard_elements) floats;
-  /// each rank's range is gathered in chunks [at, at + n) of at most that many floats (one chunk at least, so that
-  /// every rank issues the same collectives), this rank's from piece(k) (its shard: range(k).size() floats, zeros
+  /// same on every rank): buffer(b) gives a device span of at least world x m floats, m = min(chunk, b's
+  /// shard_elements); each rank's range is gathered in chunks [at, at + n), n <= m (one chunk at least, so that every
+  /// rank issues the same collectives), this rank's from piece(k) (its shard: range(k).size() floats, zeros
   /// elsewhere), and arrived(b, at, n, gathered) receives rank q's part of the chunk at q x n of `gathered`.
   template <class Wanted, class Piece, class Buffer, class Arrived>
   void gather_chunks(std::size_t chunk, Wanted&& wanted, Piece&& piece, Buffer&& buffer, Arrived&& arrived) const {
