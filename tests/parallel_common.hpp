@@ -220,6 +220,7 @@ struct recipe {
   std::optional<deterministic_options> deterministic = std::nullopt;  // each rank on its deterministic_shard
   global_batch global = global_batch::not_told;  // deterministic mode: told, DDP may gather partial gradients
   model_variant variant = model_variant::mlp;  // make_model's
+  host_collective_stream collectives = host_collective_stream::automatic;  // ddp_options::host_collectives
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -231,6 +232,7 @@ struct recipe_result {
   float norm = 0.0f;
   std::int64_t skipped_steps = 0;  // by the loss scaler
   bool gathered_partials = false;  // deterministic DDP: the last backward gathered partial gradients
+  bool collectives_on_compute_stream = false;  // the wrapper ran its collectives on the compute stream
 };
 
 /// One rank of distributed_data_parallel training with recipe `r`: `steps` steps of the same global batch of
@@ -241,7 +243,8 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   graph model = make_model(ctx, seed, r.variant);
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,
                                 ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
-                                            .deterministic = r.deterministic, .zero = to_zero_stage(r.zero)});
+                                            .deterministic = r.deterministic, .zero = to_zero_stage(r.zero),
+                                            .host_collectives = r.collectives});
   auto params = parameters_of(model).pointers();
   std::optional<sgd> plain;
   std::optional<adamw> adam;
@@ -324,6 +327,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   if (r.clip > 0.0f) out.norm = clipper.total_norm(s);
   if (scaler) out.skipped_steps = scaler->read(s).skipped_steps;
   out.gathered_partials = ddp.gathered_partials();
+  out.collectives_on_compute_stream = ddp.collective_stream() == s;
   auto whole = [&](auto& opt) {
     auto full = ddp.consolidated(opt);
     out.parameters = parameter_values(model, s);

@@ -3,6 +3,7 @@
 # step after the fault. The last rank fails (LOCKSTEP_FAULT) at step 1, at a middle step and at the last step
 # (while the others wait in its all-reduce), with LOCKSTEP_COMM_TIMEOUT=3:
 #   sample_faults.sh KIND RANKS MLP_TRAIN [MPIRUN...]
+# SAMPLE_FAULT_ARGS (optional): more options for the sample (e.g. --host-collectives compute).
 # KIND: throw, oom, comm, kill, stop or stall (stall: processes only); RANKS: the number of ranks; with MPIRUN (the launcher and its options)
 # the ranks are processes, else threads of one process (host devices). Checks, for each fault step:
 #   - the run exits non-zero within LOCKSTEP_COMM_TIMEOUT + 5 s of the fault (the time the rank printed);
@@ -31,7 +32,7 @@ failures=0
 for at in 1 $((steps / 2)) last; do
   fault_step=$at
   [[ $at == last ]] && fault_step=$steps
-  args=(--mode ddp --hidden 64 --epochs 1 --batch 120 --max-steps $steps --print-every 1)
+  args=(--mode ddp --hidden 64 --epochs 1 --batch 120 --max-steps $steps --print-every 1 ${SAMPLE_FAULT_ARGS:-})
   start=$(date +%s.%N)
   if (( $# > 0 )); then
     LOCKSTEP_COMM_TIMEOUT=$timeout_s timeout 120 "$@" -np "$ranks" -x LOCKSTEP_COMM_TIMEOUT \

@@ -204,6 +204,43 @@ TEST_P(zero_test, no_sync_micro_batches_and_clipping_agree_with_ddp) {
   }
 }
 
+// ddp_options::host_collectives: the collectives of host devices on the compute stream instead of the communication
+// stream are the same collectives in the same order, so every mode gives the same bits; GPUs ignore the option.
+// Strict host devices (the tests') imitate GPUs: automatic keeps the communication stream there.
+TEST_P(zero_test, collectives_on_the_compute_stream_give_the_communication_streams_bits_in_every_mode) {
+  if (!require_devices(3)) return;
+  const std::vector<recipe> recipes = {
+      recipe{.precision = dtype::f32},
+      recipe{.precision = dtype::f16, .adamw = true, .zero = 1, .clip = 0.05f},
+      recipe{.precision = dtype::bf16, .zero = 2, .micro_batches = 2},
+      recipe{.precision = dtype::f32, .adamw = true, .zero = 2, .deterministic = deterministic_options{.chunk_rows = 16}},
+      recipe{.precision = dtype::f32, .deterministic = deterministic_options{.chunk_rows = 16},
+             .global = global_batch::told},
+  };
+  for (recipe r : recipes) {
+    const std::string what = detail::concat("ZeRO-", r.zero, " ", name_of(r.precision), r.adamw ? " AdamW" : " SGD",
+                                    r.deterministic ? " deterministic" : "", " micro-batches ", r.micro_batches);
+    const auto automatic = train_recipe_threads(devices(3), 130, r);
+    r.collectives = host_collective_stream::communication_stream;
+    const auto apart = train_recipe_threads(devices(3), 130, r);
+    r.collectives = host_collective_stream::compute_stream;
+    const auto together = train_recipe_threads(devices(3), 130, r);
+    ASSERT_NE(apart[0].parameters, initial_parameters(dev(0))) << what << ": the run must train";
+    for (std::size_t rank = 0; rank < 3; ++rank) {
+      EXPECT_FALSE(automatic[rank].collectives_on_compute_stream) << what << ": strict devices keep two streams";
+      EXPECT_FALSE(apart[rank].collectives_on_compute_stream) << what;
+      EXPECT_EQ(together[rank].collectives_on_compute_stream, kind() == device_kind::host) << what << ", rank " << rank;
+      EXPECT_EQ(together[rank].parameters, apart[rank].parameters) << what << ", rank " << rank;
+      EXPECT_EQ(together[rank].optimizer_state, apart[rank].optimizer_state) << what << ", rank " << rank;
+      EXPECT_EQ(together[rank].skipped_steps, apart[rank].skipped_steps) << what << ", rank " << rank;
+      EXPECT_EQ(together[rank].norm, apart[rank].norm) << what << ", rank " << rank;
+      if (kind() == device_kind::host) {
+        EXPECT_EQ(automatic[rank].parameters, apart[rank].parameters) << what;
+      }
+    }
+  }
+}
+
 TEST_P(zero_test, overflowing_f16_steps_are_skipped_on_every_rank_as_ddp_skips_them) {
   if (!require_devices(3)) return;
   // a loss scale of 2^24 overflows f16 gradients: the scaler skips steps and backs off until they fit; each rank

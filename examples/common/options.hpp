@@ -34,6 +34,7 @@ struct options {
   std::int64_t chunk_rows = 32;
   std::string exact_sums = "auto";  // --mode ddp --deterministic: auto (partials gathered when few) or accumulators
   int zero = 0;                 // --mode ddp: ZeRO stage
+  std::string host_collectives = "auto";  // --mode ddp on host devices: auto, communication or compute
   std::string optimizer = "sgd";
   std::string lr_schedule = "cosine";
   std::uint64_t seed = 0;
@@ -79,6 +80,9 @@ inline constexpr const char* common_usage =
     "                        the batch has few chunks) or accumulators (exact sums all-reduced); the same bits\n"
     "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
     "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too\n"
+    "  --host-collectives S  --mode ddp on host devices: the stream the collectives run on: auto (default: the\n"
+    "                        compute stream when the machine has fewer than two cores per rank), communication\n"
+    "                        or compute (the same results either way)\n"
     "  --optimizer NAME      sgd (default) or adamw\n"
     "  --precision P         f32 (default), f16 or bf16\n"
     "  --seed N              seed of initialization and shuffling (default 0)\n"
@@ -233,6 +237,11 @@ inline options parse_options(int argc, char** argv, const model_option_parser& m
       if (o.exact_sums != "auto" && o.exact_sums != "accumulators") {
         throw usage_error("--exact-sums must be auto or accumulators, got " + o.exact_sums);
       }
+    } else if (flag == "--host-collectives") {
+      o.host_collectives = value();
+      if (o.host_collectives != "auto" && o.host_collectives != "communication" && o.host_collectives != "compute") {
+        throw usage_error("--host-collectives must be auto, communication or compute, got " + o.host_collectives);
+      }
     } else if (flag == "--zero") {
       o.zero = parse_number<int>(flag, value());
       if (o.zero < 0 || o.zero > 2) throw usage_error("--zero must be 0, 1 or 2, got " + std::string(argv[i]));
@@ -319,6 +328,9 @@ inline options parse_options(int argc, char** argv, const model_option_parser& m
   }
   if (was_given("--exact-sums") && !(o.deterministic && o.mode == "ddp")) {
     throw usage_error("--exact-sums chooses how --mode ddp --deterministic sums gradients: give both");
+  }
+  if (was_given("--host-collectives") && o.mode != "ddp") {
+    throw usage_error("--host-collectives chooses the stream of DDP's collectives: use it with --mode ddp");
   }
   if (o.zero > 0 && o.mode != "ddp") {
     throw usage_error("--zero " + std::to_string(o.zero) + " shards the training state over DDP's ranks: use it with "

@@ -249,6 +249,7 @@ struct run_result {
   std::optional<loss_scaler_telemetry> scaler;
   std::optional<float> last_grad_norm;  // under --clip-grad-norm
   std::vector<device_report> devices;
+  std::string collectives_on;  // --mode ddp: "compute stream" or "communication stream" (rank 0's)
 };
 
 // Prints the live progress line (or one line per report when stdout is not a terminal).
@@ -626,7 +627,11 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = m.build(data.inputs, ctx, o.seed);
   if (rank == 0 && !o.json) summary(model, shape{data.inputs}, o.precision);  // torchinfo's table
-  distributed_data_parallel ddp(model, ctx, comm, comm_stream, ddp_options{.zero = to_zero_stage(o.zero)});
+  const host_collective_stream on = o.host_collectives == "compute"         ? host_collective_stream::compute_stream
+                                    : o.host_collectives == "communication" ? host_collective_stream::communication_stream
+                                                                            : host_collective_stream::automatic;
+  distributed_data_parallel ddp(model, ctx, comm, comm_stream,
+                                ddp_options{.zero = to_zero_stage(o.zero), .host_collectives = on});
   any_optimizer optimizer(o, parameters_of(model).pointers(), compute, ctx);
   optimizer.set_sharded(ddp.zero() != zero_stage::none);
   softmax_cross_entropy loss(reduction::mean);
@@ -658,7 +663,7 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   run_epochs(
       o, loader, show, r, ck,
       [&](const auto& b) {
-        if (hooks.before_step) hooks.before_step(rank, r.steps + 1, last_step, ctx.get_device(), comm_stream);
+        if (hooks.before_step) hooks.before_step(rank, r.steps + 1, last_step, ctx.get_device(), ddp.collective_stream());
         ctx.set_step(static_cast<std::uint64_t>(r.steps));
         optimizer.zero_grad();
         // shards are equal (the sampler pads), so the global batch is world x this rank's rows; the loss on the
@@ -689,6 +694,7 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   r.scaler = optimizer.scaler_state(compute);
   r.last_grad_norm = optimizer.last_grad_norm(compute);
   r.devices.push_back(ddp.report());
+  r.collectives_on = ddp.collective_stream() == compute ? "compute stream" : "communication stream";
   r.devices.back().optimizer_bytes = optimizer.state_bytes();
   r.weights_sha256 = ck.weights_sha256();  // under ZeRO gathers one bucket at a time: after the report
   ddp.gather_parameters();  // under ZeRO: every rank's last update, before rank 0 evaluates the model alone
@@ -911,6 +917,7 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
   if (o.deterministic && o.mode == "ddp") j["exact_sums"] = o.exact_sums;
   j["deterministic"] = o.deterministic;
   if (o.mode == "ddp") j["zero"] = o.zero;
+  if (!r.collectives_on.empty()) j["collectives_on"] = r.collectives_on;
   if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;
   j["precision"] = std::string(name_of(o.precision));
   j["host_gemm"] = host_gemm_plan::process().str();

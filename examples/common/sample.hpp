@@ -44,7 +44,8 @@ struct model_recipe {
 struct run_hooks {
   /// Before training, with the number of ranks and whether they are processes (mpirun).
   std::function<void(int world, bool processes)> before_training;
-  /// At the start of every step (1-based) of `last`, on rank `rank`, with its device and communication stream.
+  /// At the start of every step (1-based) of `last`, on rank `rank`, with its device and the stream its collectives
+  /// run on (distributed_data_parallel::collective_stream()).
   std::function<void(int rank, std::int64_t step, std::int64_t last, lockstep::device dev,
                      lockstep::stream_ref comm_stream)>
       before_step;

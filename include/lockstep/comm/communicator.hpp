@@ -246,6 +246,9 @@ class communicator_impl {
   [[nodiscard]] virtual bool supports(collective_kind k) const noexcept { return k != collective_kind::all_reduce_exact; }
   /// Whether f16/bf16 reductions are computed in f32 and rounded once (host cliques, MPI); NCCL adds in the type.
   [[nodiscard]] virtual bool reduces_in_f32() const noexcept { return true; }
+  /// How many ranks of the group run on this machine, this one included (host cliques: all of them, in this
+  /// process; MPI: the launcher's count of the job's processes on this node, at most size()).
+  [[nodiscard]] virtual int ranks_on_this_machine() const noexcept { return size(); }
   /// Queues `c` on `s` (a stream of get_device()); arguments are already checked.
   virtual void enqueue(const collective_call& c, stream_ref s) = 0;
   /// Fails every pending and future collective of the group with `reason`. Never throws.
@@ -428,6 +431,10 @@ class communicator_operations {
   /// Whether f16/bf16 reductions are computed in f32 and rounded once, as on host cliques and MPI. False on NCCL,
   /// which adds them in their own type at every step of its ring: a caller that needs fp32 sums sends f32.
   [[nodiscard]] bool reduces_in_f32() const { return impl().reduces_in_f32(); }
+  /// How many ranks of the group run on this machine, this one included: all of a host clique's; under MPI the
+  /// launcher's count of the job's processes on this node (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS,
+  /// MV2_COMM_WORLD_LOCAL_SIZE), at most size(), and size() when no launcher says. Asks no other rank.
+  [[nodiscard]] int ranks_on_this_machine() const { return impl().ranks_on_this_machine(); }
 
   /// Work queued on `s` after the barrier runs once every rank's stream has reached it.
   void barrier(stream_ref s) const { run({collective_kind::barrier, nullptr, nullptr, 0, dtype::f32, {}, 0}, s); }

@@ -1007,13 +1007,32 @@ class state {
   class census census_;  // (its tags are not control_tag's nor check_tag's)
 };
 
+/// The first of the launcher's variables `names` that holds a number of at least `least`, or -1.
+inline int launcher_count(std::initializer_list<const char*> names, int least) noexcept {
+  for (const char* name : names) {
+    if (const char* v = std::getenv(name); v != nullptr) {
+      const int n = parse_index(v);
+      if (n >= least) return n;
+    }
+  }
+  return -1;
+}
+
+/// The launchers' variables that count the job's processes on this node (OpenMPI, MPICH, MVAPICH).
+inline constexpr std::initializer_list<const char*> local_size_variables = {
+    "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE"};
+
 /// One process's endpoint.
 class member final : public communicator_impl {
  public:
-  explicit member(std::shared_ptr<state> s) : state_(std::move(s)) {}
+  explicit member(std::shared_ptr<state> s) : state_(std::move(s)) {
+    const int n = launcher_count(local_size_variables, 1);
+    on_this_machine_ = n > 0 ? std::min(n, size()) : size();  // no launcher variable: as if all were here
+  }
 
   [[nodiscard]] int rank() const noexcept override { return state_->rank(); }
   [[nodiscard]] int size() const noexcept override { return state_->size(); }
+  [[nodiscard]] int ranks_on_this_machine() const noexcept override { return on_this_machine_; }
   [[nodiscard]] device get_device() const noexcept override { return state_->get_device(); }
 
   void check_limits(const collective_call& c) const override {
@@ -1050,6 +1069,7 @@ class member final : public communicator_impl {
 
  private:
   std::shared_ptr<state> state_;
+  int on_this_machine_ = 1;  // ranks_on_this_machine()
   std::atomic<std::uint64_t> next_seq_{0};
 };
 
@@ -1212,12 +1232,7 @@ LOCKSTEP_DETAIL_BEGIN
 /// The first of the launcher's variables `names` that holds a number of at least `least`, else the rank (or size,
 /// `size`) in MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED): local_rank() and local_size().
 inline int node_local(std::initializer_list<const char*> names, int least, bool size, const char* what) {
-  for (const char* name : names) {
-    if (const char* v = std::getenv(name); v != nullptr) {
-      const int n = parse_index(v);
-      if (n >= least) return n;
-    }
-  }
+  if (const int n = mpi_comm::launcher_count(names, least); n >= 0) return n;
   int initialized = 0;
   LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
   LOCKSTEP_EXPECTS(initialized, what, ": no launcher variable (", *names.begin(),
@@ -1248,8 +1263,7 @@ inline int local_rank() {
 /// MPI_LOCALNRANKS (MPICH) or MV2_COMM_WORLD_LOCAL_SIZE when set; otherwise the size of that split (collective over
 /// MPI_COMM_WORLD, needs MPI initialized).
 inline int local_size() {
-  return detail::node_local({"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE"}, 1, true,
-                            "local_size()");
+  return detail::node_local(detail::mpi_comm::local_size_variables, 1, true, "local_size()");
 }
 
 /// This process's communicator over `comm` (every process of `comm` calls it, in the same order as its other

@@ -19,7 +19,12 @@
 #include <mutex>
 #include <string>
 #include <string_view>
+#include <thread>
 #include <vector>
+
+#if defined(__linux__)
+#include <sched.h>
+#endif
 
 #include "lockstep/core/error.hpp"
 #include "lockstep/core/units.hpp"
@@ -182,6 +187,20 @@ inline bool host_platform_started() {
 
 /// Number of host virtual devices (starts the platform).
 inline int host_device_count() { return host_platform_configuration().device_count; }
+
+namespace detail {
+/// The cores this process may run on: the CPUs of its affinity mask (taskset, a cgroup's cpuset) on Linux,
+/// else std::thread::hardware_concurrency(); at least 1.
+inline int host_cores() noexcept {
+#if defined(__linux__)
+  cpu_set_t set;
+  CPU_ZERO(&set);
+  if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+}  // namespace detail
 
 /// Throws device_error if LOCKSTEP_HOST_DEVICES or LOCKSTEP_HOST_DEVICE_MEMORY changed since the platform
 /// read them: the change has no effect, and silently training on a different device count than the user

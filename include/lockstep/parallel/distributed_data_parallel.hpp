@@ -118,6 +118,23 @@ enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients 
   return static_cast<zero_stage>(n);
 }
 
+/// Where a rank on a host device runs its collectives. (A GPU's run on the communication stream, always: its
+/// collectives run on the GPU's own units beside the compute stream's kernels, not on the CPU's cores.) The
+/// collectives and their results are the same either way; what changes is which worker thread runs them.
+enum class host_collective_stream : std::uint8_t {
+  /// On the compute stream when this machine has fewer cores than two per rank on it (every rank's compute
+  /// stream keeps a core busy, so a second worker thread per rank only takes turns with it and adds a thread
+  /// hand-off to every collective), else on the communication stream. Strict host devices
+  /// (LOCKSTEP_HOST_STRICT=1) imitate GPUs and always use the communication stream, so that tests see the two
+  /// streams' ordering.
+  automatic,
+  /// On the communication stream given to the wrapper: collectives overlap the rest of backward on cores the
+  /// compute streams do not use.
+  communication_stream,
+  /// On the rank's compute stream, in order with its kernels: no overlap, no hand-off.
+  compute_stream,
+};
+
 struct ddp_options {
   std::size_t bucket_bytes = std::size_t{25} << 20;
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
@@ -136,24 +153,27 @@ struct ddp_options {
   /// weights_sha256) gather whole tensors: every rank's part of one chunk of a bucket (at least a float per rank).
   /// Smaller: less memory, more collectives.
   std::size_t visit_chunk_bytes = std::size_t{4} << 20;
+  /// On host devices, the stream the collectives run on (see host_collective_stream; ignored on GPUs).
+  host_collective_stream host_collectives = host_collective_stream::automatic;
 };
 
 template <layer Model>
 class distributed_data_parallel {
  public:
   /// Wraps `model` (on ctx's device) for rank comm.rank() of comm.size(). Collectives run on `comm_stream`
-  /// (a second stream of the same device). Checks that every rank has the same parameters and options, then broadcasts
+  /// (a second stream of the same device; on host devices, see host_collective_stream). Checks that every rank has the same parameters and options, then broadcasts
   /// rank 0's values (this waits for the other ranks: every rank must construct its wrapper). `model`, `ctx`,
   /// `comm` and the stream must outlive this object.
   distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,
                             ddp_options options = {})
       : model_(&model), options_(checked(options, ctx, comm, comm_stream)),
-        replica_(ctx, comm, comm_stream, parameters_of(model),
+        replica_(ctx, comm, choose_collective_stream(options_.host_collectives, ctx.stream(), comm, comm_stream),
+                 parameters_of(model),
                  options.deterministic.has_value() || ctx.deterministic().has_value()),
         compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()), partials_(replica_),
         shards_(replica_), sync_(replica_, options.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum,
                                  partials_, shards_, comm_timeline_),
-        replicas_(comm, comm_stream) {
+        replicas_(comm, replica_.comm_stream) {
     if (options.deterministic) ctx.set_deterministic(options.deterministic);
     if (replica_.deterministic) {
       LOCKSTEP_EXPECTS(options.reduction == gradient_reduction::sum && options.hook == comm_hook::none,
@@ -165,12 +185,12 @@ class distributed_data_parallel {
     replica_.sharded = options.zero != zero_stage::none && comm.size() > 1;
     replica_.reused_buffers = replica_.sharded && options.zero == zero_stage::gradients;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
-    detail::check_same_parameters(replica_.params, comm, comm_stream);
-    detail::check_same_settings({options_line(options_, ctx)}, comm, comm_stream);  // they shape the collectives
-    detail::broadcast_parameters(replica_.params, comm, comm_stream);
+    detail::check_same_parameters(replica_.params, comm, replica_.comm_stream);
+    detail::check_same_settings({options_line(options_, ctx)}, comm, replica_.comm_stream);  // they shape the collectives
+    detail::broadcast_parameters(replica_.params, comm, replica_.comm_stream);
     synchronize(ctx.get_device());  // the buffers' initial values are written (a model may have no parameters)
-    detail::broadcast_buffers(replica_.params, comm, comm_stream, buffers_flat_);
-    comm.synchronize(comm_stream);
+    detail::broadcast_buffers(replica_.params, comm, replica_.comm_stream, buffers_flat_);
+    comm.synchronize(replica_.comm_stream);
     detail::build_buckets(replica_, shards_, sync_,
                           {.bucket_bytes = options_.bucket_bytes,
                            .first_bucket_bytes = options_.first_bucket_bytes,
@@ -196,6 +216,10 @@ class distributed_data_parallel {
 
   /// The ZeRO stage in effect: options.zero, or none on one rank (nothing to shard).
   [[nodiscard]] zero_stage zero() const noexcept { return replica_.sharded ? options_.zero : zero_stage::none; }
+
+  /// The stream this rank's collectives run on: the communication stream, or on a host device the compute stream
+  /// (ddp_options::host_collectives).
+  [[nodiscard]] stream_ref collective_stream() const noexcept { return replica_.comm_stream; }
 
   [[nodiscard]] int rank() const { return replica_.comm.rank(); }
   [[nodiscard]] int world_size() const { return replica_.comm.size(); }
@@ -400,6 +424,19 @@ class distributed_data_parallel {
 
  private:
   using ddp_replica = detail::ddp_replica;
+
+  // The stream this rank's collectives run on (ddp_options::host_collectives).
+  static stream_ref choose_collective_stream(host_collective_stream where, stream_ref compute, communicator_ref comm,
+                                      stream_ref comm_stream) {
+    if (!compute.get_device().is_host()) return comm_stream;
+    switch (where) {
+      case host_collective_stream::communication_stream: return comm_stream;
+      case host_collective_stream::compute_stream: return compute;
+      case host_collective_stream::automatic: break;
+    }
+    if (host_platform_configuration().strictness == host_strictness::strict) return comm_stream;
+    return detail::host_cores() < 2 * comm.ranks_on_this_machine() ? compute : comm_stream;
+  }
 
   // The options, checked before anything is built.
   static const ddp_options& checked(const ddp_options& options, const context& ctx, communicator_ref comm,
