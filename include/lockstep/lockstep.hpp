@@ -79,3 +79,4 @@
 
 #include "lockstep/parallel/data_parallel.hpp"
 #include "lockstep/parallel/distributed_data_parallel.hpp"
+#include "lockstep/parallel/host_collectives.hpp"

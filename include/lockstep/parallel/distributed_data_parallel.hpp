@@ -27,7 +27,8 @@
 // parameter whose gradient travels in its own type (no hook, or a hook of the gradients' type) has its
 // gradient placed in it, each at a 256-byte boundary. Backward writes the gradients where the all-reduce reads
 // them, and the all-reduce leaves the result in place: no copy either way, and no second copy of the
-// gradients in memory. Gradients that change type on the wire are packed (cast) into the bucket and unpacked.
+// gradients in memory. f16/bf16 gradients stay in their own type where the communicator sums them in fp32 (host cliques,
+// MPI: an fp32 all-reduce's bits); on NCCL, and for a comm hook, gradients are cast into the bucket and back.
 //
 // Buffers (batch norm's running statistics: parameter_list::buffers()) are rank 0's on every rank: broadcast at
 // construction and before each forward outside no_sync() (ddp_options::broadcast_buffers, PyTorch's default).
@@ -92,6 +93,7 @@
 #include "lockstep/parallel/detail/replica_agreement.hpp"
 #include "lockstep/parallel/detail/replica_groups.hpp"
 #include "lockstep/parallel/detail/zero_shards.hpp"
+#include "lockstep/parallel/host_collectives.hpp"
 #include "lockstep/parallel/timeline.hpp"
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/tensor.hpp"
@@ -101,7 +103,8 @@ LOCKSTEP_ABI_BEGIN
 /// How gradients are combined across ranks (see the file comment).
 enum class gradient_reduction : std::uint8_t { sum, mean };
 
-/// The precision gradients travel in. `none` all-reduces in fp32 (whatever the gradients' storage type);
+/// The precision gradients travel in. `none` sums in fp32 whatever the gradients' storage type (f16/bf16 in their own
+/// type on communicators that sum them in fp32 and round once, in an fp32 bucket on NCCL);
 /// `fp16` / `bf16` halve the bytes on the wire: gradients are rounded to that type, all-reduced (sums in fp32,
 /// rounded once) and restored into the gradients' own type.
 enum class comm_hook : std::uint8_t { none, fp16, bf16 };
@@ -117,23 +120,6 @@ enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients 
                    "(gradients too), got ", n);
   return static_cast<zero_stage>(n);
 }
-
-/// Where a rank on a host device runs its collectives. (A GPU's run on the communication stream, always: its
-/// collectives run on the GPU's own units beside the compute stream's kernels, not on the CPU's cores.) The
-/// collectives and their results are the same either way; what changes is which worker thread runs them.
-enum class host_collective_stream : std::uint8_t {
-  /// On the compute stream when this machine has fewer cores than two per rank on it (every rank's compute
-  /// stream keeps a core busy, so a second worker thread per rank only takes turns with it and adds a thread
-  /// hand-off to every collective), else on the communication stream. Strict host devices
-  /// (LOCKSTEP_HOST_STRICT=1) imitate GPUs and always use the communication stream, so that tests see the two
-  /// streams' ordering.
-  automatic,
-  /// On the communication stream given to the wrapper: collectives overlap the rest of backward on cores the
-  /// compute streams do not use.
-  communication_stream,
-  /// On the rank's compute stream, in order with its kernels: no overlap, no hand-off.
-  compute_stream,
-};
 
 struct ddp_options {
   std::size_t bucket_bytes = std::size_t{25} << 20;
@@ -167,7 +153,7 @@ class distributed_data_parallel {
   distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,
                             ddp_options options = {})
       : model_(&model), options_(checked(options, ctx, comm, comm_stream)),
-        replica_(ctx, comm, choose_collective_stream(options_.host_collectives, ctx.stream(), comm, comm_stream),
+        replica_(ctx, comm, detail::collective_stream(options_.host_collectives, ctx.stream(), comm, comm_stream),
                  parameters_of(model),
                  options.deterministic.has_value() || ctx.deterministic().has_value()),
         compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()), partials_(replica_),
@@ -195,7 +181,8 @@ class distributed_data_parallel {
                           {.bucket_bytes = options_.bucket_bytes,
                            .first_bucket_bytes = options_.first_bucket_bytes,
                            .deterministic = replica_.deterministic,
-                           .own_type = options_.zero != zero_stage::none,
+                           .own_type = options_.zero != zero_stage::none ||
+                                       (options_.hook == comm_hook::none && comm.reduces_in_f32()),
                            .sharded = replica_.sharded,
                            .reused_buffers = replica_.reused_buffers,
                            .exact_collective = replica_.exact_collective,
@@ -424,19 +411,6 @@ class distributed_data_parallel {
 
  private:
   using ddp_replica = detail::ddp_replica;
-
-  // The stream this rank's collectives run on (ddp_options::host_collectives).
-  static stream_ref choose_collective_stream(host_collective_stream where, stream_ref compute, communicator_ref comm,
-                                      stream_ref comm_stream) {
-    if (!compute.get_device().is_host()) return comm_stream;
-    switch (where) {
-      case host_collective_stream::communication_stream: return comm_stream;
-      case host_collective_stream::compute_stream: return compute;
-      case host_collective_stream::automatic: break;
-    }
-    if (host_platform_configuration().strictness == host_strictness::strict) return comm_stream;
-    return detail::host_cores() < 2 * comm.ranks_on_this_machine() ? compute : comm_stream;
-  }
 
   // The options, checked before anything is built.
   static const ddp_options& checked(const ddp_options& options, const context& ctx, communicator_ref comm,
