@@ -876,6 +876,7 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
                   static_cast<long long>(r.scaler->skipped_steps), static_cast<long long>(r.scaler->steps),
                   static_cast<long long>(r.scaler->last_overflow_step));
     }
+    if (!r.collectives_on.empty()) std::printf("collectives        on the %s\n", r.collectives_on.c_str());
     std::printf("%-22s %12s %12s %12s %14s %10s\n", "device", "peak memory", "setup peak", "compute ms",
                 "communicate ms", "idle ms");
     for (std::size_t i = 0; i < r.devices.size(); ++i) {
