@@ -211,6 +211,8 @@ TEST_P(zero_test, collectives_on_the_compute_stream_give_the_communication_strea
   if (!require_devices(3)) return;
   const std::vector<recipe> recipes = {
       recipe{.precision = dtype::f32},
+      recipe{.precision = dtype::bf16, .micro_batches = 2},  // plain DDP: gradients in their own type, no_sync
+      recipe{.precision = dtype::f16, .adamw = true, .clip = 0.05f},
       recipe{.precision = dtype::f16, .adamw = true, .zero = 1, .clip = 0.05f},
       recipe{.precision = dtype::bf16, .zero = 2, .micro_batches = 2},
       recipe{.precision = dtype::f32, .adamw = true, .zero = 2, .deterministic = deterministic_options{.chunk_rows = 16}},
@@ -239,6 +241,25 @@ TEST_P(zero_test, collectives_on_the_compute_stream_give_the_communication_strea
       }
     }
   }
+}
+
+// host_collective_stream::automatic's rule: the compute stream below two cores per rank sharing them; a process
+// whose affinity mask covers the machine shares it with every rank there, one bound to fewer cores (mpirun's
+// binding, taskset) with the ranks in the process.
+TEST(host_collectives, automatic_takes_the_compute_stream_below_two_cores_per_rank_sharing_them) {
+  using detail::collectives_on_compute;
+  // threads: every rank in the process, the whole machine
+  EXPECT_TRUE(collectives_on_compute(/*mask*/ 2, /*online*/ 2, /*in process*/ 2, /*on machine*/ 2));
+  EXPECT_TRUE(collectives_on_compute(3, 3, 2, 2));
+  EXPECT_FALSE(collectives_on_compute(4, 4, 2, 2));
+  EXPECT_FALSE(collectives_on_compute(64, 64, 4, 4));
+  EXPECT_TRUE(collectives_on_compute(1, 64, 2, 2));  // taskset -c 0
+  // processes without binding: the machine's cores over every process on it
+  EXPECT_TRUE(collectives_on_compute(8, 8, 1, 6));
+  EXPECT_FALSE(collectives_on_compute(8, 8, 1, 4));
+  // processes bound to their own cores: this process's cores for its one rank
+  EXPECT_TRUE(collectives_on_compute(1, 64, 1, 2));
+  EXPECT_FALSE(collectives_on_compute(2, 64, 1, 32));
 }
 
 TEST_P(zero_test, overflowing_f16_steps_are_skipped_on_every_rank_as_ddp_skips_them) {

@@ -81,7 +81,7 @@ inline constexpr const char* common_usage =
     "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
     "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too\n"
     "  --host-collectives S  --mode ddp on host devices: the stream the collectives run on: auto (default: the\n"
-    "                        compute stream when the machine has fewer than two cores per rank), communication\n"
+    "                        compute stream when this process has fewer than two cores per rank), communication\n"
     "                        or compute (the same results either way)\n"
     "  --optimizer NAME      sgd (default) or adamw\n"
     "  --precision P         f32 (default), f16 or bf16\n"

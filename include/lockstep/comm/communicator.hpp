@@ -249,6 +249,8 @@ class communicator_impl {
   /// How many ranks of the group run on this machine, this one included (host cliques: all of them, in this
   /// process; MPI: the launcher's count of the job's processes on this node, at most size()).
   [[nodiscard]] virtual int ranks_on_this_machine() const noexcept { return size(); }
+  /// How many ranks of the group run in this process, this one included (host cliques: all; MPI: one).
+  [[nodiscard]] virtual int ranks_in_this_process() const noexcept { return size(); }
   /// Queues `c` on `s` (a stream of get_device()); arguments are already checked.
   virtual void enqueue(const collective_call& c, stream_ref s) = 0;
   /// Fails every pending and future collective of the group with `reason`. Never throws.
@@ -435,6 +437,8 @@ class communicator_operations {
   /// launcher's count of the job's processes on this node (OMPI_COMM_WORLD_LOCAL_SIZE, MPI_LOCALNRANKS,
   /// MV2_COMM_WORLD_LOCAL_SIZE), at most size(), and size() when no launcher says. Asks no other rank.
   [[nodiscard]] int ranks_on_this_machine() const { return impl().ranks_on_this_machine(); }
+  /// How many ranks of the group run in this process, this one included: all of a host clique's, one under MPI.
+  [[nodiscard]] int ranks_in_this_process() const { return impl().ranks_in_this_process(); }
 
   /// Work queued on `s` after the barrier runs once every rank's stream has reached it.
   void barrier(stream_ref s) const { run({collective_kind::barrier, nullptr, nullptr, 0, dtype::f32, {}, 0}, s); }

@@ -39,6 +39,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <span>
 #include <array>
 #include <atomic>
 #include <chrono>
@@ -1008,7 +1009,7 @@ class state {
 };
 
 /// The first of the launcher's variables `names` that holds a number of at least `least`, or -1.
-inline int launcher_count(std::initializer_list<const char*> names, int least) noexcept {
+inline int launcher_count(std::span<const char* const> names, int least) noexcept {
   for (const char* name : names) {
     if (const char* v = std::getenv(name); v != nullptr) {
       const int n = parse_index(v);
@@ -1019,8 +1020,11 @@ inline int launcher_count(std::initializer_list<const char*> names, int least) n
 }
 
 /// The launchers' variables that count the job's processes on this node (OpenMPI, MPICH, MVAPICH).
-inline constexpr std::initializer_list<const char*> local_size_variables = {
-    "OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS", "MV2_COMM_WORLD_LOCAL_SIZE"};
+inline constexpr const char* local_size_variables[] = {"OMPI_COMM_WORLD_LOCAL_SIZE", "MPI_LOCALNRANKS",
+                                                       "MV2_COMM_WORLD_LOCAL_SIZE"};
+/// The launchers' variables that give this process's rank on its node (OpenMPI, MPICH, MVAPICH, Slurm).
+inline constexpr const char* local_rank_variables[] = {"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID",
+                                                       "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"};
 
 /// One process's endpoint.
 class member final : public communicator_impl {
@@ -1033,6 +1037,7 @@ class member final : public communicator_impl {
   [[nodiscard]] int rank() const noexcept override { return state_->rank(); }
   [[nodiscard]] int size() const noexcept override { return state_->size(); }
   [[nodiscard]] int ranks_on_this_machine() const noexcept override { return on_this_machine_; }
+  [[nodiscard]] int ranks_in_this_process() const noexcept override { return 1; }
   [[nodiscard]] device get_device() const noexcept override { return state_->get_device(); }
 
   void check_limits(const collective_call& c) const override {
@@ -1231,11 +1236,11 @@ LOCKSTEP_ABI_END
 LOCKSTEP_DETAIL_BEGIN
 /// The first of the launcher's variables `names` that holds a number of at least `least`, else the rank (or size,
 /// `size`) in MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED): local_rank() and local_size().
-inline int node_local(std::initializer_list<const char*> names, int least, bool size, const char* what) {
+inline int node_local(std::span<const char* const> names, int least, bool size, const char* what) {
   if (const int n = mpi_comm::launcher_count(names, least); n >= 0) return n;
   int initialized = 0;
   LOCKSTEP_MPI_CHECK(MPI_Initialized(&initialized), "asking whether MPI is initialized");
-  LOCKSTEP_EXPECTS(initialized, what, ": no launcher variable (", *names.begin(),
+  LOCKSTEP_EXPECTS(initialized, what, ": no launcher variable (", names.front(),
                    ", ...) is set and MPI is not initialized; create a lockstep::mpi_session first");
   MPI_Comm local = MPI_COMM_NULL;
   LOCKSTEP_MPI_CHECK(MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED, 0, MPI_INFO_NULL, &local),
@@ -1255,8 +1260,7 @@ LOCKSTEP_ABI_BEGIN
 /// in MPI_Comm_split_type(MPI_COMM_WORLD, MPI_COMM_TYPE_SHARED), which is collective over MPI_COMM_WORLD and
 /// needs MPI initialized.
 inline int local_rank() {
-  return detail::node_local({"OMPI_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "MV2_COMM_WORLD_LOCAL_RANK", "SLURM_LOCALID"},
-                            0, false, "local_rank()");
+  return detail::node_local(detail::mpi_comm::local_rank_variables, 0, false, "local_rank()");
 }
 
 /// The number of processes of this job on this process's node: OMPI_COMM_WORLD_LOCAL_SIZE (OpenMPI),

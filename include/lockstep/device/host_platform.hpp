@@ -24,6 +24,7 @@
 
 #if defined(__linux__)
 #include <sched.h>
+#include <unistd.h>
 #endif
 
 #include "lockstep/core/error.hpp"
@@ -196,6 +197,14 @@ inline int host_cores() noexcept {
   cpu_set_t set;
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
+#endif
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
+/// The machine's online CPUs (sysconf on Linux, else std::thread::hardware_concurrency()); at least 1.
+inline int online_cores() noexcept {
+#if defined(__linux__)
+  if (const long n = sysconf(_SC_NPROCESSORS_ONLN); n > 0) return static_cast<int>(n);
 #endif
   const unsigned n = std::thread::hardware_concurrency();
   return n == 0 ? 1 : static_cast<int>(n);

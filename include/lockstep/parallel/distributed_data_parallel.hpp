@@ -8,8 +8,8 @@
 // buckets of about 25 MiB, the first one smaller (1 MiB) so that communication starts early; a bucket is
 // all-reduced on the communication stream as soon as the layers it covers, and the buckets before it, have
 // finished their backward (every rank issues the all-reduces in bucket order), so communication overlaps the
-// rest of backward. Inside `no_sync()` gradients accumulate locally with no
-// communication (gradient accumulation); the first backward after it reduces everything accumulated.
+// rest of backward (a host device short of cores runs them on the compute stream: host_collectives.hpp). Inside
+// `no_sync()` gradients accumulate locally; the first backward after it reduces everything accumulated.
 //
 // Sum or mean is explicit (`gradient_reduction`): `sum` (the default) pairs with a loss whose mean divides by the
 // GLOBAL batch size, which gives exactly the gradients of one device training on the whole batch, even when shards
@@ -19,20 +19,16 @@
 // sums the ranks' losses, so that `loss.read_loss` gives the global batch's loss on every rank. `mean` is
 // PyTorch's convention (each rank averages its own shard, gradients are averaged over ranks), exact only for equal
 // shards; the loss is then each rank's own.
-//
 // Dropout: unless the user set the context's row offset, each forward sets rank x rows (the global row of equal
 // shards), so that ranks draw different masks; the context's step advances with every loss's backward.
-//
 // Gradients live in their buckets (PyTorch's gradient_as_bucket_view): each bucket is one buffer, and every
-// parameter whose gradient travels in its own type (no hook, or a hook of the gradients' type) has its
-// gradient placed in it, each at a 256-byte boundary. Backward writes the gradients where the all-reduce reads
-// them, and the all-reduce leaves the result in place: no copy either way, and no second copy of the
-// gradients in memory. f16/bf16 gradients stay in their own type where the communicator sums them in fp32 (host cliques,
-// MPI: an fp32 all-reduce's bits); on NCCL, and for a comm hook, gradients are cast into the bucket and back.
+// parameter whose gradient travels in its own type has its gradient placed in it, at a 256-byte boundary, so the
+// all-reduce reads and leaves them in place, with no second copy. f16/bf16 gradients travel in their own type where
+// the communicator sums them in fp32 (host cliques, MPI: an fp32 all-reduce's bits) or under a hook of their type;
+// the others (on NCCL, which adds in the type; under a hook of another type) are cast into the bucket and back.
 //
 // Buffers (batch norm's running statistics: parameter_list::buffers()) are rank 0's on every rank: broadcast at
 // construction and before each forward outside no_sync() (ddp_options::broadcast_buffers, PyTorch's default).
-//
 // A rank whose shard of a step is empty (a batch smaller than the world) calls backward with an empty
 // gradient: it contributes zeros and takes part in every all-reduce, as the others expect.
 //
@@ -55,8 +51,8 @@
 // master values and the optimizer state whole on every rank's device for as long as its guard lives.
 //
 // Failures: a failed all-reduce (a peer that died, stopped or aborted; a timeout; ranks that issue different
-// collectives) fails the step on every rank. On host devices the communication stream keeps the error and the
-// compute stream, which waits for the all-reduce, fails with it: the step's later work (unpacking, the
+// collectives) fails the step on every rank. On host devices the stream of the collectives keeps the error and the
+// compute stream (which waits for the all-reduce, or is that stream) fails with it: the step's later work (unpacking, the
 // optimizer step) does not run, and the next synchronization throws. On GPUs the communicator's watchdog
 // aborts it. Either way the next backward() throws before queuing anything (comm.check()).
 //
@@ -285,12 +281,15 @@ class distributed_data_parallel {
     if (run_model) {
       ctx.set_gradients_ready_hook([this](std::span<parameter* const> ps) { sync_.gradients_ready(ps); });
       compute_timeline_.begin(phase::compute, s);
+      sync_.set_compute_bracket(replica_.comm_stream == s ? &compute_timeline_ : nullptr);
       try {
         model_->backward(grad, ctx, input_grad::not_required);
       } catch (...) {
         ctx.set_gradients_ready_hook(nullptr);
+        sync_.set_compute_bracket(nullptr);
         throw;
       }
+      sync_.set_compute_bracket(nullptr);
       compute_timeline_.end(s);
       ctx.set_gradients_ready_hook(nullptr);
     }
@@ -383,14 +382,15 @@ class distributed_data_parallel {
     return guard(this);
   }
 
-  /// Peak memory and time spent computing (forward, backward) and communicating (all-reduces, overlapped
-  /// with backward) on this rank since construction or reset_report(). Waits for the measured work.
+  /// Peak memory and time spent computing (forward, backward) and communicating (all-reduces: overlapped with
+  /// backward, or on a host device in its order, host_collectives.hpp) since construction or reset_report().
   [[nodiscard]] device_report report() {
     device_report r = compute_timeline_.report();
     const device_report c = comm_timeline_.report();
     r.communication_ms = c.communication_ms;
     r.wall_ms = std::max(r.wall_ms, c.wall_ms);
-    r.idle_ms = std::max(0.0, r.wall_ms - r.compute_ms);  // communication overlaps compute: idle is non-compute
+    const bool apart = replica_.comm_stream != replica_.compute_stream();  // else the streams' work is serial
+    r.idle_ms = std::max(0.0, r.wall_ms - r.compute_ms - (apart ? 0.0 : r.communication_ms));
     r.parameter_bytes = parameter_bytes();
     r.gradient_bytes = gradient_bytes();
     return r;

@@ -21,9 +21,9 @@ LOCKSTEP_ABI_BEGIN
 /// collectives run on the GPU's own units beside the compute stream's kernels, not on the CPU's cores.) The
 /// collectives and their results are the same either way; what changes is which worker thread runs them.
 enum class host_collective_stream : std::uint8_t {
-  /// On the compute stream when this machine has fewer cores than two per rank on it (every rank's compute
-  /// stream keeps a core busy, so a second worker thread per rank only takes turns with it and adds a thread
-  /// hand-off to every collective), else on the communication stream. Strict host devices
+  /// On the compute stream when the cores this process may run on are fewer than two per rank sharing them (every
+  /// rank's compute stream keeps a core busy, so a second worker thread per rank only takes turns with it and adds
+  /// a thread hand-off to every collective; see detail::collectives_on_compute), else on the communication stream. Strict host devices
   /// (LOCKSTEP_HOST_STRICT=1) imitate GPUs and always use the communication stream, so that tests see the two
   /// streams' ordering.
   automatic,
@@ -38,6 +38,15 @@ LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
+/// host_collective_stream::automatic's rule: true (the compute stream) when the `mask` cores this process may run
+/// on are fewer than two per rank that shares them. A process whose affinity mask covers all the machine's `online`
+/// cores shares them with every rank on the machine; one bound to fewer (mpirun binds each process to cores,
+/// taskset) shares its own only with the ranks in the process.
+[[nodiscard]] constexpr bool collectives_on_compute(int mask, int online, int ranks_in_process,
+                                                    int ranks_on_machine) noexcept {
+  return mask < 2 * (mask < online ? ranks_in_process : ranks_on_machine);
+}
+
 /// The stream a rank on `compute`'s device runs its collectives on, given `where` and the communication stream
 /// `comm_stream`: on a GPU always `comm_stream`; on a host device as host_collective_stream says.
 inline stream_ref collective_stream(host_collective_stream where, stream_ref compute, communicator_ref comm,
@@ -49,7 +58,9 @@ inline stream_ref collective_stream(host_collective_stream where, stream_ref com
     case host_collective_stream::automatic: break;
   }
   if (host_platform_configuration().strictness == host_strictness::strict) return comm_stream;
-  return host_cores() < 2 * comm.ranks_on_this_machine() ? compute : comm_stream;
+  return collectives_on_compute(host_cores(), online_cores(), comm.ranks_in_this_process(), comm.ranks_on_this_machine())
+             ? compute
+             : comm_stream;
 }
 
 LOCKSTEP_DETAIL_END

@@ -1,7 +1,8 @@
 // lockstep/parallel/detail/gradient_sync.hpp — how a synchronized backward sums the gradients over the ranks,
 // bucket by bucket: a bucket is launched (packed, then its collective queued on the communication stream) as
 // soon as its parameters' gradients, and the buckets before it, are complete, so that communication overlaps
-// the rest of backward; at the end each bucket is finished (its collective waited for, its result unpacked or
+// the rest of backward (on a host device whose collectives run on the compute stream, host_collectives.hpp, they
+// run in its order instead); at the end each bucket is finished (its collective waited for, its result unpacked or
 // rounded) in stream order on the context's stream. One sync_kind per backward (bucket_plan.hpp), one switch to
 // launch and one to finish.
 #pragma once
@@ -53,6 +54,11 @@ class gradient_sync {
   [[nodiscard]] std::uint64_t staging_bytes() const noexcept { return staging_.capacity_bytes(); }
 
   /// Before a synchronized backward: no bucket ready, none launched.
+  /// The compute bracket open during the model's backward when the collectives run on the compute stream (null
+  /// otherwise): a collective launched inside it closes it and opens it again after, so that its time is counted as
+  /// communication only.
+  void set_compute_bracket(timeline* t) noexcept { compute_ = t; }
+
   void begin() {
     for (auto& b : r_->buckets) b.ready = 0;
     next_launch_ = 0;
@@ -126,6 +132,7 @@ class gradient_sync {
       if (!r_->in_place(b, i)) convert_floating(p.grad(), r_->slot(b, i), s);
     }
     r_->after(cs, s);
+    if (compute_ != nullptr) compute_->end(s);
     timeline_->begin(phase::communication, cs);
     switch (k) {
       case sync_kind::exact_gathered:
@@ -142,6 +149,7 @@ class gradient_sync {
     timeline_->end(cs);
     if (r_->reused_buffers) shards_->copy_out(b);
     b.done->record(cs);
+    if (compute_ != nullptr) compute_->begin(phase::compute, s);
   }
 
   // ZeRO: this rank's range of bucket b's buffer receives the sum of every rank's, on `cs`. In place, in the
@@ -173,6 +181,7 @@ class gradient_sync {
   exact_partials* partials_;
   zero_shards* shards_;
   timeline* timeline_;
+  timeline* compute_ = nullptr;  // set_compute_bracket
   std::vector<bool> reported_;   // this backward: parameters whose gradients were reported complete
   std::size_t next_launch_ = 0;  // the next bucket to launch, in bucket order
   tensor staging_;               // ZeRO, f16/bf16 on NCCL: the f32 buffer of their reduce-scatters (create_staging)
