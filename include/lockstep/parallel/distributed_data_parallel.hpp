@@ -51,10 +51,10 @@
 // master values and the optimizer state whole on every rank's device for as long as its guard lives.
 //
 // Failures: a failed all-reduce (a peer that died, stopped or aborted; a timeout; ranks that issue different
-// collectives) fails the step on every rank. On host devices the stream of the collectives keeps the error and the
-// compute stream (which waits for the all-reduce, or is that stream) fails with it: the step's later work (unpacking, the
-// optimizer step) does not run, and the next synchronization throws. On GPUs the communicator's watchdog
-// aborts it. Either way the next backward() throws before queuing anything (comm.check()).
+// collectives) fails the step on every rank. On host devices the stream of the collectives keeps the error and
+// the compute stream (which waits for the all-reduce, or is that stream) fails with it: the step's later work
+// (unpacking, the optimizer step) does not run, and the next synchronization throws. On GPUs the communicator's
+// watchdog aborts it. Either way the next backward() throws before queuing anything (comm.check()).
 //
 // The parts (parallel/detail/): bucket_plan (the pure layout), bucket_memory (the buckets allocated and the
 // gradients placed in them), gradient_sync (one sync_kind per backward: launch and finish), exact_partials
@@ -143,9 +143,9 @@ template <layer Model>
 class distributed_data_parallel {
  public:
   /// Wraps `model` (on ctx's device) for rank comm.rank() of comm.size(). Collectives run on `comm_stream`
-  /// (a second stream of the same device; on host devices, see host_collective_stream). Checks that every rank has the same parameters and options, then broadcasts
-  /// rank 0's values (this waits for the other ranks: every rank must construct its wrapper). `model`, `ctx`,
-  /// `comm` and the stream must outlive this object.
+  /// (another stream of the device; host devices: host_collective_stream). Checks that every rank has the same
+  /// parameters and options, then broadcasts rank 0's values (this waits for the other ranks: every rank must
+  /// construct its wrapper). `model`, `ctx`, `comm` and the stream must outlive this object.
   distributed_data_parallel(Model& model, context& ctx, communicator_ref comm, stream_ref comm_stream,
                             ddp_options options = {})
       : model_(&model), options_(checked(options, ctx, comm, comm_stream)),

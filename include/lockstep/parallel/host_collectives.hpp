@@ -23,9 +23,9 @@ LOCKSTEP_ABI_BEGIN
 enum class host_collective_stream : std::uint8_t {
   /// On the compute stream when the cores this process may run on are fewer than two per rank sharing them (every
   /// rank's compute stream keeps a core busy, so a second worker thread per rank only takes turns with it and adds
-  /// a thread hand-off to every collective; see detail::collectives_on_compute), else on the communication stream. Strict host devices
-  /// (LOCKSTEP_HOST_STRICT=1) imitate GPUs and always use the communication stream, so that tests see the two
-  /// streams' ordering.
+  /// a thread hand-off to every collective; see detail::collectives_on_compute), else on the communication stream.
+  /// Strict host devices (LOCKSTEP_HOST_STRICT=1) imitate GPUs and always use the communication stream, so that
+  /// tests see the two streams' ordering.
   automatic,
   /// On the communication stream given to the wrapper: collectives overlap the rest of backward on cores the
   /// compute streams do not use.

@@ -53,12 +53,12 @@ class gradient_sync {
   /// Bytes of the f32 staging buffer (create_staging).
   [[nodiscard]] std::uint64_t staging_bytes() const noexcept { return staging_.capacity_bytes(); }
 
-  /// Before a synchronized backward: no bucket ready, none launched.
   /// The compute bracket open during the model's backward when the collectives run on the compute stream (null
   /// otherwise): a collective launched inside it closes it and opens it again after, so that its time is counted as
   /// communication only.
   void set_compute_bracket(timeline* t) noexcept { compute_ = t; }
 
+  /// Before a synchronized backward: no bucket ready, none launched.
   void begin() {
     for (auto& b : r_->buckets) b.ready = 0;
     next_launch_ = 0;
