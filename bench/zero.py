@@ -12,8 +12,8 @@
             stage's ratio to DDP.
 
 Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), from how lockstep lays them out:
-    DDP     2 (working copy) + 4 (fp32 bucket: gradients are all-reduced in fp32) + 2 (the f16 gradient)
-            + 4 (master) + 8 (moments) = 20
+    DDP     2 (working copy) + 2 (the f16 gradient, reduced in place: host cliques and MPI sum it in fp32)
+            + 4 (master) + 8 (moments) = 16 (on NCCL, 4 more: its fp32 bucket beside the gradient)
     ZeRO-1  2 + 2 (gradients reduced in place, in their type) + 12 / N (master and moments of the shard)
     ZeRO-2  2 + B / P (two reused bucket buffers, B bytes: the largest bucket of each parity) + 2 / N + 12 / N
 (f32: the working copy is the master, and the f32 gradients are reduced in place in every stage.)
@@ -72,7 +72,7 @@ def predicted(hidden, precision, zero, n):
         grads = 4 * p if zero == 1 else sum(max(ddp_buckets(hidden, 4)[i::2], default=0) for i in (0, 1)) + 4 * p / n
         return 4 * p + grads + 8 * p / n
     if zero == 0 or n == 1:
-        return p * (2 + 4 + 2 + 4 + 8) if zero == 0 else p * (2 + 2 + 4 + 8)
+        return p * (2 + 2 + 4 + 8)  # host devices: DDP reduces f16/bf16 gradients in place, as ZeRO does
     if zero == 1:
         return p * (2 + 2) + 12 * p / n
     buffers = sum(max(ddp_buckets(hidden, 2)[i::2], default=0) for i in (0, 1))
