@@ -10,6 +10,8 @@
 #include <atomic>
 #include <chrono>
 #include <mutex>
+#include <stdexcept>
+#include <thread>
 
 #include "lockstep/comm/run_on_devices.hpp"
 #include "lockstep/nn/dropout.hpp"
@@ -560,6 +562,48 @@ TEST_P(ddp_test, the_report_keeps_the_setup_peak_apart_from_the_training_peak) {
     EXPECT_GT(r.peak_bytes, 0u) << r.device;
     EXPECT_LT(r.peak_bytes, setup_bytes) << r.device;  // the model is a few KiB: the step holds far less
     EXPECT_GT(r.compute_ms, 0.0) << r.device;
+  }
+}
+
+// ddp.compute(f) counts the caller's work on the context's stream (the loss, the optimizer step) as computing time
+// of the report and returns f's result; a throwing f leaves no bracket open (later steps are still measured).
+TEST_P(ddp_test, compute_brackets_the_callers_work_as_computing_time_also_when_it_throws) {
+  if (!require_devices(2)) return;
+  using namespace std::chrono_literals;
+  std::vector<device_report> reports(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    context ctx(rc.compute_stream());
+    const stream_ref s = ctx.stream();
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream());
+    sgd opt(parameters_of(model).pointers(), optimizer_options);
+    softmax_cross_entropy loss(reduction::mean);
+    EXPECT_THROW(ddp.compute([]() -> int { throw std::runtime_error("the user's step failed"); }), std::runtime_error);
+    s.synchronize();
+    ddp.reset_report();
+    const std::int64_t first = 4 * rc.rank();
+    tensor xb = device_tensor(slice(inputs(), first, 4, features), shape{4, features}, s);
+    tensor yb = device_labels(slice(labels(), first, 4, 1), s);
+    opt.zero_grad();
+    const tensor_view out = ddp.forward(xb);
+    const tensor_view grad = ddp.compute([&] {
+      loss.forward(out, yb, ctx);
+      return loss.backward(ctx);
+    });
+    EXPECT_EQ(grad.dims(), out.dims());
+    ddp.backward(grad);
+    ddp.compute([&] {
+      opt.step(s);
+      if (kind() == device_kind::host) detail::enqueue_host(s, [] { std::this_thread::sleep_for(50ms); }, "slow step");
+    });
+    reports[static_cast<std::size_t>(rc.rank())] = ddp.report();
+  });
+  for (const auto& r : reports) {
+    if (kind() == device_kind::host) {
+      EXPECT_GE(r.compute_ms, 50.0) << r.device;
+    }
+    EXPECT_GT(r.compute_ms, 0.0) << r.device;
+    EXPECT_LE(r.compute_ms + r.idle_ms, r.wall_ms + 1e-6) << r.device;
   }
 }
 

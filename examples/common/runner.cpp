@@ -678,10 +678,15 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
           input = b.input.slice_rows(mine.begin, mine.rows);
           target = b.target.slice_rows(mine.begin, mine.rows);
         }
-        loss.forward(ddp.forward(input), target, ctx);
-        watch.after_step(loss.loss(), r.steps + 1);
-        ddp.backward(loss.backward(ctx));
-        optimizer.step(compute, comm);  // with mixed precision, every rank skips the same steps
+        const tensor_view output = ddp.forward(input);
+        // the loss and the step as the report's computing time (ddp brackets its own forward and backward)
+        const tensor_view grad = ddp.compute([&] {
+          loss.forward(output, target, ctx);
+          watch.after_step(loss.loss(), r.steps + 1);
+          return loss.backward(ctx);
+        });
+        ddp.backward(grad);
+        ddp.compute([&] { optimizer.step(compute, comm); });  // with mixed precision, every rank skips the same steps
         return global;
       },
       [&] {

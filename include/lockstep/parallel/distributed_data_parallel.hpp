@@ -66,7 +66,6 @@
 
 #include <algorithm>
 #include <cstdint>
-#include <exception>
 #include <functional>
 #include <optional>
 #include <span>
@@ -324,14 +323,11 @@ class distributed_data_parallel {
       guard& operator=(const guard&) = delete;
       ~guard() noexcept(false) {
         if (!ddp->replica_.sharded) return;
-        if (std::uncaught_exceptions() > unwinding) {  // leaving by an exception: shard again if possible
-          try {
-            ddp->shards_.reshard(*optimizer);
-          } catch (...) {
-          }
-          return;
+        try {
+          ddp->shards_.reshard(*optimizer);
+        } catch (...) {  // leaving by an exception: shard again if possible, and keep the first exception
+          if (std::uncaught_exceptions() == unwinding) throw;
         }
-        ddp->shards_.reshard(*optimizer);
       }
       distributed_data_parallel* ddp;
       Optimizer* optimizer;
@@ -382,8 +378,12 @@ class distributed_data_parallel {
     return guard(this);
   }
 
-  /// Peak memory and time spent computing (forward, backward) and communicating (all-reduces: overlapped with
-  /// backward, or on a host device in its order, host_collectives.hpp) since construction or reset_report().
+  /// Runs f() (the caller's work on the context's stream: the loss, the optimizer step) as computing time of report()
+  /// rather than idle time, and returns what f returns. f must not call forward or backward.
+  template <class F>
+  decltype(auto) compute(F&& f) { return timed(compute_timeline_, phase::compute, replica_.ctx->stream(), std::forward<F>(f)); }
+  /// Peak memory and time spent computing (forward, backward, compute()) and communicating (all-reduces: overlapped
+  /// with backward, or on a host device in its order, host_collectives.hpp) since construction or reset_report().
   [[nodiscard]] device_report report() {
     device_report r = compute_timeline_.report();
     const device_report c = comm_timeline_.report();

@@ -10,6 +10,7 @@
 #include <cstdint>
 #include <deque>
 #include <optional>
+#include <utility>
 #include <vector>
 
 #include "lockstep/config.hpp"
@@ -123,5 +124,19 @@ class timeline {
   double compute_ms_ = 0, communication_ms_ = 0, wall_ms_ = 0;
   std::optional<std::uint64_t> setup_peak_bytes_;  // the memory peak before the first reset
 };
+
+/// Calls f() (work it queues on `s`) inside a bracket of phase `p` of `t`, closed also when f throws; returns
+/// what f returns. Brackets do not nest: f must not open brackets of `t` itself.
+template <class F>
+decltype(auto) timed(timeline& t, phase p, stream_ref s, F&& f) {
+  struct closer {
+    timeline& t;
+    stream_ref s;
+    ~closer() { t.end(s); }
+  };
+  t.begin(p, s);
+  const closer close{t, s};
+  return std::forward<F>(f)();
+}
 
 LOCKSTEP_ABI_END
