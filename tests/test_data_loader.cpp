@@ -8,6 +8,10 @@
 // compute stream, as training work would read them.
 #include <gtest/gtest.h>
 
+#if defined(__linux__)
+#include <sched.h>
+#endif
+
 #include <algorithm>
 #include <atomic>
 #include <chrono>
@@ -727,7 +731,7 @@ TEST(data_loader, slow_fetches_and_a_slowed_copy_stream_still_deliver_every_batc
 TEST(data_loader, defaults) {
   const in_memory_dataset data = numbered(10, 2);
   stream compute(host0);
-  const int cores = static_cast<int>(std::max(1u, std::thread::hardware_concurrency()));
+  const int cores = detail::host_cores();  // the affinity mask's (the next test)
   {
     data_loader loader(data, sequential_sampler(10), compute);
     EXPECT_EQ(loader.batch_size(), 128u);
@@ -744,6 +748,30 @@ TEST(data_loader, defaults) {
     EXPECT_EQ(loader.prefetch(), 2u) << "prefetch is at least 2";
   }
 }
+
+#if defined(__linux__)
+// The default worker count follows the cores this process may run on (its affinity mask: taskset, mpirun's binding),
+// not the machine's CPUs, which std::thread::hardware_concurrency counts.
+TEST(data_loader, default_workers_follow_the_affinity_mask) {
+  const in_memory_dataset data = numbered(10, 2);
+  stream compute(host0);
+  cpu_set_t before;
+  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
+  int first = 0;
+  while (!CPU_ISSET(first, &before)) ++first;
+  cpu_set_t one;
+  CPU_ZERO(&one);
+  CPU_SET(first, &one);
+  ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);  // this thread only: the loader reads the caller's mask
+  int workers = 0;
+  {
+    data_loader loader(data, sequential_sampler(10), compute, {.device_count_hint = 2});
+    workers = loader.workers();
+  }
+  ASSERT_EQ(sched_setaffinity(0, sizeof(before), &before), 0);
+  EXPECT_EQ(workers, 1) << "one core: one worker, whatever the machine has";
+}
+#endif
 
 TEST(data_loader, preconditions_say_what_is_wrong) {
   const in_memory_dataset data = numbered(10, 2);

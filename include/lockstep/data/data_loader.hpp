@@ -62,6 +62,7 @@
 #include "lockstep/core/shape.hpp"
 #include "lockstep/data/dataset.hpp"
 #include "lockstep/data/sampler.hpp"
+#include "lockstep/device/host_platform.hpp"
 #include "lockstep/device/query.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/device_buffer.hpp"
@@ -79,7 +80,7 @@ enum class last_batch : std::uint8_t { keep, drop };
 struct data_loader_options {
   /// Samples per batch; at least 1.
   std::size_t batch_size = 128;
-  /// Worker threads; 0 picks min(4 x device_count_hint, std::thread::hardware_concurrency()), at least 1.
+  /// Worker threads; 0 picks min(4 x device_count_hint, the cores this process may run on), at least 1.
   int workers = 0;
   /// The GPU count of the "4 workers per GPU" rule of thumb behind the default worker count; at least 1.
   int device_count_hint = 1;
@@ -151,7 +152,7 @@ inline loader_plan make_loader_plan(const sample_layout& layout, const data_load
   if (options.workers > 0) {
     plan.workers = options.workers;
   } else {
-    const auto cores = static_cast<std::int64_t>(std::max(1u, std::thread::hardware_concurrency()));
+    const auto cores = static_cast<std::int64_t>(detail::host_cores());  // its affinity mask's (taskset, mpirun)
     plan.workers = static_cast<int>(std::max<std::int64_t>(1, std::min<std::int64_t>(4 * options.device_count_hint,
                                                                                        cores)));
   }

@@ -190,6 +190,11 @@ inline bool host_platform_started() {
 inline int host_device_count() { return host_platform_configuration().device_count; }
 
 namespace detail {
+/// std::thread::hardware_concurrency(), at least 1 (it may return 0).
+inline int hardware_threads() noexcept {
+  const unsigned n = std::thread::hardware_concurrency();
+  return n == 0 ? 1 : static_cast<int>(n);
+}
 /// The cores this process may run on: the CPUs of its affinity mask (taskset, a cgroup's cpuset) on Linux,
 /// else std::thread::hardware_concurrency(); at least 1.
 inline int host_cores() noexcept {
@@ -198,16 +203,14 @@ inline int host_cores() noexcept {
   CPU_ZERO(&set);
   if (sched_getaffinity(0, sizeof(set), &set) == 0 && CPU_COUNT(&set) > 0) return CPU_COUNT(&set);
 #endif
-  const unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
+  return hardware_threads();
 }
 /// The machine's online CPUs (sysconf on Linux, else std::thread::hardware_concurrency()); at least 1.
 inline int online_cores() noexcept {
 #if defined(__linux__)
   if (const long n = sysconf(_SC_NPROCESSORS_ONLN); n > 0) return static_cast<int>(n);
 #endif
-  const unsigned n = std::thread::hardware_concurrency();
-  return n == 0 ? 1 : static_cast<int>(n);
+  return hardware_threads();
 }
 }  // namespace detail
 
