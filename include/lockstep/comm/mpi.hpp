@@ -14,8 +14,9 @@
 // completes, the timeout passes, or the communicator is aborted. That needs MPI_THREAD_MULTIPLE.
 //
 // Costs: f16/bf16 reductions are widened to an f32 staging buffer, reduced in f32 by MPI and rounded back once;
-// they move twice the bytes of the data on the wire and allocate count * 4 bytes (twice that for
-// reduce_scatter) per collective. `mean` is an MPI sum followed by a division pass. Counts are limited to
+// they move twice the bytes of the data on the wire and need count * 4 bytes of host memory (twice that for
+// reduce_scatter), in staging buffers reused from collective to collective (two are kept: the largest collective's
+// sizes stay allocated while the communicator lives). `mean` is an MPI sum followed by a division pass. Counts are limited to
 // INT_MAX elements (MPI's count type).
 //
 // Failures: every MPI call returns its error (MPI_ERRORS_RETURN on the communicator's own duplicates of the
@@ -529,6 +530,7 @@ class state {
   state(MPI_Comm data, MPI_Comm control, device dev, std::chrono::milliseconds timeout, bool check_calls)
       : data_(data), control_(control), dev_(dev), timeout_(timeout), check_calls_(check_calls),
         census_(control, timeout) {
+    spare_staging_.reserve(kept_staging);
     LOCKSTEP_MPI_CHECK(MPI_Comm_rank(data_, &rank_), "asking for this process's rank");
     LOCKSTEP_MPI_CHECK(MPI_Comm_size(data_, &size_), "asking for the communicator's size");
     LOCKSTEP_MPI_CHECK(MPI_Irecv(control_buffer_.data(), static_cast<int>(control_capacity), MPI_CHAR, MPI_ANY_SOURCE,
@@ -617,7 +619,7 @@ class state {
   void run(std::uint64_t seq, const collective_call& c, const std::shared_ptr<call_check>& check,
            host_backend::stream_state& on) {
     const std::string where = concat(name_of(c.kind), " #", seq, " on ", self_name());
-    auto staging = std::make_unique<buffers>();
+    std::unique_ptr<buffers> staging = take_staging();
     MPI_Request request = MPI_REQUEST_NULL;
     try {
       wait_for_turn(seq, where);
@@ -645,6 +647,7 @@ class state {
     if (result == wait_result::done) {
       finish(c, *staging);
       census_.completed(seq);
+      give_back(std::move(staging));
       return;
     }
     abandon(request, std::move(staging));
@@ -700,6 +703,20 @@ class state {
     MPI_Request request;
     std::unique_ptr<buffers> staging;
   };
+  // Staging buffers are reused from one collective to the next (two kept: a collective may be in flight on each of
+  // two streams), so that a bucket's f32 staging is allocated and its pages touched once, not per collective.
+  static constexpr std::size_t kept_staging = 2;
+  std::unique_ptr<buffers> take_staging() {
+    std::lock_guard lock(staging_mutex_);
+    if (spare_staging_.empty()) return std::make_unique<buffers>();
+    std::unique_ptr<buffers> b = std::move(spare_staging_.back());
+    spare_staging_.pop_back();
+    return b;
+  }
+  void give_back(std::unique_ptr<buffers> b) noexcept {
+    std::lock_guard lock(staging_mutex_);
+    if (spare_staging_.size() < kept_staging) spare_staging_.push_back(std::move(b));  // (reserved: no allocation)
+  }
   struct pending_send {
     MPI_Request request;
     std::unique_ptr<std::string> text;
@@ -1005,6 +1022,8 @@ class state {
   std::vector<pending_send> sends_;
   std::vector<abandoned_request> abandoned_;
   std::vector<std::shared_ptr<call_check>> abandoned_checks_;
+  std::mutex staging_mutex_;  // guards spare_staging_
+  std::vector<std::unique_ptr<buffers>> spare_staging_;
   class census census_;  // (its tags are not control_tag's nor check_tag's)
 };
 
