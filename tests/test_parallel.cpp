@@ -930,6 +930,47 @@ TEST_P(data_parallel_test, report_shows_the_heavier_first_device) {
   EXPECT_GT(report[0].communication_ms, 0.0);
 }
 
+// dp.compute(ctx, f) counts the caller's work on a replica's or the output context's stream as that device's
+// computing time and returns f's result; a context on another device is refused, naming the devices.
+TEST_P(data_parallel_test, compute_brackets_the_callers_work_on_the_contexts_device) {
+  if (!require_devices(3)) return;
+  using namespace std::chrono_literals;
+  stream setup(dev(0));
+  context build_ctx(setup);
+  graph model = make_model(build_ctx, seed);
+  data_parallel dp(model, data_parallel_options{.device_ids = devices(2)});
+  sgd opt(parameters_of(model).pointers(), optimizer_options);
+  softmax_cross_entropy loss(reduction::mean);
+  context& out = dp.output_context();
+  const stream_ref s0 = dp.replica_context(0).stream();
+  s0.synchronize();
+  dp.reset_report();
+  tensor xb = device_tensor(slice(inputs(), 0, 8, features), shape{8, features}, s0);
+  tensor yb = device_labels(slice(labels(), 0, 8, 1), out.stream());
+  opt.zero_grad();
+  const tensor_view y = dp.forward(xb);
+  const tensor_view grad = dp.compute(out, [&] {
+    loss.forward(y, yb, out);
+    return loss.backward(out);
+  });
+  EXPECT_EQ(grad.dims(), y.dims());
+  dp.backward(grad);
+  dp.compute(dp.replica_context(0), [&] {
+    opt.step(s0);
+    if (kind() == device_kind::host) detail::enqueue_host(s0, [] { std::this_thread::sleep_for(50ms); }, "slow step");
+  });
+  const std::vector<device_report> report = dp.report();
+  ASSERT_EQ(report.size(), 2u);
+  if (kind() == device_kind::host) {
+    EXPECT_GE(report[0].compute_ms, 50.0);
+    EXPECT_LT(report[1].compute_ms, 50.0) << "the other replica did not run the step";
+  }
+  stream elsewhere(dev(2));
+  context other(elsewhere);
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { dp.compute(other, [] {}); }),
+                  "neither a replica's device");
+}
+
 // ---- DistributedDataParallel ------------------------------------------------------------------------------------
 
 TEST_P(ddp_test, buckets_fill_in_reverse_order_with_a_smaller_first_bucket) {

@@ -592,10 +592,14 @@ run_result train_dp(const options& o, const model_recipe& m, const datasets& dat
         dp.set_step(static_cast<std::uint64_t>(r.steps));
         optimizer.zero_grad();
         // the labels are on device_ids[0], which is also the output device: the loss is computed there
-        loss.forward(dp.forward(b.input), b.target, out);
-        watch.after_step(loss.loss(), r.steps + 1);
-        dp.backward(loss.backward(out));
-        optimizer.step(s0);
+        const tensor_view output = dp.forward(b.input);
+        const tensor_view grad = dp.compute(out, [&] {  // as the report's computing time, not idle
+          loss.forward(output, b.target, out);
+          watch.after_step(loss.loss(), r.steps + 1);
+          return loss.backward(out);
+        });
+        dp.backward(grad);
+        dp.compute(dp.replica_context(0), [&] { optimizer.step(s0); });
         return b.rows;
       },
       [&] {

@@ -247,8 +247,21 @@ class data_parallel {
   /// address space; the grants are kept for strict mode's checks). A single device: none.
   [[nodiscard]] const std::vector<std::pair<device, device>>& peer_pairs() const noexcept { return peer_pairs_; }
 
+  /// Runs f() (the caller's work on the stream of `ctx`, a replica's or the output context: the loss, the optimizer
+  /// step) as computing time of ctx's device in report() rather than idle time, and returns what f returns. f must
+  /// not call forward or backward.
+  template <class F>
+  decltype(auto) compute(context& ctx, F&& f) {
+    const device d = ctx.get_device();
+    LOCKSTEP_EXPECTS(devices_.contains(d) || d == output_device_, "data_parallel::compute: the context is on ", d.str(),
+                     ", neither a replica's device (", devices_.str(), ") nor the output device (", output_device_.str(),
+                     "): pass replica_context(i) or output_context()");
+    return timed(timeline_of(d), phase::compute, ctx.stream(), std::forward<F>(f));
+  }
+
   /// Peak memory and the time each device spent computing, communicating and idle since construction (or
-  /// the last reset_report). Waits for the work measured so far.
+  /// the last reset_report), forward, backward and compute() counting as computing. Waits for the work measured so
+  /// far.
   [[nodiscard]] std::vector<device_report> report() {
     std::vector<device_report> out;
     for (auto& t : timelines_) out.push_back(t.report());
