@@ -4,6 +4,10 @@
 // Tests parameterized over the backend run on host devices here and skip their CUDA instance without a GPU.
 #include <gtest/gtest.h>
 
+#if defined(__linux__)
+#include <pthread.h>
+#endif
+
 #include <algorithm>
 #include <array>
 #include <atomic>
@@ -13,6 +17,7 @@
 #include <latch>
 #include <memory>
 #include <numeric>
+#include <string>
 #include <thread>
 #include <vector>
 
@@ -69,6 +74,22 @@ std::string kind_name(const ::testing::TestParamInfo<device_kind>& info) { retur
 INSTANTIATE_TEST_SUITE_P(all, backend, ::testing::Values(device_kind::host, device_kind::cuda), kind_name);
 
 // ---- streams ---------------------------------------------------------------------------------------------------
+
+#if defined(__linux__)
+// A host stream's worker carries the stream's name (as top -H, perf and gdb show threads), cut to Linux's 15 bytes.
+TEST(host_stream, its_worker_thread_is_named_after_the_stream) {
+  stream s(host0);
+  std::string name;
+  detail::enqueue_host(s, [&] {
+    char text[16] = {};
+    if (pthread_getname_np(pthread_self(), text, sizeof(text)) == 0) name = text;
+  }, "read the thread's name");
+  s.synchronize();
+  const std::string label = s.ref().host_state().label();
+  EXPECT_EQ(name, label.substr(0, 15)) << label;
+  EXPECT_EQ(name.rfind("host:0 ", 0), 0u) << name;
+}
+#endif
 
 TEST(host_stream, runs_queued_work_in_order_and_asynchronously) {
   stream s(host0);

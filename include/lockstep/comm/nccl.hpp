@@ -57,6 +57,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/cuda_check.hpp"
+#include "lockstep/core/thread_name.hpp"
 #include "lockstep/device/device_guard.hpp"
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/runtime/memory.hpp"  // enable_peer_access
@@ -264,7 +265,10 @@ class shared_comms {
   /// Starts the watchdog thread (once the communicators are initialized). `timeout` bounds a collective.
   void start_watchdog(std::chrono::milliseconds timeout) {
     timeout_ = timeout;
-    watchdog_ = std::thread([this] { watch(); });
+    watchdog_ = std::thread([this] {
+      detail::name_this_thread("nccl watchdog");
+      watch();
+    });
   }
 
   /// Records on `s` an event for the watchdog (endpoint `e`'s mutex held by the caller): before a collective,

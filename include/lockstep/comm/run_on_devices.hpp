@@ -30,6 +30,7 @@
 
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/comm/host_clique.hpp"
+#include "lockstep/core/thread_name.hpp"
 #include "lockstep/device/device_guard.hpp"
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/runtime/stream.hpp"
@@ -149,6 +150,7 @@ void run_on_devices(const device_set& devices, F&& fn, comm_options options = {}
 
   auto body = [&](int r) {
     const auto u = static_cast<std::size_t>(r);
+    detail::name_this_thread(detail::concat("rank ", r));
     try {
       device_guard guard(devices[u]);
       rank_context ctx(r, k, devices[u], comms[u]);

@@ -60,6 +60,7 @@
 #include "lockstep/core/half.hpp"
 #include "lockstep/core/half_runs.hpp"
 #include "lockstep/core/shape.hpp"
+#include "lockstep/core/thread_name.hpp"
 #include "lockstep/data/dataset.hpp"
 #include "lockstep/data/sampler.hpp"
 #include "lockstep/device/host_platform.hpp"
@@ -505,6 +506,7 @@ class data_loader {
   }
 
   void work(int id) noexcept {
+    detail::name_this_thread(detail::concat("loader ", id));
     std::vector<float> scratch;  // one f32 input when converting
     std::unique_lock lock(mutex_);
     for (;;) {

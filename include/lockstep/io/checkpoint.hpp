@@ -72,6 +72,7 @@
 #include "lockstep/amp/loss_scaler.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/config.hpp"
+#include "lockstep/core/thread_name.hpp"
 #include "lockstep/io/file.hpp"
 #include "lockstep/io/safetensors.hpp"
 #include "lockstep/io/sha256.hpp"
@@ -1051,6 +1052,7 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     nlohmann::json training_entry;
     std::exception_ptr training_failure;
     std::thread training_writer([&] {
+      detail::name_this_thread("ckpt training");
       try {
         training_entry = write_staged_file(tmp / training_file_name, c.training, o.durability);
       } catch (...) {
@@ -1317,6 +1319,7 @@ class checkpointer {
     writing_ = true;
     try {
       writer_ = std::thread([this] {
+        detail::name_this_thread("ckpt writer");
         try {
           written_ = detail::write_checkpoint(root_, *staged_, options_);
         } catch (...) {

@@ -16,6 +16,7 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/thread_name.hpp"
 
 namespace lockstep::detail {
 
@@ -88,6 +89,7 @@ class replica_threads {
 
  private:
   void loop(std::size_t index) {
+    detail::name_this_thread(detail::concat("replica ", index));
     std::uint64_t seen = 0;
     while (true) {
       const std::function<void(std::size_t)>* job = nullptr;

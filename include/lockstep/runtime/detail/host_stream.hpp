@@ -37,6 +37,7 @@
 #include <utility>
 
 #include "lockstep/core/error.hpp"
+#include "lockstep/core/thread_name.hpp"
 
 namespace lockstep::host_backend {
 
@@ -332,6 +333,7 @@ class stream_state {
   }
 
   void run() {
+    detail::name_this_thread(label_);  // "host:0 stream 3"
     std::unique_lock lock(mutex_);
     while (true) {
       while (!stopping_ && queue_.empty()) {
