@@ -381,7 +381,9 @@ class distributed_data_parallel {
   /// Runs f() (the caller's work on the context's stream: the loss, the optimizer step) as computing time of report()
   /// rather than idle time, and returns what f returns. f must not call forward or backward.
   template <class F>
-  decltype(auto) compute(F&& f) { return timed(compute_timeline_, phase::compute, replica_.ctx->stream(), std::forward<F>(f)); }
+  decltype(auto) compute(F&& f) {
+    return timed(compute_timeline_, phase::compute, replica_.ctx->stream(), std::forward<F>(f));
+  }
   /// Peak memory and time spent computing (forward, backward, compute()) and communicating (all-reduces: overlapped
   /// with backward, or on a host device in its order, host_collectives.hpp) since construction or reset_report().
   [[nodiscard]] device_report report() {
@@ -459,12 +461,7 @@ class distributed_data_parallel {
   }
 
   static dtype hook_type(comm_hook hook) noexcept {
-    switch (hook) {
-      case comm_hook::fp16: return dtype::f16;
-      case comm_hook::bf16: return dtype::bf16;
-      case comm_hook::none: break;
-    }
-    return dtype::f32;
+    return hook == comm_hook::fp16 ? dtype::f16 : hook == comm_hook::bf16 ? dtype::bf16 : dtype::f32;
   }
 
   Model* model_;

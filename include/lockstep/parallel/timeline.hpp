@@ -9,6 +9,7 @@
 #include <chrono>
 #include <cstdint>
 #include <deque>
+#include <exception>
 #include <optional>
 #include <utility>
 #include <vector>
@@ -132,7 +133,17 @@ decltype(auto) timed(timeline& t, phase p, stream_ref s, F&& f) {
   struct closer {
     timeline& t;
     stream_ref s;
-    ~closer() { t.end(s); }
+    int unwinding = std::uncaught_exceptions();
+    ~closer() noexcept(false) {
+      if (std::uncaught_exceptions() == unwinding) {
+        t.end(s);
+        return;
+      }
+      try {  // f threw: close the bracket if the stream still takes it, and let f's exception through
+        t.end(s);
+      } catch (...) {
+      }
+    }
   };
   t.begin(p, s);
   const closer close{t, s};
