@@ -755,21 +755,19 @@ TEST(data_loader, defaults) {
 TEST(data_loader, default_workers_follow_the_affinity_mask) {
   const in_memory_dataset data = numbered(10, 2);
   stream compute(host0);
-  cpu_set_t before;
-  ASSERT_EQ(sched_getaffinity(0, sizeof(before), &before), 0);
+  struct restore_mask {  // the later tests of this program run on every CPU again, also if this one fails
+    cpu_set_t mask;
+    ~restore_mask() { (void)sched_setaffinity(0, sizeof(mask), &mask); }
+  } before{};
+  ASSERT_EQ(sched_getaffinity(0, sizeof(before.mask), &before.mask), 0);
   int first = 0;
-  while (!CPU_ISSET(first, &before)) ++first;
+  while (!CPU_ISSET(first, &before.mask)) ++first;
   cpu_set_t one;
   CPU_ZERO(&one);
   CPU_SET(first, &one);
   ASSERT_EQ(sched_setaffinity(0, sizeof(one), &one), 0);  // this thread only: the loader reads the caller's mask
-  int workers = 0;
-  {
-    data_loader loader(data, sequential_sampler(10), compute, {.device_count_hint = 2});
-    workers = loader.workers();
-  }
-  ASSERT_EQ(sched_setaffinity(0, sizeof(before), &before), 0);
-  EXPECT_EQ(workers, 1) << "one core: one worker, whatever the machine has";
+  data_loader loader(data, sequential_sampler(10), compute, {.device_count_hint = 2});
+  EXPECT_EQ(loader.workers(), 1) << "one core: one worker, whatever the machine has";
 }
 #endif
 

@@ -15,7 +15,7 @@
 //
 // Costs: f16/bf16 reductions are widened to an f32 staging buffer, reduced in f32 by MPI and rounded back once;
 // they move twice the bytes of the data on the wire and need count * 4 bytes of host memory (twice that for
-// reduce_scatter), in staging buffers reused from collective to collective (two are kept: the largest collective's
+// reduce_scatter), in staging buffers reused from collective to collective (two are kept, with exact sums' gathered terms: the largest collective's
 // sizes stay allocated while the communicator lives). `mean` is an MPI sum followed by a division pass. Counts are limited to
 // INT_MAX elements (MPI's count type).
 //

@@ -150,7 +150,7 @@ void run_on_devices(const device_set& devices, F&& fn, comm_options options = {}
 
   auto body = [&](int r) {
     const auto u = static_cast<std::size_t>(r);
-    detail::name_this_thread(detail::concat("rank ", r));
+    detail::name_this_thread("rank", u);
     try {
       device_guard guard(devices[u]);
       rank_context ctx(r, k, devices[u], comms[u]);

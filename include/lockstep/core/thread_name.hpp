@@ -1,8 +1,9 @@
 // lockstep/core/thread_name.hpp — names the library's own threads, as `top -H`, `perf report --sort comm`, gdb's
-// `info threads` and /proc/<pid>/task/*/comm show them: "host:0 stream 3", "loader 1", "rank 0 host:1", ... instead
-// of the program's name for every thread. Plain code (no CUDA, no build configuration).
+// `info threads` and /proc/<pid>/task/*/comm show them: "host:0 stream 3", "loader 1", "rank 0", ... instead of the
+// program's name for every thread. Plain code (no CUDA, no build configuration); nothing here allocates or throws.
 #pragma once
 
+#include <charconv>
 #include <cstddef>
 #include <cstring>
 #include <string_view>
@@ -27,6 +28,16 @@ inline void name_this_thread(std::string_view name) noexcept {
 #else
   (void)name;
 #endif
+}
+
+/// Names the calling thread `prefix` followed by a space and `number` ("loader 3"), formatted without allocating.
+inline void name_this_thread(std::string_view prefix, std::size_t number) noexcept {
+  char text[40];
+  const std::size_t n = prefix.size() < 16 ? prefix.size() : 16;
+  std::memcpy(text, prefix.data(), n);
+  text[n] = ' ';
+  const auto end = std::to_chars(text + n + 1, text + sizeof(text), number).ptr;
+  name_this_thread(std::string_view(text, static_cast<std::size_t>(end - text)));
 }
 
 }  // namespace lockstep::detail

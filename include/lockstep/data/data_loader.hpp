@@ -506,7 +506,7 @@ class data_loader {
   }
 
   void work(int id) noexcept {
-    detail::name_this_thread(detail::concat("loader ", id));
+    detail::name_this_thread("loader", static_cast<std::size_t>(id));
     std::vector<float> scratch;  // one f32 input when converting
     std::unique_lock lock(mutex_);
     for (;;) {

@@ -21,6 +21,7 @@
 // shows it.
 #pragma once
 
+#include <algorithm>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -247,16 +248,17 @@ class data_parallel {
   /// address space; the grants are kept for strict mode's checks). A single device: none.
   [[nodiscard]] const std::vector<std::pair<device, device>>& peer_pairs() const noexcept { return peer_pairs_; }
 
-  /// Runs f() (the caller's work on the stream of `ctx`, a replica's or the output context: the loss, the optimizer
-  /// step) as computing time of ctx's device in report() rather than idle time, and returns what f returns. f must
-  /// not call forward or backward.
+  /// Runs f() (the caller's work on the stream of `ctx`, replica_context(i) or output_context(): the loss, the
+  /// optimizer step) as computing time of ctx's device in report() rather than idle time, and returns what f returns.
+  /// f must not call forward or backward; collectives f queues (a loss scaler's overflow check) count as computing.
   template <class F>
   decltype(auto) compute(context& ctx, F&& f) {
-    const device d = ctx.get_device();
-    LOCKSTEP_EXPECTS(devices_.contains(d) || d == output_device_, "data_parallel::compute: the context is on ", d.str(),
-                     ", neither a replica's device (", devices_.str(), ") nor the output device (", output_device_.str(),
+    const bool ours = &ctx == output_context_.get() ||
+                      std::any_of(contexts_.begin(), contexts_.end(), [&](const auto& c) { return c.get() == &ctx; });
+    LOCKSTEP_EXPECTS(ours, "data_parallel::compute: the context (on ", ctx.get_device().str(), ") is not one of this "
+                     "data_parallel's (replicas on ", devices_.str(), ", output on ", output_device_.str(),
                      "): pass replica_context(i) or output_context()");
-    return timed(timeline_of(d), phase::compute, ctx.stream(), std::forward<F>(f));
+    return timed(timeline_of(ctx.get_device()), phase::compute, ctx.stream(), std::forward<F>(f));
   }
 
   /// Peak memory and the time each device spent computing, communicating and idle since construction (or

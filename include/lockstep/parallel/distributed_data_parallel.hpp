@@ -66,6 +66,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <exception>
 #include <functional>
 #include <optional>
 #include <span>
@@ -379,7 +380,8 @@ class distributed_data_parallel {
   }
 
   /// Runs f() (the caller's work on the context's stream: the loss, the optimizer step) as computing time of report()
-  /// rather than idle time, and returns what f returns. f must not call forward or backward.
+  /// rather than idle time, and returns what f returns. f must not call forward or backward; collectives it queues
+  /// (a loss scaler's overflow check, ZeRO's clipping norm) count as computing.
   template <class F>
   decltype(auto) compute(F&& f) {
     return timed(compute_timeline_, phase::compute, replica_.ctx->stream(), std::forward<F>(f));

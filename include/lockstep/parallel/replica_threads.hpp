@@ -89,7 +89,7 @@ class replica_threads {
 
  private:
   void loop(std::size_t index) {
-    detail::name_this_thread(detail::concat("replica ", index));
+    detail::name_this_thread("replica", index);
     std::uint64_t seen = 0;
     while (true) {
       const std::function<void(std::size_t)>* job = nullptr;

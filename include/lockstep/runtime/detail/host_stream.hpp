@@ -32,6 +32,7 @@
 #include <new>
 #include <set>
 #include <string>
+#include <string_view>
 #include <thread>
 #include <type_traits>
 #include <utility>
@@ -184,6 +185,7 @@ class stream_state {
   stream_state(int device, std::string label, stream_observer* observer = nullptr, std::uint32_t jitter_us = 0)
       : device_(device),
         label_(std::move(label)),
+        thread_name_(thread_name(label_)),
         observer_(observer),
         jitter_us_(jitter_us),
         random_((reinterpret_cast<std::uintptr_t>(this) ^
@@ -333,7 +335,7 @@ class stream_state {
   }
 
   void run() {
-    detail::name_this_thread(label_);  // "host:0 stream 3"
+    detail::name_this_thread(thread_name_);
     std::unique_lock lock(mutex_);
     while (true) {
       while (!stopping_ && queue_.empty()) {
@@ -391,8 +393,21 @@ class stream_state {
     }
   }
 
+  // The worker's name: the label when it fits Linux's 15 bytes ("host:0 stream 3"), else shortened so that the
+  // numbers stay ("host:12 stream 104" -> "h12 s104", "host:12 default stream" -> "h12 default").
+  static std::string thread_name(std::string name) {
+    if (name.size() <= 15) return name;
+    constexpr std::pair<std::string_view, std::string_view> shorter[] = {
+        {"host:", "h"}, {" default stream", " default"}, {" stream ", " s"}};
+    for (const auto& [from, to] : shorter) {
+      if (const auto at = name.find(from); at != std::string::npos) name.replace(at, from.size(), to);
+    }
+    return name;
+  }
+
   const int device_;
   const std::string label_;
+  const std::string thread_name_;
   stream_observer* const observer_;
   const std::uint32_t jitter_us_;
   std::uint64_t random_;  // the worker's, for delay_at_random
