@@ -76,7 +76,8 @@ INSTANTIATE_TEST_SUITE_P(all, backend, ::testing::Values(device_kind::host, devi
 // ---- streams ---------------------------------------------------------------------------------------------------
 
 #if defined(__linux__)
-// A host stream's worker carries the stream's name (as top -H, perf and gdb show threads), cut to Linux's 15 bytes.
+// A host stream's worker carries the stream's name (as top -H, perf and gdb show threads); host:0's labels fit
+// Linux's 15 bytes whole.
 TEST(host_stream, its_worker_thread_is_named_after_the_stream) {
   stream s(host0);
   std::string name;

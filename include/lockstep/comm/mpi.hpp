@@ -15,9 +15,9 @@
 //
 // Costs: f16/bf16 reductions are widened to an f32 staging buffer, reduced in f32 by MPI and rounded back once;
 // they move twice the bytes of the data on the wire and need count * 4 bytes of host memory (twice that for
-// reduce_scatter), in staging buffers reused from collective to collective (two are kept, with exact sums' gathered terms: the largest collective's
-// sizes stay allocated while the communicator lives). `mean` is an MPI sum followed by a division pass. Counts are limited to
-// INT_MAX elements (MPI's count type).
+// reduce_scatter), in staging buffers reused from collective to collective: two are kept, so the largest
+// collective's staging (exact sums' gathered terms too) stays allocated while the communicator lives. `mean` is an
+// MPI sum followed by a division pass. Counts are limited to INT_MAX elements (MPI's count type).
 //
 // Failures: every MPI call returns its error (MPI_ERRORS_RETURN on the communicator's own duplicates of the
 // user's MPI_Comm) and is turned into mpi_error with MPI_Error_string. A collective that does not complete

@@ -21,9 +21,7 @@ inline void name_this_thread(std::string_view name) noexcept {
   char text[16];
   const std::size_t n = name.size() < sizeof(text) - 1 ? name.size() : sizeof(text) - 1;
   std::memcpy(text, name.data(), n);
-  std::size_t end = n;
-  while (end > 0 && text[end - 1] == ' ') --end;  // a cut that ends in a space
-  text[end] = '\0';
+  text[n] = '\0';
   (void)pthread_setname_np(pthread_self(), text);
 #else
   (void)name;

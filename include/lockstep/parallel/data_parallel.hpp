@@ -21,7 +21,6 @@
 // shows it.
 #pragma once
 
-#include <algorithm>
 #include <iostream>
 #include <optional>
 #include <string>
@@ -253,8 +252,8 @@ class data_parallel {
   /// f must not call forward or backward; collectives f queues (a loss scaler's overflow check) count as computing.
   template <class F>
   decltype(auto) compute(context& ctx, F&& f) {
-    const bool ours = &ctx == output_context_.get() ||
-                      std::any_of(contexts_.begin(), contexts_.end(), [&](const auto& c) { return c.get() == &ctx; });
+    bool ours = false;
+    for_each_context([&](context& c) { ours = ours || &c == &ctx; });
     LOCKSTEP_EXPECTS(ours, "data_parallel::compute: the context (on ", ctx.get_device().str(), ") is not one of this "
                      "data_parallel's (replicas on ", devices_.str(), ", output on ", output_device_.str(),
                      "): pass replica_context(i) or output_context()");
