@@ -507,6 +507,73 @@ TEST_P(finite_differences_test, batch_norm_in_f16_and_bf16_follows_f32_within_th
   }
 }
 
+// batch_norm_options::relu is batch_norm then relu in one layer: the same bits in every type, in training (also in
+// deterministic mode, and a second backward adding to the gradients) and evaluation, for [N, C, H, W] and [N, F].
+TEST_P(finite_differences_test, batch_norm_with_a_fused_relu_gives_the_bits_of_batch_norm_then_relu) {
+  const stream_ref s = default_stream(dev());
+  for (const shape dims : {shape{6, 5, 3, 3}, shape{9, 4}}) {
+    const auto count = static_cast<std::size_t>(dims.numel()), channels = static_cast<std::size_t>(dims[1]);
+    const auto x = random_values(count, 66, -3.0f, 3.0f), g = random_values(count, 67);
+    const auto w = random_values(channels, 68, 0.5f, 1.5f), b = random_values(channels, 69);
+    for (const dtype type : {dtype::f32, dtype::f16, dtype::bf16}) {
+      for (const bool deterministic : {false, true}) {
+        SCOPED_TRACE(::testing::Message() << dims.str() << " " << name_of(type)
+                                          << (deterministic ? " deterministic" : ""));
+        auto run = [&](bool fused) {
+          context ctx(s, type);
+          if (deterministic) {
+            ctx.set_deterministic(deterministic_options{
+                .chunk_rows = 2, .gradients = deterministic_options::accumulation::across_backward_calls});
+          }
+          batch_norm bn(dims[1], ctx, batch_norm_options{.relu = fused});
+          relu act;  // after the layer without the fused relu
+          auto forward = [&](const tensor_view& in) {
+            const tensor_view y = bn.forward(in, ctx);
+            return fused ? y : act.forward(y, ctx);
+          };
+          auto backward = [&](const tensor_view& gin) {
+            return bn.backward(fused ? gin : act.backward(gin, ctx, input_grad::required), ctx, input_grad::required);
+          };
+          write_values(bn.weight(), w, s);
+          write_values(bn.bias_parameter(), b, s);
+          tensor xt = typed_tensor(x, dims, type, s), gt = typed_tensor(g, dims, type, s);
+          std::vector<std::vector<float>> o;
+          for (int pass = 0; pass < 2; ++pass) {  // the second adds to the parameters' gradients
+            o.push_back(read_as_float(forward(xt), s));
+            o.push_back(read_as_float(backward(gt), s));
+            o.push_back(read_as_float(bn.weight().grad(), s));
+            o.push_back(read_as_float(bn.bias_parameter().grad(), s));
+          }
+          o.push_back(read(bn.running_mean(), s));
+          o.push_back(read(bn.running_var(), s));
+          ctx.set_mode(run_mode::eval);
+          o.push_back(read_as_float(forward(xt), s));
+          o.push_back(read_as_float(backward(gt), s));
+          return o;
+        };
+        const auto fused = run(true), apart = run(false);
+        ASSERT_EQ(fused.size(), apart.size());
+        for (std::size_t i = 0; i < fused.size(); ++i) {
+          ASSERT_EQ(fused[i].size(), apart[i].size());
+          EXPECT_EQ(std::memcmp(fused[i].data(), apart[i].data(), fused[i].size() * sizeof(float)), 0)
+              << "output " << i;
+        }
+        EXPECT_TRUE(std::ranges::any_of(fused[0], [](float v) { return v == 0.0f; }) &&
+                    std::ranges::any_of(fused[0], [](float v) { return v > 0.0f; }));  // the relu had work to do
+      }
+    }
+  }
+  // the gradients, away from relu's kink: each channel's 12 values are +-1..+-6 (shifted), none normalized near 0
+  std::vector<float> kinkless(36);
+  for (std::size_t i = 0; i < 36; ++i) {
+    const std::size_t c = (i / 4) % 3, k = (i / 12) * 4 + i % 4;  // the k-th of channel c's values
+    kinkless[i] = 0.5f * static_cast<float>(c) + static_cast<float>(k % 6 + 1) * (k % 2 == 0 ? 1.0f : -1.0f);
+  }
+  context ctx(s);
+  batch_norm bn(3, ctx, batch_norm_options{.relu = true});
+  check_layer_gradients(bn, ctx, kinkless, shape{3, 3, 2, 2});
+}
+
 namespace {
 // n distinct values in [-1, 1), at least 2 / n apart, in a shuffled order: no two tie within a finite difference's
 // step (max pooling's kink).

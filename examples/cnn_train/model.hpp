@@ -1,5 +1,6 @@
 // cnn_train's model: a small CNN for 28x28 images,
-//   [conv 3x3, padding 1 -> batch norm -> relu -> max pool 2x2] per --channels (default 32,64)
+//   [conv 3x3, padding 1 -> batch norm -> relu -> max pool 2x2] per --channels (default 32,64; the relu fused into
+//   the batch norm: batch_norm_options::relu)
 //   -> flatten -> [linear -> relu -> dropout] per --hidden (default 128) -> linear(10)
 // as a graph whose names PyTorch's state_dict shares (conv1, bn1, ..., fc1, ..., out): tools/safetensors_interop.py
 // builds the same model in PyTorch. The convolutions have no bias (the batch norm after them has one).
@@ -57,9 +58,9 @@ inline lockstep::graph build(const model_options& m, std::int64_t inputs, lockst
     }
     const std::string n = std::to_string(i + 1);
     g.add("conv" + n, conv2d(width, m.channels[i], 3, ctx, init, conv2d_options{.padding = 1, .bias = false}), previous)
-        .add("bn" + n, batch_norm(m.channels[i], ctx, batch_norm_options{.sync = m.sync_bn}), "conv" + n)
-        .add("act" + n, relu(), "bn" + n)
-        .add("pool" + n, max_pool2d(2), "act" + n);
+        .add("bn" + n, batch_norm(m.channels[i], ctx, batch_norm_options{.sync = m.sync_bn, .relu = true}),
+             "conv" + n)
+        .add("pool" + n, max_pool2d(2), "bn" + n);
     previous = "pool" + n;
     width = m.channels[i];
     side /= 2;

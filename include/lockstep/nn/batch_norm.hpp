@@ -27,6 +27,10 @@ struct batch_norm_options {
   /// Synchronized batch norm (PyTorch's SyncBatchNorm): training statistics over every replica's rows, the global
   /// batch of data_parallel or distributed_data_parallel (context::replicas()); alone, the replica's own.
   bool sync = false;
+  /// A ReLU fused after the normalization: the output is relu(y), the bits of a relu layer after the batch norm, in
+  /// one pass over the output each way instead of that layer's two (PyTorch's BatchNorm2d followed by ReLU, which
+  /// has no parameters: the state dict's names are the same).
+  bool relu = false;
 };
 
 /// Normalizes each channel c of x ([N, C] or [N, C, d2, ...]) over its N * d2 * ... values:
@@ -35,7 +39,8 @@ struct batch_norm_options {
 ///     with PyTorch's momentum and the unbiased variance var_B * m / (m - 1) (m values per channel);
 ///   evaluation: the same with running_mean and running_var (the batch's statistics without track_running_stats).
 /// Parameters "weight" and "bias" [C]; buffers "running_mean" [C] (zeros), "running_var" [C] (ones), f32, and
-/// "num_batches_tracked" (i64 scalar), named as PyTorch's, so checkpoints load into torch.nn.BatchNorm2d.
+/// "num_batches_tracked" (i64 scalar), named as PyTorch's, so checkpoints load into torch.nn.BatchNorm2d. With
+/// options.relu the output is relu(y) (batch_norm_options::relu).
 ///
 /// Data parallelism: each replica normalizes with its own rows' statistics (what PyTorch's BatchNorm does under
 /// DDP), or with `sync` with those of the whole global batch: the forward adds the replicas' per-channel sums and
@@ -119,7 +124,8 @@ class batch_norm {
                       mean_.as<float>(), rstd_.as<float>(),
                       track || !batch_stats_ ? running_mean_.as<float>() : nullptr,
                       track || !batch_stats_ ? running_var_.as<float>() : nullptr,
-                      track ? tracked_.as<std::int64_t>() : nullptr, g.n, c, g.inner, options_.eps, options_.momentum},
+                      track ? tracked_.as<std::int64_t>() : nullptr, g.n, c, g.inner, options_.eps, options_.momentum,
+                      options_.relu},
                   s, "batch_norm normalize");
     });
     return y_.view();
@@ -146,7 +152,8 @@ class batch_norm {
       auto sums_op = [&](std::size_t first_row, std::size_t rows, float* a, float* b, T* dbeta, T* dgamma) {
         const std::size_t first = first_row * c * g.inner;
         return kernels::batch_norm_grad_sums_op<T>{gy.as<T>() + first, x_.as<T>() + first, mean_.as<float>(),
-                                                   rstd_.as<float>(), a, b, dbeta, dgamma, rows, c, g.inner};
+                                                   rstd_.as<float>(), a, b, dbeta, dgamma, rows, c, g.inner,
+                                                   options_.relu ? y_.as<T>() + first : nullptr};
       };
       if (local_sums) launch_rows(c, sums_op(0, g.n, sg, sgx, nullptr, nullptr), s, "batch_norm gradient sums");
       if (affine()) {
@@ -186,7 +193,8 @@ class batch_norm {
                     kernels::batch_norm_input_grad_op<T>{
                         gy.as<T>(), x_.as<T>(), affine() ? weight_.compute_value().as<T>() : nullptr, mean_.as<float>(),
                         rstd_.as<float>(), batch_stats_ ? sg : nullptr, batch_stats_ ? sgx : nullptr,
-                        batch_stats_ ? sums_.as<float>() : nullptr, gx_.as<T>(), g.n, c, g.inner},
+                        batch_stats_ ? sums_.as<float>() : nullptr, gx_.as<T>(), g.n, c, g.inner,
+                        options_.relu ? y_.as<T>() : nullptr},
                     s, "batch_norm input gradient");
       }
     });

@@ -4,8 +4,8 @@
 // targets) and for AVX2, chosen at run time by what the CPU supports. The functor's code is inlined into both,
 // so the AVX2 loop vectorizes 8 floats wide (and the branch-free f16/bf16 conversions with AVX2 integer
 // instructions) without the program requiring AVX2. The AVX2 copies are flattened: everything they call with
-// a visible body (a functor's own for_all / for_rows / for_group, the lambdas and block helpers inside them)
-// is inlined into them, since code left out of line is compiled for the baseline only. FMA is deliberately
+// a visible body (a functor's own for_all / for_rows / for_all_rows / for_group, the lambdas and block helpers
+// inside them) is inlined into them, since code left out of line is compiled for the baseline only. FMA is deliberately
 // not enabled: contracting a * b + c would change results between machines. A build that targets AVX2 already
 // (-mavx2, -march=native, -march=x86-64-v3) needs no second copy: its baseline loops are the AVX2 ones, and it
 // compiles each kernel once.
@@ -45,7 +45,11 @@ void host_loop_2d_body(std::size_t rows, std::size_t cols, const K& k) {
 }
 template <class K>
 void host_rows_body(std::size_t rows, const K& k) {
-  for (std::size_t r = 0; r < rows; ++r) k.row(r, single_lane{});
+  if constexpr (requires { k.for_all_rows(rows); }) {
+    k.for_all_rows(rows);  // the functor's own loop over every row: the same per-row results, in memory order
+  } else {
+    for (std::size_t r = 0; r < rows; ++r) k.row(r, single_lane{});
+  }
 }
 template <class Group, class K>
 void host_groups_body(std::span<const Group> groups, const K& k) {
@@ -78,7 +82,11 @@ LOCKSTEP_TARGET_AVX2 void host_loop_2d_avx2(std::size_t rows, std::size_t cols, 
 }
 template <class K>
 LOCKSTEP_TARGET_AVX2 void host_rows_avx2(std::size_t rows, const K& k) {
-  for (std::size_t r = 0; r < rows; ++r) k.row(r, single_lane{});
+  if constexpr (requires { k.for_all_rows(rows); }) {
+    k.for_all_rows(rows);
+  } else {
+    for (std::size_t r = 0; r < rows; ++r) k.row(r, single_lane{});
+  }
 }
 template <class Group, class K>
 LOCKSTEP_TARGET_AVX2 void host_groups_avx2(std::span<const Group> groups, const K& k) {

@@ -15,10 +15,12 @@
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
+#include <vector>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/core/half_runs.hpp"
+#include "lockstep/kernels/activation.hpp"
 
 LOCKSTEP_ABI_BEGIN
 namespace kernels {
@@ -189,23 +191,39 @@ LOCKSTEP_HD void for_channel_values(std::size_t n, std::size_t channels, std::si
   }
 }
 
+/// The sum of f(i) over the contiguous run [base, base + inner) in a fixed order: eight interleaved partial sums
+/// (independent chains a compiler can vectorize), added pairwise.
+template <class F>
+LOCKSTEP_HD float run_sum(std::size_t base, std::size_t inner, F&& f) {
+  float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
+  std::size_t s = 0;
+  for (; s + 8 <= inner; s += 8) {
+    for (std::size_t q = 0; q < 8; ++q) part[q] += f(base + s + q);
+  }
+  for (; s < inner; ++s) part[0] += f(base + s);
+  return ((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7]));
+}
+
 /// The sum of f(i) over channel c's values for a single lane (a host stream), in a fixed order: each contiguous run
-/// of `inner` values summed into eight interleaved partial sums (independent chains a compiler can vectorize), the
-/// runs' totals added with compensation. (The lanes of a GPU warp add theirs with compensation element by element.)
+/// of `inner` values summed by run_sum, the runs' totals added with compensation in the order of the rows. (The
+/// lanes of a GPU warp add theirs with compensation element by element.)
 template <class F>
 LOCKSTEP_HD float channel_sum_serial(std::size_t n, std::size_t channels, std::size_t inner, std::size_t c, F&& f) {
   compensated_sum total;
-  for (std::size_t i = 0; i < n; ++i) {
-    const std::size_t base = (i * channels + c) * inner;
-    float part[8] = {0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f, 0.0f};
-    std::size_t s = 0;
-    for (; s + 8 <= inner; s += 8) {
-      for (std::size_t q = 0; q < 8; ++q) part[q] += f(base + s + q);
-    }
-    for (; s < inner; ++s) part[0] += f(base + s);
-    total.add(((part[0] + part[1]) + (part[2] + part[3])) + ((part[4] + part[5]) + (part[6] + part[7])));
-  }
+  for (std::size_t i = 0; i < n; ++i) total.add(run_sum((i * channels + c) * inner, inner, f));
   return total.value();
+}
+
+/// The host loops of the batch-norm kernels (their for_all_rows): f(c, base) for every run [base, base + inner) of
+/// channel c, in memory order (row by row, each row's channels in order). Each channel's runs come in the order of
+/// the rows, as channel_sum_serial takes them, so sums kept per channel are the same bits as channel by channel;
+/// memory is read once, front to back, instead of a strided walk per channel (4x faster for [128, 32, 28, 28]).
+/// (Their lambdas copy the tensors' pointers: a loop that reads them through the functor's `this` does not vectorize.)
+template <class F>
+void for_each_channel_run(std::size_t n, std::size_t channels, std::size_t inner, F&& f) {
+  for (std::size_t i = 0; i < n; ++i) {
+    for (std::size_t c = 0; c < channels; ++c) f(c, (i * channels + c) * inner);
+  }
 }
 
 /// The sum of f(i) over channel c's values, from the lanes that share the channel (launch_rows).
@@ -233,6 +251,16 @@ struct batch_norm_sum_op {
       if (c == 0) sums[channels] = static_cast<float>(n * inner);
     }
   }
+  /// The host loop: every channel's sum in one pass over x in memory order (the same bits).
+  void for_all_rows(std::size_t) const {
+    std::vector<compensated_sum> total(channels);
+    const T* xs = x;
+    for_each_channel_run(n, channels, inner, [&](std::size_t c, std::size_t base) {
+      total[c].add(run_sum(base, inner, [xs](std::size_t i) { return to_float(xs[i]); }));
+    });
+    for (std::size_t c = 0; c < channels; ++c) sums[c] = total[c].value();
+    sums[channels] = static_cast<float>(n * inner);
+  }
 };
 
 /// Pass 2: squares[c] = the sum of (x - mean_c)^2 over channel c, mean_c = sums[c] / sums[channels].
@@ -250,6 +278,21 @@ struct batch_norm_square_op {
       return d * d;
     });
     if (lanes.index == 0) squares[c] = total;
+  }
+  /// The host loop: every channel's sum in one pass over x in memory order (the same bits).
+  void for_all_rows(std::size_t) const {
+    std::vector<compensated_sum> total(channels);
+    std::vector<float> mean(channels);
+    for (std::size_t c = 0; c < channels; ++c) mean[c] = sums[c] / sums[channels];
+    const T* xs = x;
+    for_each_channel_run(n, channels, inner, [&](std::size_t c, std::size_t base) {
+      const float m = mean[c];
+      total[c].add(run_sum(base, inner, [xs, m](std::size_t i) {
+        const float d = to_float(xs[i]) - m;
+        return d * d;
+      }));
+    });
+    for (std::size_t c = 0; c < channels; ++c) squares[c] = total[c].value();
   }
 };
 
@@ -276,15 +319,24 @@ struct batch_norm_normalize_op {
   std::size_t n, channels, inner;
   float eps;
   float momentum;
-  template <class Lanes>
-  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+  bool relu = false;  // y = relu(the normalized x): the bits of a relu layer after the normalization
+  struct transform {
+    float m, rs, g, b;
+    bool relu;
+    [[nodiscard]] LOCKSTEP_HD float operator()(float x) const {
+      const float v = (x - m) * rs * g + b;
+      return relu ? relu_fn::forward(v) : v;  // (rounding to T after relu or before it: the same bits)
+    }
+  };
+  // Channel c's transform; the first lane also updates the running statistics.
+  LOCKSTEP_HD transform channel(std::size_t c, bool first_lane) const {
     float m = 0.0f, rs = 0.0f;
     if (sums != nullptr) {
       const float count = sums[channels];
       m = sums[c] / count;
       const float var = squares[c] / count;
       rs = 1.0f / ::sqrtf(var + eps);
-      if (lanes.index == 0 && running_mean != nullptr && count > 1.0f) {  // (a global count of 1 has no variance)
+      if (first_lane && running_mean != nullptr && count > 1.0f) {  // (a global count of 1 has no variance)
         running_mean[c] = (1.0f - momentum) * running_mean[c] + momentum * m;
         running_var[c] = (1.0f - momentum) * running_var[c] + momentum * (var * (count / (count - 1.0f)));
         if (c == 0 && tracked != nullptr) ++*tracked;
@@ -293,20 +345,49 @@ struct batch_norm_normalize_op {
       m = running_mean[c];
       rs = 1.0f / ::sqrtf(running_var[c] + eps);
     }
-    const float g = gamma != nullptr ? to_float(gamma[c]) : 1.0f, b = gamma != nullptr ? to_float(beta[c]) : 0.0f;
-    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
-      y[i] = convert<T>((to_float(x[i]) - m) * rs * g + b);
-    });
+    return {m, rs, gamma != nullptr ? to_float(gamma[c]) : 1.0f, gamma != nullptr ? to_float(beta[c]) : 0.0f, relu};
+  }
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    const transform t = channel(c, lanes.index == 0);
+    for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) { y[i] = convert<T>(t(to_float(x[i]))); });
     if (lanes.index == 0) {
-      mean[c] = m;
-      rstd[c] = rs;
+      mean[c] = t.m;
+      rstd[c] = t.rs;
     }
+  }
+  /// The host loop: the channels' transforms, then one pass over x in memory order (the same bits).
+  void for_all_rows(std::size_t) const {
+    std::vector<transform> t(channels);
+    for (std::size_t c = 0; c < channels; ++c) {
+      t[c] = channel(c, true);
+      mean[c] = t[c].m;
+      rstd[c] = t[c].rs;
+    }
+    const T* xs = x;
+    T* ys = y;
+    for_each_channel_run(n, channels, inner, [&](std::size_t c, std::size_t base) {
+      const transform k = t[c];
+      for (std::size_t i = base; i < base + inner; ++i) ys[i] = convert<T>(k(to_float(xs[i])));
+    });
   }
 };
 
+/// The gradient of batch norm's output at i: gy, or with a fused relu (relu_y its output, the layer's) gy where
+/// relu_y > 0 and 0 elsewhere, the bits a relu layer's backward passes on.
+template <bool Relu, class T>
+LOCKSTEP_HD float batch_norm_output_grad(const T* gy, const T* relu_y, std::size_t i) {
+  if constexpr (Relu) {
+    return relu_fn::backward(to_float(gy[i]), 0.0f, to_float(relu_y[i]));
+  } else {
+    return to_float(gy[i]);
+  }
+}
+
 /// Backward's sums over channel c: sg[c] = the sum of gy and sgx[c] = the sum of gy * xhat, xhat = (x - mean[c]) *
 /// rstd[c] (either array may be null); and, for deterministic mode's per-chunk partial gradients, the same rounded to
-/// T into dbeta_out[c] and dgamma_out[c] (either may be null).
+/// T into dbeta_out[c] and dgamma_out[c] (either may be null). With relu_y, gy is masked by the fused relu's output
+/// (batch_norm_output_grad).
 template <class T>
 struct batch_norm_grad_sums_op {
   const T* gy;
@@ -318,18 +399,54 @@ struct batch_norm_grad_sums_op {
   T* dbeta_out;
   T* dgamma_out;
   std::size_t n, channels, inner;
-  template <class Lanes>
-  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
-    const float m = mean[c], rs = rstd[c];
-    const float sum_g = channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) { return to_float(gy[i]); });
-    const float sum_gx = channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) {
-      return to_float(gy[i]) * ((to_float(x[i]) - m) * rs);
-    });
-    if (lanes.index != 0) return;
+  const T* relu_y = nullptr;  // the fused relu's output, or null
+  // gy * xhat
+  [[nodiscard]] LOCKSTEP_HD static float scaled(float gy, float x, float m, float rs) { return gy * ((x - m) * rs); }
+  LOCKSTEP_HD void finish(std::size_t c, float sum_g, float sum_gx) const {
     if (sg != nullptr) sg[c] = sum_g;
     if (sgx != nullptr) sgx[c] = sum_gx;
     if (dbeta_out != nullptr) dbeta_out[c] = convert<T>(sum_g);
     if (dgamma_out != nullptr) dgamma_out[c] = convert<T>(sum_gx);
+  }
+  template <bool Relu, class Lanes>
+  LOCKSTEP_HD void row_sums(std::size_t c, const Lanes& lanes) const {
+    const float m = mean[c], rs = rstd[c];
+    const auto g = [&](std::size_t i) { return batch_norm_output_grad<Relu>(gy, relu_y, i); };
+    const float sum_g = channel_sum(n, channels, inner, c, lanes, g);
+    const float sum_gx =
+        channel_sum(n, channels, inner, c, lanes, [&](std::size_t i) { return scaled(g(i), to_float(x[i]), m, rs); });
+    if (lanes.index == 0) finish(c, sum_g, sum_gx);
+  }
+  template <class Lanes>
+  LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
+    if (relu_y != nullptr) {
+      row_sums<true>(c, lanes);
+    } else {
+      row_sums<false>(c, lanes);
+    }
+  }
+  template <bool Relu>
+  void host_sums() const {
+    std::vector<compensated_sum> total(2 * channels);
+    const T* gs = gy;
+    const T* ys = relu_y;
+    const T* xs = x;
+    for_each_channel_run(n, channels, inner, [&](std::size_t c, std::size_t base) {
+      const float m = mean[c], rs = rstd[c];
+      total[c].add(run_sum(base, inner, [gs, ys](std::size_t i) { return batch_norm_output_grad<Relu>(gs, ys, i); }));
+      total[channels + c].add(run_sum(base, inner, [gs, ys, xs, m, rs](std::size_t i) {
+        return scaled(batch_norm_output_grad<Relu>(gs, ys, i), to_float(xs[i]), m, rs);
+      }));
+    });
+    for (std::size_t c = 0; c < channels; ++c) finish(c, total[c].value(), total[channels + c].value());
+  }
+  /// The host loop: both sums of every channel in one pass over gy and x in memory order (the same bits).
+  void for_all_rows(std::size_t) const {
+    if (relu_y != nullptr) {
+      host_sums<true>();
+    } else {
+      host_sums<false>();
+    }
   }
 };
 
@@ -350,7 +467,8 @@ struct batch_norm_param_grad_op {
 };
 
 /// dx = gamma rstd (gy - sg / count - xhat sgx / count) with batch statistics (sg non-null; count = sums[channels],
-/// the sums as the forward's, over every replica of a synchronized batch norm), or gamma rstd gy with running ones.
+/// the sums as the forward's, over every replica of a synchronized batch norm), or gamma rstd gy with running ones;
+/// with relu_y, gy masked by the fused relu's output (batch_norm_output_grad).
 template <class T>
 struct batch_norm_input_grad_op {
   const T* gy;
@@ -363,19 +481,55 @@ struct batch_norm_input_grad_op {
   const float* sums;  // the forward's: its count
   T* dx;
   std::size_t n, channels, inner;
+  const T* relu_y = nullptr;  // the fused relu's output, or null
+  struct coefficients {
+    float m, rs, g, a, b;
+    bool batch;  // batch statistics: the terms of a and b
+    [[nodiscard]] LOCKSTEP_HD float operator()(float gy, float x) const {
+      if (!batch) return gy * (g * rs);
+      const float xhat = (x - m) * rs;
+      return g * rs * (gy - a - xhat * b);
+    }
+  };
+  LOCKSTEP_HD coefficients channel(std::size_t c) const {
+    coefficients k{mean[c], rstd[c], gamma != nullptr ? to_float(gamma[c]) : 1.0f, 0.0f, 0.0f, sg != nullptr};
+    if (k.batch) {
+      const float count = sums[channels];
+      k.a = sg[c] / count;
+      k.b = sgx[c] / count;
+    }
+    return k;
+  }
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
-    const float m = mean[c], rs = rstd[c], g = gamma != nullptr ? to_float(gamma[c]) : 1.0f;
-    if (sg == nullptr) {
-      for_channel_values(n, channels, inner, c, lanes,
-                         [&](std::size_t i) { dx[i] = convert<T>(to_float(gy[i]) * (g * rs)); });
-      return;
-    }
-    const float count = sums[channels], a = sg[c] / count, b = sgx[c] / count;
+    const coefficients k = channel(c);
     for_channel_values(n, channels, inner, c, lanes, [&](std::size_t i) {
-      const float xhat = (to_float(x[i]) - m) * rs;
-      dx[i] = convert<T>(g * rs * (to_float(gy[i]) - a - xhat * b));
+      const float g = relu_y != nullptr ? batch_norm_output_grad<true>(gy, relu_y, i) : to_float(gy[i]);
+      dx[i] = convert<T>(k(g, to_float(x[i])));
     });
+  }
+  template <bool Relu>
+  void host_rows() const {
+    std::vector<coefficients> k(channels);
+    for (std::size_t c = 0; c < channels; ++c) k[c] = channel(c);
+    const T* gs = gy;
+    const T* ys = relu_y;
+    const T* xs = x;
+    T* ds = dx;
+    for_each_channel_run(n, channels, inner, [&](std::size_t c, std::size_t base) {
+      const coefficients kc = k[c];
+      for (std::size_t i = base; i < base + inner; ++i) {
+        ds[i] = convert<T>(kc(batch_norm_output_grad<Relu>(gs, ys, i), to_float(xs[i])));
+      }
+    });
+  }
+  /// The host loop: the channels' coefficients, then one pass over gy and x in memory order (the same bits).
+  void for_all_rows(std::size_t) const {
+    if (relu_y != nullptr) {
+      host_rows<true>();
+    } else {
+      host_rows<false>();
+    }
   }
 };
 
