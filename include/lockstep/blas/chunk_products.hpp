@@ -26,6 +26,7 @@
 #include "lockstep/config.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/core/half_runs.hpp"
+#include "lockstep/core/transpose.hpp"
 
 #if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
 #define LOCKSTEP_CHUNK_PRODUCTS_X86 1
@@ -143,25 +144,11 @@ __attribute__((target("avx2"))) inline void pack_panels_transposed_avx2(const fl
       const float* rows[8];
       for (std::int64_t i = 0; i < 8; ++i) rows[i] = q0 + i < count ? src + (q0 + i) * ld : nullptr;
       for (std::int64_t d = 0; d < d8; d += 8) {
-        __m256 r[8];
+        __m256 r[8], columns[8];
         for (int i = 0; i < 8; ++i) r[i] = rows[i] != nullptr ? _mm256_loadu_ps(rows[i] + d) : _mm256_setzero_ps();
-        const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
-        const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
-        const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
-        const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
-        const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
-        const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
-        const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
-        const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+        transpose_8x8(r, columns);
         float* out = panel + d * width + w0;
-        _mm256_storeu_ps(out + 0 * width, _mm256_permute2f128_ps(s0, s4, 0x20));
-        _mm256_storeu_ps(out + 1 * width, _mm256_permute2f128_ps(s1, s5, 0x20));
-        _mm256_storeu_ps(out + 2 * width, _mm256_permute2f128_ps(s2, s6, 0x20));
-        _mm256_storeu_ps(out + 3 * width, _mm256_permute2f128_ps(s3, s7, 0x20));
-        _mm256_storeu_ps(out + 4 * width, _mm256_permute2f128_ps(s0, s4, 0x31));
-        _mm256_storeu_ps(out + 5 * width, _mm256_permute2f128_ps(s1, s5, 0x31));
-        _mm256_storeu_ps(out + 6 * width, _mm256_permute2f128_ps(s2, s6, 0x31));
-        _mm256_storeu_ps(out + 7 * width, _mm256_permute2f128_ps(s3, s7, 0x31));
+        for (std::int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * width, columns[i]);
       }
       for (std::int64_t d = d8; d < depth; ++d) {
         for (std::int64_t i = 0; i < 8; ++i) panel[d * width + w0 + i] = rows[i] != nullptr ? rows[i][d] : 0.0f;

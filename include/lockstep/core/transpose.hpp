@@ -1,0 +1,72 @@
+// lockstep/core/transpose.hpp — float transposes for host loops: 8 x 8 blocks in AVX2 registers where the CPU runs
+// AVX2, a scalar loop elsewhere (data movement only: the same floats either way).
+#pragma once
+
+#include <cstddef>
+
+#include "lockstep/config.hpp"
+
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+#define LOCKSTEP_TRANSPOSE_X86 1
+#include <immintrin.h>
+#else
+#define LOCKSTEP_TRANSPOSE_X86 0
+#endif
+
+LOCKSTEP_DETAIL_BEGIN
+
+#if LOCKSTEP_TRANSPOSE_X86
+/// t[j] = column j of the 8 x 8 matrix whose rows are r[0..7].
+__attribute__((target("avx2"))) inline void transpose_8x8(const __m256 (&r)[8], __m256 (&t)[8]) {
+  const __m256 t0 = _mm256_unpacklo_ps(r[0], r[1]), t1 = _mm256_unpackhi_ps(r[0], r[1]);
+  const __m256 t2 = _mm256_unpacklo_ps(r[2], r[3]), t3 = _mm256_unpackhi_ps(r[2], r[3]);
+  const __m256 t4 = _mm256_unpacklo_ps(r[4], r[5]), t5 = _mm256_unpackhi_ps(r[4], r[5]);
+  const __m256 t6 = _mm256_unpacklo_ps(r[6], r[7]), t7 = _mm256_unpackhi_ps(r[6], r[7]);
+  const __m256 s0 = _mm256_shuffle_ps(t0, t2, 0x44), s1 = _mm256_shuffle_ps(t0, t2, 0xee);
+  const __m256 s2 = _mm256_shuffle_ps(t1, t3, 0x44), s3 = _mm256_shuffle_ps(t1, t3, 0xee);
+  const __m256 s4 = _mm256_shuffle_ps(t4, t6, 0x44), s5 = _mm256_shuffle_ps(t4, t6, 0xee);
+  const __m256 s6 = _mm256_shuffle_ps(t5, t7, 0x44), s7 = _mm256_shuffle_ps(t5, t7, 0xee);
+  t[0] = _mm256_permute2f128_ps(s0, s4, 0x20);
+  t[1] = _mm256_permute2f128_ps(s1, s5, 0x20);
+  t[2] = _mm256_permute2f128_ps(s2, s6, 0x20);
+  t[3] = _mm256_permute2f128_ps(s3, s7, 0x20);
+  t[4] = _mm256_permute2f128_ps(s0, s4, 0x31);
+  t[5] = _mm256_permute2f128_ps(s1, s5, 0x31);
+  t[6] = _mm256_permute2f128_ps(s2, s6, 0x31);
+  t[7] = _mm256_permute2f128_ps(s3, s7, 0x31);
+}
+
+/// transpose_floats with AVX2: 8 x 8 blocks through registers, the edges element by element.
+__attribute__((target("avx2"))) inline void transpose_floats_avx2(const float* src, std::size_t rows,
+                                                                  std::size_t cols, float* dst) {
+  const std::size_t r8 = rows / 8 * 8, c8 = cols / 8 * 8;
+  for (std::size_t r0 = 0; r0 < r8; r0 += 8) {
+    for (std::size_t c0 = 0; c0 < c8; c0 += 8) {
+      __m256 r[8], t[8];
+      for (std::size_t i = 0; i < 8; ++i) r[i] = _mm256_loadu_ps(src + (r0 + i) * cols + c0);
+      transpose_8x8(r, t);
+      for (std::size_t j = 0; j < 8; ++j) _mm256_storeu_ps(dst + (c0 + j) * rows + r0, t[j]);
+    }
+    for (std::size_t r = r0; r < r0 + 8; ++r) {
+      for (std::size_t c = c8; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+    }
+  }
+  for (std::size_t r = r8; r < rows; ++r) {
+    for (std::size_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  }
+}
+#endif
+
+/// dst[c * rows + r] = src[r * cols + c]: the [cols, rows] transpose of the row-major [rows, cols] matrix src
+/// (which dst does not overlap).
+inline void transpose_floats(const float* src, std::size_t rows, std::size_t cols, float* dst) {
+#if LOCKSTEP_TRANSPOSE_X86
+  static const bool avx2 = __builtin_cpu_supports("avx2") != 0;
+  if (avx2) return transpose_floats_avx2(src, rows, cols, dst);
+#endif
+  for (std::size_t r = 0; r < rows; ++r) {
+    for (std::size_t c = 0; c < cols; ++c) dst[c * rows + r] = src[r * cols + c];
+  }
+}
+
+LOCKSTEP_DETAIL_END
