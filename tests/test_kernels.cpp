@@ -20,6 +20,7 @@
 #include "lockstep/kernels/optim.hpp"
 #include "lockstep/kernels/launch.hpp"
 #include "lockstep/kernels/multi_tensor.hpp"
+#include "lockstep/kernels/norm.hpp"
 #include "lockstep/kernels/reduce.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "test_support.hpp"
@@ -385,6 +386,99 @@ TEST(host_block_loops, activations_and_bias_match_the_per_element_code) {
       }
     }
   };
+  check.template operator()<lockstep::half>();
+  check.template operator()<bfloat16>();
+}
+
+// Batch norm's host loops (for_all_rows: memory order, a sum per channel) give every channel the bits of its
+// per-channel row() with one lane, in every type, with and without the fused relu's mask, for runs of 1 value
+// ([N, F]) and of many ([N, C, H, W]).
+TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
+  stream s(device{device_kind::host, 0});
+  auto check = [&]<class T>() {
+    using geometry = std::tuple<std::size_t, std::size_t, std::size_t>;  // rows, channels, values per channel and row
+    for (const auto& [n, c, inner] : {geometry{5, 3, 11}, geometry{4, 6, 1}, geometry{3, 2, 37}}) {
+      SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << " [" << n << ", " << c << ", " << inner << "]");
+      const std::size_t count = n * c * inner;
+      auto values = [](std::size_t size, int salt, float lo, float hi) {
+        std::vector<T> v(size);
+        for (std::size_t i = 0; i < size; ++i) {
+          v[i] = convert<T>(lo + (hi - lo) * philox_uniform(12, static_cast<std::uint64_t>(salt), i));
+        }
+        return v;
+      };
+      const auto x = values(count, 1, -2.0f, 3.0f), gy = values(count, 2, -1.0f, 1.0f);
+      const auto y = values(count, 3, -1.0f, 1.0f);  // a fused relu's output: its sign is the mask
+      const auto gamma = values(c, 4, 0.5f, 1.5f), beta = values(c, 5, -0.5f, 0.5f);
+      auto dx = to_device(x, s), dgy = to_device(gy, s), dy = to_device(y, s), dgamma = to_device(gamma, s),
+           dbeta = to_device(beta, s);
+      // the forward's sums and squares, and the statistics normalize writes, as floats of each side
+      std::vector<float> sums(c + 1), squares(c), mean(c), rstd(c), rm(c, 0.25f), rv(c, 2.0f), sg(c), sgx(c);
+      std::vector<std::int64_t> tracked{7};
+      auto dsums = to_device(sums, s), dsquares = to_device(squares, s), dmean = to_device(mean, s),
+           drstd = to_device(rstd, s), drm = to_device(rm, s), drv = to_device(rv, s), dsg = to_device(sg, s),
+           dsgx = to_device(sgx, s);
+      auto dtracked = to_device(tracked, s);
+      auto rows_of = [&](const auto& op) {
+        for (std::size_t ch = 0; ch < c; ++ch) op.row(ch, detail::single_lane{});
+      };
+      auto same = [&](const auto& host, auto& dev, const char* what) {
+        EXPECT_EQ(bits_of(host), bits_of(to_vector(dev.span(), s))) << what;
+      };
+      rows_of(kernels::batch_norm_sum_op<T>{x.data(), sums.data(), n, c, inner});
+      launch_rows(c, kernels::batch_norm_sum_op<T>{dx.data(), dsums.data(), n, c, inner}, s, "sums");
+      same(sums, dsums, "sums");
+      rows_of(kernels::batch_norm_square_op<T>{x.data(), sums.data(), squares.data(), n, c, inner});
+      launch_rows(c, kernels::batch_norm_square_op<T>{dx.data(), dsums.data(), dsquares.data(), n, c, inner}, s, "sq");
+      same(squares, dsquares, "squares");
+      for (const bool relu : {false, true}) {
+        SCOPED_TRACE(relu ? "fused relu" : "no relu");
+        std::vector<T> out(count), dout_host(count);
+        auto dout = to_device(out, s);
+        rows_of(kernels::batch_norm_normalize_op<T>{x.data(), gamma.data(), beta.data(), out.data(), sums.data(),
+                                                    squares.data(), mean.data(), rstd.data(), rm.data(), rv.data(),
+                                                    tracked.data(), n, c, inner, 1e-5f, 0.1f, relu});
+        launch_rows(c,
+                    kernels::batch_norm_normalize_op<T>{dx.data(), dgamma.data(), dbeta.data(), dout.data(),
+                                                        dsums.data(), dsquares.data(), dmean.data(), drstd.data(),
+                                                        drm.data(), drv.data(), dtracked.data(), n, c, inner, 1e-5f,
+                                                        0.1f, relu},
+                    s, "normalize");
+        same(out, dout, "normalize");
+        same(mean, dmean, "mean");
+        same(rstd, drstd, "rstd");
+        same(rm, drm, "running mean");
+        same(rv, drv, "running var");
+        EXPECT_EQ(to_vector(device_span<const std::int64_t>(dtracked.span()), s), tracked);
+        const T* mask = relu ? y.data() : nullptr;
+        const T* dmask = relu ? dy.data() : nullptr;
+        std::vector<T> pb(c), pg(c);
+        auto dpb = to_device(pb, s), dpg = to_device(pg, s);
+        rows_of(kernels::batch_norm_grad_sums_op<T>{gy.data(), x.data(), mean.data(), rstd.data(), sg.data(),
+                                                    sgx.data(), pb.data(), pg.data(), n, c, inner, mask});
+        launch_rows(c,
+                    kernels::batch_norm_grad_sums_op<T>{dgy.data(), dx.data(), dmean.data(), drstd.data(), dsg.data(),
+                                                        dsgx.data(), dpb.data(), dpg.data(), n, c, inner, dmask},
+                    s, "gradient sums");
+        same(sg, dsg, "sum of gy");
+        same(sgx, dsgx, "sum of gy xhat");
+        same(pb, dpb, "partial dbeta");
+        same(pg, dpg, "partial dgamma");
+        for (const bool batch : {true, false}) {  // batch statistics, or the running ones
+          rows_of(kernels::batch_norm_input_grad_op<T>{gy.data(), x.data(), gamma.data(), mean.data(), rstd.data(),
+                                                       batch ? sg.data() : nullptr, sgx.data(), sums.data(),
+                                                       out.data(), n, c, inner, mask});
+          launch_rows(c,
+                      kernels::batch_norm_input_grad_op<T>{dgy.data(), dx.data(), dgamma.data(), dmean.data(),
+                                                           drstd.data(), batch ? dsg.data() : nullptr, dsgx.data(),
+                                                           dsums.data(), dout.data(), n, c, inner, dmask},
+                      s, "input gradient");
+          same(out, dout, batch ? "input gradient" : "input gradient, running statistics");
+        }
+      }
+    }
+  };
+  check.template operator()<float>();
   check.template operator()<lockstep::half>();
   check.template operator()<bfloat16>();
 }

@@ -549,6 +549,8 @@ TEST_P(finite_differences_test, batch_norm_with_a_fused_relu_gives_the_bits_of_b
           ctx.set_mode(run_mode::eval);
           o.push_back(read_as_float(forward(xt), s));
           o.push_back(read_as_float(backward(gt), s));
+          o.push_back(read_as_float(bn.weight().grad(), s));  // (added to by the masked sums of evaluation)
+          o.push_back(read_as_float(bn.bias_parameter().grad(), s));
           return o;
         };
         const auto fused = run(true), apart = run(false);

@@ -164,8 +164,7 @@ void pack_panels_transposed(const T* src, std::int64_t ld, std::int64_t count, s
                             float* dst) {
 #if LOCKSTEP_CHUNK_PRODUCTS_X86
   if constexpr (std::is_same_v<T, float>) {
-    static const bool avx2 = __builtin_cpu_supports("avx2") != 0;
-    if (avx2 && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
+    if (cpu_has_avx2() && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
   }
 #endif
   pack_panels_transposed_portable(src, ld, count, depth, width, dst);

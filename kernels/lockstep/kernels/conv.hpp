@@ -162,7 +162,7 @@ struct col2im_op {
       const T* in = dcol + n * g.pixels() * g.patch();
       for (std::size_t oy = 0; oy < g.oh; ++oy) {
         for (std::size_t ox = 0; ox < g.ow; ++ox) {
-          const std::size_t x0 = ox * stride;  // as in im2col_op::for_rows
+          const std::size_t x0 = ox * stride;  // as in im2col_op::host_loop
           const bool columns_in = x0 >= pad && x0 - pad + kw <= w;
           float* a = acc;
           for (std::size_t ic = 0; ic < c; ++ic, a += plane) {
@@ -227,19 +227,19 @@ struct rows_to_nchw_op {
           for (std::size_t p = 0; p < pixels; ++p) out[p] += b;
         }
       }
-      return;
+    } else {
+      for_each_pixel_tile(rows / channels, channels, pixels, [&](std::size_t n, std::size_t oc, std::size_t p0,
+                                                                  std::size_t p1) {
+        const T* in = yt + n * pixels * channels;
+        T* o = y + (n * channels + oc) * pixels;
+        if (bias != nullptr) {
+          const float b = to_float(bias[oc]);
+          for (std::size_t p = p0; p < p1; ++p) o[p] = convert<T>(to_float(in[p * channels + oc]) + b);
+        } else {
+          for (std::size_t p = p0; p < p1; ++p) o[p] = in[p * channels + oc];
+        }
+      });
     }
-    for_each_pixel_tile(rows / channels, channels, pixels, [&](std::size_t n, std::size_t oc, std::size_t p0,
-                                                                std::size_t p1) {
-      const T* in = yt + n * pixels * channels;
-      T* o = y + (n * channels + oc) * pixels;
-      if (bias != nullptr) {
-        const float b = to_float(bias[oc]);
-        for (std::size_t p = p0; p < p1; ++p) o[p] = convert<T>(to_float(in[p * channels + oc]) + b);
-      } else {
-        for (std::size_t p = p0; p < p1; ++p) o[p] = in[p * channels + oc];
-      }
-    });
   }
 };
 
@@ -260,14 +260,14 @@ struct nchw_to_rows_op {
       for (std::size_t n = 0; n < rows / pixels; ++n) {
         detail::transpose_floats(g + n * channels * pixels, channels, pixels, gt + n * pixels * channels);
       }
-      return;
+    } else {
+      for_each_pixel_tile(rows / pixels, channels, pixels, [&](std::size_t n, std::size_t oc, std::size_t p0,
+                                                                std::size_t p1) {
+        const T* i = g + (n * channels + oc) * pixels;
+        T* out = gt + n * pixels * channels;
+        for (std::size_t p = p0; p < p1; ++p) out[p * channels + oc] = i[p];
+      });
     }
-    for_each_pixel_tile(rows / pixels, channels, pixels, [&](std::size_t n, std::size_t oc, std::size_t p0,
-                                                              std::size_t p1) {
-      const T* i = g + (n * channels + oc) * pixels;
-      T* out = gt + n * pixels * channels;
-      for (std::size_t p = p0; p < p1; ++p) out[p * channels + oc] = i[p];
-    });
   }
 };
 

@@ -15,6 +15,7 @@
 #include <span>
 
 #include "lockstep/config.hpp"
+#include "lockstep/core/cpu_features.hpp"
 #include "lockstep/kernels/bind.hpp"
 
 #if defined(__GNUC__) && defined(__x86_64__) && !defined(__CUDA_ARCH__) && !defined(__AVX2__)
@@ -99,11 +100,6 @@ LOCKSTEP_TARGET_AVX2 void host_groups_avx2(std::span<const Group> groups, const 
   }
 }
 
-/// True when the CPU runs AVX2 (asked once).
-inline bool host_has_avx2() noexcept {
-  static const bool yes = __builtin_cpu_supports("avx2") != 0;
-  return yes;
-}
 #endif
 
 /// k(i) for i in [0, n), k bound from f (see launch.hpp), in the best loop the CPU runs.
@@ -111,7 +107,7 @@ template <class F>
 void run_host_loop(std::size_t n, const F& f) {
   const auto k = bind_functor(f);
 #if LOCKSTEP_HOST_AVX2_CLONES
-  if (host_has_avx2()) return host_loop_avx2(n, k);
+  if (cpu_has_avx2()) return host_loop_avx2(n, k);
 #endif
   host_loop_body(n, k);
 }
@@ -121,17 +117,18 @@ template <class F>
 void run_host_loop_2d(std::size_t rows, std::size_t cols, const F& f) {
   const auto k = bind_functor(f);
 #if LOCKSTEP_HOST_AVX2_CLONES
-  if (host_has_avx2()) return host_loop_2d_avx2(rows, cols, k);
+  if (cpu_has_avx2()) return host_loop_2d_avx2(rows, cols, k);
 #endif
   host_loop_2d_body(rows, cols, k);
 }
 
-/// k.row(r, single_lane) for r in [0, rows) (launch_rows: the row-wise reductions' serial loops).
+/// k.row(r, single_lane) for r in [0, rows) (launch_rows: the row-wise reductions' serial loops), or k's own
+/// for_all_rows(rows) when it has one.
 template <class F>
 void run_host_rows(std::size_t rows, const F& f) {
   const auto k = bind_functor(f);
 #if LOCKSTEP_HOST_AVX2_CLONES
-  if (host_has_avx2()) return host_rows_avx2(rows, k);
+  if (cpu_has_avx2()) return host_rows_avx2(rows, k);
 #endif
   host_rows_body(rows, k);
 }
@@ -141,7 +138,7 @@ template <class Group, class F>
 void run_host_groups(std::span<const Group> groups, const F& f) {
   const auto k = bind_functor(f);
 #if LOCKSTEP_HOST_AVX2_CLONES
-  if (host_has_avx2()) return host_groups_avx2<Group>(groups, k);
+  if (cpu_has_avx2()) return host_groups_avx2<Group>(groups, k);
 #endif
   host_groups_body<Group>(groups, k);
 }

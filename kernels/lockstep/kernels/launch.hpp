@@ -104,7 +104,8 @@ void launch_columns(std::size_t rows, std::size_t cols, F f, stream_ref s, const
 /// Runs `f.row(r, lanes)` for every row r in [0, rows) in stream order on `s`, for row-wise reductions (a softmax,
 /// an argmax): on a GPU a warp per row, whose 32 lanes take columns lanes.index, lanes.index + 32, ... and combine
 /// partial results with lanes.sum / max / first_max (coalesced reads, one row per warp instead of per thread); on
-/// a host stream one lane per row, so the same code is the row's serial loop.
+/// a host stream one lane per row, so the same code is the row's serial loop (or f.for_all_rows(rows), a host loop
+/// over every row that gives each row the bits of its serial loop).
 template <class F>
 void launch_rows(std::size_t rows, F f, stream_ref s, const char* what) {
   static_assert(std::is_trivially_copyable_v<F>, "a kernel functor is copied to the device: keep it a plain struct");

@@ -23,7 +23,7 @@
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/core/half.hpp"
 #include "lockstep/kernels/exact.hpp"
-#include "lockstep/kernels/host_loop.hpp"  // host_has_avx2
+#include "lockstep/kernels/host_loop.hpp"  // LOCKSTEP_HOST_AVX2_CLONES, cpu_has_avx2
 #include "lockstep/runtime/tensor.hpp"
 
 #if defined(__x86_64__) || defined(__i386__)
@@ -264,7 +264,7 @@ void reduce_range(const T* const* inputs, int k, T* const* outputs, int m, std::
     }
     if (one_pass) {
 #if LOCKSTEP_HOST_AVX2_CLONES
-      bool aligned32 = host_has_avx2();
+      bool aligned32 = cpu_has_avx2();
       for (int j = 0; j < m && aligned32; ++j) aligned32 = reinterpret_cast<std::uintptr_t>(outputs[j]) % 32 == 0;
       if (aligned32) return reduce_range_streaming_avx2<Op>(inputs, k, outputs, m, n, cached);
 #endif
