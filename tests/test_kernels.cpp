@@ -397,7 +397,9 @@ TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
   stream s(device{device_kind::host, 0});
   auto check = [&]<class T>() {
     using geometry = std::tuple<std::size_t, std::size_t, std::size_t>;  // rows, channels, values per channel and row
-    for (const auto& [n, c, inner] : {geometry{5, 3, 11}, geometry{4, 6, 1}, geometry{3, 2, 37}}) {
+    for (const geometry& dims : {geometry{5, 3, 11}, geometry{4, 6, 1}, geometry{3, 2, 37}}) {
+      // (not a structured binding: clang before 16 cannot capture one in the lambdas below)
+      const std::size_t n = std::get<0>(dims), c = std::get<1>(dims), inner = std::get<2>(dims);
       SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << " [" << n << ", " << c << ", " << inner << "]");
       const std::size_t count = n * c * inner;
       auto values = [](std::size_t size, int salt, float lo, float hi) {

@@ -323,8 +323,8 @@ struct batch_norm_normalize_op {
   struct transform {
     float m, rs, g, b;
     bool relu;
-    [[nodiscard]] LOCKSTEP_HD float operator()(float x) const {
-      const float v = (x - m) * rs * g + b;
+    [[nodiscard]] LOCKSTEP_HD float operator()(float value) const {
+      const float v = (value - m) * rs * g + b;
       return relu ? relu_fn::forward(v) : v;  // (rounding to T after relu or before it: the same bits)
     }
   };
@@ -412,7 +412,9 @@ struct batch_norm_grad_sums_op {
   std::size_t n, channels, inner;
   const T* relu_y = nullptr;  // the fused relu's output, or null
   // gy * xhat
-  [[nodiscard]] LOCKSTEP_HD static float scaled(float gy, float x, float m, float rs) { return gy * ((x - m) * rs); }
+  [[nodiscard]] LOCKSTEP_HD static float scaled(float grad, float value, float m, float rs) {
+    return grad * ((value - m) * rs);
+  }
   LOCKSTEP_HD void finish(std::size_t c, float sum_g, float sum_gx) const {
     if (sg != nullptr) sg[c] = sum_g;
     if (sgx != nullptr) sgx[c] = sum_gx;
@@ -486,10 +488,10 @@ struct batch_norm_input_grad_op {
   struct coefficients {
     float m, rs, g, a, b;
     bool batch;  // batch statistics: the terms of a and b
-    [[nodiscard]] LOCKSTEP_HD float operator()(float gy, float x) const {
-      if (!batch) return gy * (g * rs);
-      const float xhat = (x - m) * rs;
-      return g * rs * (gy - a - xhat * b);
+    [[nodiscard]] LOCKSTEP_HD float operator()(float grad, float value) const {  // of the output, of the input
+      if (!batch) return grad * (g * rs);
+      const float xhat = (value - m) * rs;
+      return g * rs * (grad - a - xhat * b);
     }
   };
   LOCKSTEP_HD coefficients channel(std::size_t c) const {
