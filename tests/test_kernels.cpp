@@ -435,7 +435,7 @@ TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
       same(squares, dsquares, "squares");
       for (const bool relu : {false, true}) {
         SCOPED_TRACE(relu ? "fused relu" : "no relu");
-        std::vector<T> out(count), dout_host(count);
+        std::vector<T> out(count);
         auto dout = to_device(out, s);
         rows_of(kernels::batch_norm_normalize_op<T>{x.data(), gamma.data(), beta.data(), out.data(), sums.data(),
                                                     squares.data(), mean.data(), rstd.data(), rm.data(), rv.data(),
