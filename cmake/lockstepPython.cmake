@@ -1,0 +1,36 @@
+# The python3 that runs the PyTorch comparisons and interop checks: the first python3 on PATH that imports torch,
+# else Debian's /usr/bin/python3 (where the test command's python3-torch installs), else the first on PATH (its
+# tests then skip, saying that PyTorch is missing). A python3 earlier on PATH without torch (a pyenv shim, a
+# virtualenv) used to win and skip every comparison silently.
+# Sets LOCKSTEP_PYTHON (a cached path; empty without any python3) and LOCKSTEP_PYTHON_HAS_TORCH.
+function(lockstep_find_python)
+  if(DEFINED CACHE{LOCKSTEP_PYTHON})
+    return()  # (said once, at the first configure)
+  endif()
+  set(candidates "")
+  find_program(lockstep_python_on_path NAMES python3 NO_CACHE)
+  if(lockstep_python_on_path)
+    list(APPEND candidates "${lockstep_python_on_path}")
+  endif()
+  if(EXISTS /usr/bin/python3)
+    list(APPEND candidates /usr/bin/python3)
+  endif()
+  set(chosen "")
+  set(has_torch FALSE)
+  foreach(py IN LISTS candidates)
+    execute_process(COMMAND "${py}" -c "import torch, sys; sys.stdout.write(torch.__version__)"
+                    RESULT_VARIABLE rc OUTPUT_VARIABLE version ERROR_QUIET TIMEOUT 120)
+    if(rc EQUAL 0)
+      set(chosen "${py}")
+      set(has_torch TRUE)
+      message(STATUS "lockstep: PyTorch comparisons with ${py} (torch ${version})")
+      break()
+    endif()
+  endforeach()
+  if(NOT chosen AND candidates)
+    list(GET candidates 0 chosen)
+    message(STATUS "lockstep: no python3 with PyTorch (tried ${candidates}): the PyTorch comparisons will skip")
+  endif()
+  set(LOCKSTEP_PYTHON "${chosen}" CACHE FILEPATH "python3 for the PyTorch comparisons and interop checks")
+  set(LOCKSTEP_PYTHON_HAS_TORCH ${has_torch} CACHE BOOL "whether LOCKSTEP_PYTHON imports torch")
+endfunction()
