@@ -6,6 +6,7 @@
 #include <cstdint>
 #include <optional>
 #include <string>
+#include <stdexcept>
 #include <vector>
 
 #include "lockstep/amp/loss_scaler.hpp"
@@ -221,6 +222,7 @@ struct recipe {
   global_batch global = global_batch::not_told;  // deterministic mode: told, DDP may gather partial gradients
   model_variant variant = model_variant::mlp;  // make_model's
   host_collective_stream collectives = host_collective_stream::automatic;  // ddp_options::host_collectives
+  bool deferred_masters = false;  // the model built inside a deferred_master_values scope
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -240,7 +242,14 @@ struct recipe_result {
 inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stream_ref comm_stream, std::int64_t batch,
                                        const recipe& r) {
   context ctx(s, r.precision);
-  graph model = make_model(ctx, seed, r.variant);
+  graph model = [&] {
+    std::optional<deferred_master_values> defer;
+    if (r.deferred_masters) defer.emplace();
+    return make_model(ctx, seed, r.variant);
+  }();
+  if (r.deferred_masters && r.precision != dtype::f32 && !parameters_of(model)[0].param->masters_deferred()) {
+    throw std::logic_error("recipe.deferred_masters: the model was built with its master values");
+  }
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,
                                 ddp_options{.bucket_bytes = r.bucket_bytes, .first_bucket_bytes = r.first_bucket_bytes,
                                             .deterministic = r.deterministic, .zero = to_zero_stage(r.zero),

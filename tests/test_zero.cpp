@@ -72,8 +72,11 @@ TEST_P(zero_equivalence, stages_1_and_2_give_the_bits_of_ddp_and_split_the_state
   recipe r{.precision = precision, .adamw = use_adamw};
   const auto ddp = train_recipe_threads(devices(k), batch, r);
   ASSERT_NE(ddp[0].parameters, initial_parameters(dev(0))) << "the run must train";
-  for (int zero : {1, 2}) {
+  for (const auto& [zero, deferred] : {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true},
+                                       std::pair{0, true}}) {
+    SCOPED_TRACE(deferred ? "built with deferred master values" : "built whole");
     r.zero = zero;
+    r.deferred_masters = deferred;
     const auto sharded = train_recipe_threads(devices(k), batch, r);
     std::uint64_t optimizer_bytes = 0;
     for (int rank = 0; rank < k; ++rank) {
@@ -88,6 +91,7 @@ TEST_P(zero_equivalence, stages_1_and_2_give_the_bits_of_ddp_and_split_the_state
       EXPECT_EQ(mine.skipped_steps, ddp[0].skipped_steps) << "ZeRO-" << zero << ", rank " << rank << " of " << k;
       optimizer_bytes += mine.report.optimizer_bytes;
     }
+    if (zero == 0) continue;  // (plain DDP from deferred master values: every rank holds the whole state)
     // the shards partition the state: together the ranks hold one copy (plus a step counter each)
     const std::uint64_t counters = sizeof(kernels::optimizer_counters);
     EXPECT_EQ(optimizer_bytes, ddp[0].report.optimizer_bytes + static_cast<std::uint64_t>(k - 1) * counters)
@@ -409,6 +413,191 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
                       });
                     }),
                     expected);
+  }
+}
+
+// A model built inside a deferred_master_values scope: its f16/bf16 parameters hold the working copy alone, with the
+// bits of a whole build; their masters come whole on demand, with the same bits; reading them before says what to
+// do; f32 parameters are not deferred; an optimizer on the bare model names the fix.
+TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name_what_needs_them) {
+  if (!require_devices(1)) return;
+  stream s(dev(0));
+  for (const dtype type : {dtype::f16, dtype::bf16, dtype::f32}) {
+    SCOPED_TRACE(name_of(type));
+    context ctx(s, type);
+    graph whole = make_model(ctx, seed, model_variant::batch_norm);
+    graph deferred = [&] {
+      deferred_master_values scope;
+      return make_model(ctx, seed, model_variant::batch_norm);
+    }();
+    const parameter_list a = parameters_of(whole), b = parameters_of(deferred);
+    ASSERT_EQ(a.size(), b.size());
+    for (std::size_t k = 0; k < a.size(); ++k) {
+      parameter& p = *b[k].param;
+      SCOPED_TRACE(b[k].name);
+      EXPECT_EQ(p.masters_deferred(), type != dtype::f32);
+      if (type == dtype::f32) continue;
+      EXPECT_EQ(to_vector(p.working().bytes(), s), to_vector(a[k].param->working().bytes(), s));
+      // the recipe gives the same values in any split
+      std::vector<float> parts(static_cast<std::size_t>(p.numel()));
+      const std::int64_t mid = p.numel() / 2;
+      p.initial_values_of(0, std::span<float>(parts).first(static_cast<std::size_t>(mid)));
+      p.initial_values_of(mid, std::span<float>(parts).subspan(static_cast<std::size_t>(mid)));
+      EXPECT_EQ(parts, to_vector(a[k].param->value().span<const float>(), s));
+      EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)p.value(); }),
+                      "needs its fp32 master values, which are deferred");
+      const parameter copy = p.clone(s);  // deferred too: the recipe and the working copy
+      EXPECT_TRUE(copy.masters_deferred());
+      EXPECT_EQ(to_vector(copy.working().bytes(), s), to_vector(a[k].param->working().bytes(), s));
+      p.materialize_masters(s);
+      EXPECT_FALSE(p.masters_deferred());
+      EXPECT_EQ(to_vector(p.value().span<const float>(), s), to_vector(a[k].param->value().span<const float>(), s));
+    }
+  }
+  // a parameter larger than one chunk of the working copy's writes (detail::initial_values_chunk elements), in f16:
+  // the chunks' bits are the whole cast's; then f32, which needs the master values
+  const shape large{1025, 1024};
+  ASSERT_GT(large.numel(), detail::initial_values_chunk);
+  initializer init_whole(seed), init_deferred(seed);
+  parameter whole_large("weight", large, s, dtype::f16);
+  init_whole.uniform(whole_large, 0.5f, s);
+  parameter deferred_large = [&] {
+    deferred_master_values scope;
+    return parameter("weight", large, s, dtype::f16);
+  }();
+  init_deferred.uniform(deferred_large, 0.5f, s);
+  EXPECT_TRUE(deferred_large.masters_deferred());
+  EXPECT_EQ(to_vector(deferred_large.working().bytes(), s), to_vector(whole_large.working().bytes(), s));
+  deferred_large.set_compute_type(dtype::f32, s);
+  EXPECT_FALSE(deferred_large.masters_deferred());
+  EXPECT_EQ(to_vector(deferred_large.value().span<const float>(), s), to_vector(whole_large.value().span<const float>(), s));
+
+  context ctx(s, dtype::bf16);
+  graph deferred = [&] {
+    deferred_master_values scope;
+    return make_model(ctx);
+  }();
+  EXPECT_CONTAINS(message_of<precondition_error>([&] {
+                    sgd opt(parameters_of(deferred).pointers(), optimizer_options);
+                    opt.step(s);
+                  }),
+                  "wrap the model in distributed_data_parallel with zero_stage::optimizer_state or gradients");
+}
+
+// As for a model built whole, every rank starts from rank 0's values: the ranks build under deferred_master_values
+// from other seeds, and the wrapper streams rank 0's recipe (in chunks of 16 values) into every rank's shard of the
+// master values and its whole working copy. A rank built whole among deferred ones is named.
+TEST_P(zero_test, deferred_master_values_of_rank_0_reach_every_ranks_shards_and_working_copies) {
+  if (!require_devices(3)) return;
+  for (const dtype type : {dtype::f16, dtype::bf16}) {
+    for (const int zero : {1, 2}) {
+      SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero);
+      std::vector<std::vector<float>> values(3);
+      std::vector<std::vector<std::uint8_t>> working(3);
+      std::vector<float> expected_values;
+      std::vector<std::uint8_t> expected_working;
+      run_on_devices(devices(3), [&](rank_context& rc) {
+        const auto r = static_cast<std::size_t>(rc.rank());
+        const stream_ref s = rc.compute_stream();
+        context ctx(s, type);
+        if (r == 0) {  // the reference: rank 0's model built whole
+          graph whole = make_model(ctx, seed, model_variant::batch_norm);
+          expected_values = parameter_values(whole, s);
+          for (const auto& p : parameters_of(whole)) {
+            const auto bytes = to_vector(p.param->working().bytes(), s);
+            expected_working.insert(expected_working.end(), bytes.begin(), bytes.end());
+          }
+        }
+        graph model = [&] {
+          deferred_master_values scope;
+          return make_model(ctx, seed + r, model_variant::batch_norm);
+        }();
+        distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                      ddp_options{.bucket_bytes = 1024, .first_bucket_bytes = 512,
+                                                  .zero = to_zero_stage(zero), .visit_chunk_bytes = 64});
+        for (const auto& p : parameters_of(model)) {
+          const auto bytes = to_vector(p.param->compute_value().bytes(), s);
+          working[r].insert(working[r].end(), bytes.begin(), bytes.end());
+        }
+        sgd opt(parameters_of(model).pointers(), optimizer_options);
+        auto guard = ddp.consolidated(opt);
+        values[r] = parameter_values(model, s);
+      });
+      for (std::size_t r = 0; r < 3; ++r) {
+        EXPECT_EQ(values[r], expected_values) << "rank " << r;
+        EXPECT_EQ(working[r], expected_working) << "rank " << r;
+      }
+    }
+  }
+  EXPECT_CONTAINS(message_of<error>([&] {
+                    run_on_devices(devices(2), [&](rank_context& rc) {
+                      context ctx(rc.compute_stream(), dtype::bf16);
+                      graph model = [&] {
+                        std::optional<deferred_master_values> scope;
+                        if (rc.rank() == 1) scope.emplace();
+                        return make_model(ctx);
+                      }();
+                      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                                    ddp_options{.zero = zero_stage::optimizer_state});
+                    });
+                  }),
+                  "with deferred master values (built inside deferred_master_values)");
+}
+
+// A ZeRO wrapper around a model built under deferred_master_values writes only its shard of the fp32 master values:
+// while the model is built and wrapped, no device holds more than its steady state plus small chunks (a parameter's
+// fp32 staging, a bucket), where a whole build held every master value until the wrapper sharded them.
+TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_whole_masters_on_any_device) {
+  if (!require_devices(2)) return;
+  const auto build = [](context& ctx) {
+    initializer init(seed);
+    graph g(shape{features});
+    g.add("in", linear(features, 128, ctx, init), "input");
+    std::string previous = "in";
+    for (int i = 0; i < 6; ++i) {  // 99,072 parameters in 128x128 layers: fp32 staging of 66 KB at a time
+      const std::string act = "act" + std::to_string(i), fc = "fc" + std::to_string(i);
+      g.add(act, relu(), previous).add(fc, linear(128, 128, ctx, init), act);
+      previous = fc;
+    }
+    g.add("out", linear(128, classes, ctx, init), previous);
+    return g;
+  };
+  for (const dtype type : {dtype::f16, dtype::bf16}) {
+    for (const int zero : {1, 2}) {
+      std::vector<std::uint64_t> transient(2), deferred_transient(2), masters(2);
+      std::vector<std::vector<float>> values(2), deferred_values(2);
+      run_on_devices(devices(2), [&](rank_context& rc) {
+        const auto r = static_cast<std::size_t>(rc.rank());
+        const stream_ref s = rc.compute_stream();
+        for (const bool deferred : {false, true}) {
+          s.synchronize();
+          release_cached_memory(rc.get_device());
+          reset_memory_stats(rc.get_device());
+          context ctx(s, type);
+          graph model = [&] {
+            std::optional<deferred_master_values> scope;
+            if (deferred) scope.emplace();
+            return build(ctx);
+          }();
+          distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
+                                        ddp_options{.bucket_bytes = 32 << 10, .first_bucket_bytes = 16 << 10,
+                                                    .zero = to_zero_stage(zero), .visit_chunk_bytes = 4096});
+          s.synchronize();
+          const memory_stats m = get_memory_stats(rc.get_device());
+          (deferred ? deferred_transient : transient)[r] = m.peak_bytes_in_use - m.bytes_in_use;
+          masters[r] = static_cast<std::uint64_t>(parameters_of(model).numel()) * 4;
+          adamw opt(parameters_of(model).pointers(), adamw_options{.lr = 0.01f});
+          auto guard = ddp.consolidated(opt);
+          (deferred ? deferred_values : values)[r] = parameter_values(model, s);
+        }
+      });
+      for (std::size_t r = 0; r < 2; ++r) {
+        SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero << ", rank " << r);
+        EXPECT_EQ(deferred_values[r], values[0]);
+        EXPECT_GE(transient[r], masters[r] / 2) << "a whole build holds every master value until the wrapper shards them";
+        EXPECT_LT(deferred_transient[r], masters[r] / 4);
+      }
+    }
   }
 }
 

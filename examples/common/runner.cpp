@@ -629,7 +629,12 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   const int rank = comm.rank(), world = comm.size();
   const stream_ref compute = ctx.stream();
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
-  graph model = m.build(data.inputs, ctx, o.seed);
+  graph model = [&] {
+    // under ZeRO, f16/bf16 masters are never whole on the device: the wrapper writes this rank's shard of them
+    std::optional<deferred_master_values> defer;
+    if (o.zero > 0) defer.emplace();
+    return m.build(data.inputs, ctx, o.seed);
+  }();
   if (rank == 0 && !o.json) summary(model, shape{data.inputs}, o.precision);  // torchinfo's table
   const host_collective_stream on = o.host_collectives == "compute"         ? host_collective_stream::compute_stream
                                     : o.host_collectives == "communication" ? host_collective_stream::communication_stream

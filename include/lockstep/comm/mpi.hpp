@@ -288,17 +288,17 @@ inline void widen_to(std::vector<float>& dst, const void* src, dtype t, std::siz
   dst.resize(n);
   if (n == 0) return;
   if (t == dtype::f16) {
-    host_comm::widen(dst.data(), static_cast<const half*>(src), n);
+    widen_run(static_cast<const half*>(src), dst.data(), static_cast<std::int64_t>(n));
   } else {
-    host_comm::widen(dst.data(), static_cast<const bfloat16*>(src), n);
+    widen_run(static_cast<const bfloat16*>(src), dst.data(), static_cast<std::int64_t>(n));
   }
 }
 inline void narrow_from(void* dst, const float* src, dtype t, std::size_t n) {
   if (n == 0) return;
   if (t == dtype::f16) {
-    host_comm::narrow(static_cast<half*>(dst), src, n);
+    narrow_run(src, static_cast<half*>(dst), static_cast<std::int64_t>(n));
   } else {
-    host_comm::narrow(static_cast<bfloat16*>(dst), src, n);
+    narrow_run(src, static_cast<bfloat16*>(dst), static_cast<std::int64_t>(n));
   }
 }
 

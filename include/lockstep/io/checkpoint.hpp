@@ -442,12 +442,12 @@ inline void apply_model(const loaded_file& f, const std::vector<const safetensor
                         const parameter_list& params, stream_ref s) {
   for (std::size_t i = 0; i < params.size(); ++i) {
     parameter& p = *params[i].param;
-    if (!p.is_sharded()) {
+    if (!p.is_sharded() && !p.masters_deferred()) {
       copy_to_device(f, *tensors[i], p.value(), s);
       p.refresh_working_copy(s);
       continue;
     }
-    // ZeRO: this rank's range of the master values, and the values forward reads whole, from one parameter's
+    // ZeRO (or master values deferred, which the load gives whole): this rank's range of the master values, and the values forward reads whole, from one parameter's
     // values on the device at a time (no collective: every rank reads the file)
     tensor whole(p.dims(), dtype::f32, s);
     copy_to_device(f, *tensors[i], whole.view(), s);

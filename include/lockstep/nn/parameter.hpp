@@ -20,9 +20,16 @@
 // reads and writes. The optimizer, the loss scaler and the clipper read and write `master_shard()`,
 // `grad_shard()` and `working_shard()` (the whole tensors when nothing shards the parameter). Under f16/bf16
 // the master values outside the shard are not kept at all (`value()` then refuses, naming the way to get them).
+//
+// Under a `deferred_master_values` scope (DeepSpeed's zero.Init), an f16/bf16 parameter keeps no fp32 master
+// values at first: its initializer becomes a recipe (`initial_values`, fp32 values by element) from which the
+// working copy is written in bounded chunks, and a ZeRO wrapper later writes only its shard's master values, so that
+// no device ever holds the whole model's masters, not even while the model is built.
 #pragma once
 
+#include <algorithm>
 #include <array>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <span>
@@ -53,6 +60,35 @@ class parameter;
 /// distributed_data_parallel::visit_whole_state): its master values, or (0, 1) the optimizer's state tensor of that
 /// index (SGD's momentum_buffer; AdamW's exp_avg, exp_avg_sq).
 inline constexpr int master_values_tensor = -1;
+
+/// A parameter's initial fp32 values, by element: writes those of elements [first, first + out.size()) into `out`
+/// (host memory). The same elements give the same values however the range is split.
+using initial_values = std::function<void(std::int64_t first, std::span<float> out)>;
+
+LOCKSTEP_ABI_END
+
+LOCKSTEP_DETAIL_BEGIN
+/// How many deferred_master_values scopes are open on this thread.
+inline thread_local int deferred_masters_depth = 0;
+/// Elements per chunk when a deferred parameter's working copy is written from its initial values.
+inline constexpr std::int64_t initial_values_chunk = std::int64_t{1} << 20;
+LOCKSTEP_DETAIL_END
+
+LOCKSTEP_ABI_BEGIN
+
+/// While it lives, the f16/bf16 parameters constructed on this thread defer their fp32 master values (see the file
+/// comment): build the model inside it when a ZeRO wrapper (distributed_data_parallel with zero_stage::
+/// optimizer_state or gradients) will shard it, and the whole model's masters never exist on the device. Outside
+/// ZeRO the wrappers (DDP on one rank or without ZeRO, data_parallel) give the parameters whole masters again;
+/// anything else that needs them (an optimizer on the bare model, value()) says so, or calls materialize_masters.
+/// f32 parameters are not deferred: forward reads their master values.
+class deferred_master_values {
+ public:
+  deferred_master_values() noexcept { ++detail::deferred_masters_depth; }
+  deferred_master_values(const deferred_master_values&) = delete;
+  deferred_master_values& operator=(const deferred_master_values&) = delete;
+  ~deferred_master_values() { --detail::deferred_masters_depth; }
+};
 
 LOCKSTEP_ABI_END
 
@@ -120,11 +156,10 @@ class parameter {
   parameter() = default;
 
   /// A parameter named `name` (local to its layer: "weight") of shape `dims` on the device of `s`, with
-  /// uninitialized fp32 values and a gradient in `compute_type`, marked zero.
+  /// uninitialized fp32 values and a gradient in `compute_type`, marked zero. Inside a deferred_master_values scope
+  /// an f16/bf16 parameter keeps no master values (masters_deferred()); its values are zeros until set.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
-      : name_(std::move(name)), dims_(dims), device_(s.get_device()), value_(tensor(dims, dtype::f32, s)) {
-    set_compute_type(compute_type, s);
-  }
+      : parameter(std::move(name), dims, s, compute_type, compute_type != dtype::f32 && detail::deferred_masters_depth > 0) {}
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   [[nodiscard]] const shape& dims() const noexcept { return dims_; }
@@ -144,6 +179,7 @@ class parameter {
           "visit_whole_state (checkpoint_state::sharded), weights_sha256 through visit_master_values; or gather them "
           "on every rank with distributed_data_parallel::consolidated(optimizer)"));
     }
+    expect_masters("value()");
     return value_.view();
   }
   /// What forward and backward read: the working copy under f16/bf16, the master values under f32. Throws
@@ -292,6 +328,7 @@ class parameter {
   /// The fp32 master values of shard(), flat.
   [[nodiscard]] tensor_view master_shard() const {
     if (is_sharded() && sharding_->keeps_masters()) return sharding_->masters();
+    expect_masters("master_shard()");
     return flat_range(value_.view(), shard());
   }
   /// The gradient's elements of shard(), flat: a part of grad(), or the gradient the wrapper keeps apart (ZeRO-2).
@@ -320,6 +357,7 @@ class parameter {
     tensor whole(dims_, dtype::f32, s);
     copy(whole.span<float>(), full.span<const float>(), s);
     value_.own(std::move(whole), s);
+    initial_ = nullptr;
   }
 
   /// Writes all numel() fp32 master values from `full` (flat, on this device) in stream order on `s` (the
@@ -339,6 +377,8 @@ class parameter {
              values.subspan(static_cast<std::size_t>(r.begin), static_cast<std::size_t>(r.size())), s);
       }
     } else {
+      if (masters_deferred()) value_.own(tensor(dims_, dtype::f32, s));  // every value is written here
+      initial_ = nullptr;
       copy(value_.view().span<float>(), values, s);
     }
     if (working_.empty()) return;
@@ -367,6 +407,7 @@ class parameter {
                      name_of(type));
     LOCKSTEP_EXPECTS(!is_sharded() && !working_.borrowed() && !value_.borrowed(), "parameter ", name_,
                      ": its compute type cannot change while a wrapper shards or holds its values");
+    if (type == dtype::f32) materialize_masters(s);  // forward reads them
     if (grad_.empty() || grad_.view().type() != type) grad_.own(tensor(dims_, type, s));
     compute_type_ = type;
     grad_zero_ = true;
@@ -382,10 +423,91 @@ class parameter {
   /// No-op under f32.
   void refresh_working_copy(stream_ref s) {
     if (working_.empty()) return;
+    if (masters_deferred()) {
+      write_initial_working_copy(initial_, s);
+      return;
+    }
     const tensor_view to = working_shard();
     dispatch_floating(to.type(), "refresh_working_copy", [&]<class T>() {
       cast<T, float>(master_shard().span<const float>(), to.span<T>(), s);
     });
+  }
+
+  // ---- deferred master values (deferred_master_values; see the file comment) ----
+
+  /// Whether the fp32 master values are deferred: neither the parameter nor a wrapper holds them yet, only the
+  /// recipe of the initial values.
+  [[nodiscard]] bool masters_deferred() const noexcept {
+    return static_cast<bool>(initial_) && !(is_sharded() && sharding_->keeps_masters());
+  }
+  /// Sets the parameter's values to `values` (whole: initializers and write_values call it), in stream order on
+  /// `s`: into the master values and the working copy, or, with the master values deferred, into the working copy
+  /// alone (in chunks: no whole fp32 copy on the device), keeping `values` as the recipe of the master values.
+  void set_initial_values(initial_values values, stream_ref s) {
+    LOCKSTEP_EXPECTS(!is_sharded(), "parameter ", name_, ": initialize it before a data-parallel wrapper shards it");
+    if (!initial_) {
+      std::vector<float> host(static_cast<std::size_t>(numel()));
+      values(0, host);
+      auto staged = to_device(host, s);
+      copy(value_.view().span<float>(), device_span<const float>(staged.span()), s);
+      refresh_working_copy(s);
+      return;
+    }
+    write_initial_working_copy(values, s);
+    initial_ = std::move(values);  // (after: a failed write leaves the recipe and the working copy as they were)
+  }
+  /// Whether the parameter keeps the recipe of its initial values (its master values deferred, or sharded by a
+  /// wrapper that has not yet written them).
+  [[nodiscard]] bool has_initial_values() const noexcept { return static_cast<bool>(initial_); }
+  /// The initial values of elements [first, first + out.size()) into host memory `out`: what a wrapper that
+  /// shards deferred master values writes (see write_values_range). Only while masters_deferred().
+  void initial_values_of(std::int64_t first, std::span<float> out) const {
+    LOCKSTEP_EXPECTS(initial_ && first >= 0 && first + static_cast<std::int64_t>(out.size()) <= numel(), "parameter ",
+                     name_, ": initial values [", first, ", ", first + static_cast<std::int64_t>(out.size()), ") of ",
+                     numel(), initial_ ? "" : " (its master values are not deferred)");
+    initial_(first, out);
+  }
+  /// Writes the fp32 values of elements [first, first + values.numel()) from `values` (flat fp32, on this device)
+  /// in stream order on `s`: the part in this rank's master values (the wrapper's shard, or the parameter's own) and
+  /// the working copy's elements. A wrapper sharding deferred master values streams a parameter through this.
+  void write_values_range(std::int64_t first, const tensor_view& values, stream_ref s) {
+    const std::int64_t n = values.numel();
+    LOCKSTEP_EXPECTS(values.type() == dtype::f32 && values.get_device() == get_device() && first >= 0 &&
+                         first + n <= numel(),
+                     "parameter ", name_, ": write_values_range of ", n, " ", name_of(values.type()), " values on ",
+                     values.get_device().str(), " at element ", first, " of ", numel());
+    if (sharding_) sharding_->before_write();  // after a gather of the values still in flight
+    const auto from = values.span<const float>();
+    const bool keeps = is_sharded() && sharding_->keeps_masters();
+    LOCKSTEP_EXPECTS(keeps || !masters_deferred(), "parameter ", name_,
+                     ": write_values_range needs master values to write: shard it or materialize_masters first");
+    const element_range mine = keeps ? sharding_->range() : element_range{0, numel()};
+    const std::int64_t begin = std::max(first, mine.begin), end = std::min(first + n, mine.end);
+    if (begin < end) {
+      const tensor_view to = keeps ? sharding_->masters() : value_.view();
+      copy(to.span<float>().subspan(static_cast<std::size_t>(begin - mine.begin), static_cast<std::size_t>(end - begin)),
+           from.subspan(static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - begin)), s);
+    }
+    if (working_.empty() || n == 0) return;
+    dispatch_floating(working_.view().type(), "write_values_range", [&]<class T>() {
+      cast<T, float>(from, working_.view().span<T>().subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(n)), s);
+    });
+  }
+  /// Ends the deferral once a wrapper wrote its shard's master values (write_values_range): the recipe is dropped.
+  void forget_initial_values() noexcept {
+    if (is_sharded() && sharding_->keeps_masters()) initial_ = nullptr;
+  }
+  /// Gives a parameter whose master values are deferred all of them, from the recipe, in stream order on `s`
+  /// (no-op otherwise).
+  void materialize_masters(stream_ref s) {
+    if (!masters_deferred()) return;
+    tensor whole(dims_, dtype::f32, s);
+    std::vector<float> host(static_cast<std::size_t>(numel()));
+    initial_(0, host);
+    auto staged = to_device(host, s);
+    copy(whole.span<float>(), device_span<const float>(staged.span()), s);
+    value_.own(std::move(whole));  // (last: a failure before leaves the parameter deferred)
+    initial_ = nullptr;
   }
 
   /// The working copy, for a fused optimizer that writes it directly; empty under f32.
@@ -409,19 +531,65 @@ class parameter {
   /// A copy of this parameter on the device of `s` (values copied in stream order on `s`; the caller makes
   /// `s` wait for the work that produced the source values). The gradient starts zero.
   [[nodiscard]] parameter clone(stream_ref s) const {
-    parameter p(name_, dims_, s, compute_type());
+    if (masters_deferred()) {  // the recipe and the working copy
+      parameter p(name_, dims_, s, compute_type(), true);
+      copy(p.working_.view().bytes(), device_span<const std::uint8_t>(working_.view().bytes()), s);
+      p.initial_ = initial_;
+      return p;
+    }
+    parameter p(name_, dims_, s, compute_type(), false);
     copy(p.value_.view().span<float>(), value().span<const float>(), s);
     p.refresh_working_copy(s);
     return p;
   }
 
  private:
+  // `deferred`: no master values, a working copy of zeros (the recipe of zeros) until set_initial_values.
+  parameter(std::string name, shape dims, stream_ref s, dtype compute_type, bool deferred)
+      : name_(std::move(name)), dims_(dims), device_(s.get_device()) {
+    if (!deferred) {
+      value_.own(tensor(dims, dtype::f32, s));
+      set_compute_type(compute_type, s);
+      return;
+    }
+    LOCKSTEP_EXPECTS(compute_type != dtype::f32, "parameter ", name_, ": f32 master values cannot be deferred");
+    grad_.own(tensor(dims_, compute_type, s));
+    compute_type_ = compute_type;
+    working_.own(tensor(dims_, compute_type, s));
+    fill_zero(working_.view().bytes(), s);
+    initial_ = [](std::int64_t, std::span<float> out) { std::fill(out.begin(), out.end(), 0.0f); };
+  }
+
   // Accumulating into a gradient without memory (release_grad_memory, and a wrapper's construction failed out of
   // memory before it gave the parameter storage or its memory back).
   void expect_grad_memory() const {
     LOCKSTEP_EXPECTS(!grad_.empty() || numel() == 0, "parameter ", name_, " ", dims_.str(),
                      " has no gradient memory: a data-parallel wrapper whose construction failed out of memory took "
                      "it; build the model again");
+  }
+
+  void expect_masters(const char* what) const {
+    if (!masters_deferred()) return;
+    throw precondition_error(detail::concat(
+        "parameter ", name_, ": ", what, " needs its fp32 master values, which are deferred (it was built inside a "
+        "deferred_master_values scope, for a ZeRO wrapper to keep only its shard of them): wrap the model in "
+        "distributed_data_parallel with zero_stage::optimizer_state or gradients before building the optimizer, or "
+        "call materialize_masters(stream) to hold them whole"));
+  }
+
+  // The working copy from `initial` (a recipe of initial values), in chunks of detail::initial_values_chunk elements.
+  void write_initial_working_copy(const initial_values& initial, stream_ref s) {
+    const std::int64_t n = numel();
+    std::vector<float> host(static_cast<std::size_t>(std::min(n, detail::initial_values_chunk)));
+    for (std::int64_t first = 0; first < n; first += detail::initial_values_chunk) {
+      const auto count = static_cast<std::size_t>(std::min(detail::initial_values_chunk, n - first));
+      initial(first, std::span<float>(host).first(count));
+      const auto staged = to_device(host, s);  // (a copy of the whole host vector: its first `count` are read)
+      dispatch_floating(working_.view().type(), "refresh_working_copy", [&]<class T>() {
+        cast<T, float>(device_span<const float>(staged.span()).first(count),
+                       working_.view().span<T>().subspan(static_cast<std::size_t>(first), count), s);
+      });
+    }
   }
 
   // The elements `r` of `t`, flat.
@@ -445,6 +613,7 @@ class parameter {
   exact_partials partials_;
   bool grad_zero_ = true;
   std::shared_ptr<parameter_sharding> sharding_;  // a wrapper's (ZeRO), or null
+  initial_values initial_;  // set while the master values are deferred (deferred_master_values), else empty
 };
 
 LOCKSTEP_ABI_END

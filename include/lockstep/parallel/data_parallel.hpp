@@ -96,6 +96,13 @@ class data_parallel {
       output_context_ = std::make_unique<context>(*output_stream_, options.compute_type);
       timelines_.emplace_back(output_device_);
     }
+    // Replicas copy whole master values: a model built under deferred_master_values gets them first.
+    bool materialized = false;
+    for (const auto& p : parameters_of(model)) {
+      materialized = materialized || p.param->masters_deferred();
+      p.param->materialize_masters(streams_.front());
+    }
+    if (materialized) synchronize(first);
     for (std::size_t i = 1; i < devices_.size(); ++i) replicas_.push_back(model.clone(*contexts_[i]));
     for (std::size_t i = 0; i < devices_.size(); ++i) {
       for (const auto& p : parameters_of(replica(i))) p.param->set_owner(this);

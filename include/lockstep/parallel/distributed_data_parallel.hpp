@@ -132,8 +132,9 @@ struct ddp_options {
   /// 0) hold what every rank uses. Off: each rank keeps its own.
   bool broadcast_buffers = true;
   /// Under ZeRO, the device memory through which visit_whole_state and visit_master_values (checkpoints,
-  /// weights_sha256) gather whole tensors: every rank's part of one chunk of a bucket (at least a float per rank).
-  /// Smaller: less memory, more collectives.
+  /// weights_sha256) gather whole tensors: every rank's part of one chunk of a bucket (at least a float per rank);
+  /// and the chunks in which the constructor streams rank 0's initial values of a model built under
+  /// deferred_master_values into the shards. Smaller: less memory, more collectives.
   std::size_t visit_chunk_bytes = std::size_t{4} << 20;
   /// On host devices, the stream the collectives run on (see host_collective_stream; ignored on GPUs).
   host_collective_stream host_collectives = host_collective_stream::automatic;
@@ -167,6 +168,9 @@ class distributed_data_parallel {
     replica_.sharded = options.zero != zero_stage::none && comm.size() > 1;
     replica_.reused_buffers = replica_.sharded && options.zero == zero_stage::gradients;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
+    if (!replica_.sharded) {  // a model built under deferred_master_values: whole masters without ZeRO
+      for (const auto& p : replica_.params) p.param->materialize_masters(ctx.stream());
+    }
     detail::check_same_parameters(replica_.params, comm, replica_.comm_stream);
     detail::check_same_settings({options_line(options_, ctx)}, comm, replica_.comm_stream);  // they shape the collectives
     detail::broadcast_parameters(replica_.params, comm, replica_.comm_stream);
@@ -184,6 +188,10 @@ class distributed_data_parallel {
                            .exact_collective = replica_.exact_collective,
                            .world = comm.size()},
                           hook_type(options_.hook));
+    if (replica_.sharded) {  // deferred master values, into the shards (a failure here: build the model again)
+      detail::broadcast_deferred_parameters(replica_.params, comm, replica_.comm_stream,
+                                            std::max<std::int64_t>(1, static_cast<std::int64_t>(options_.visit_chunk_bytes / 4)));
+    }
     batch_.emplace(replica_, options_.reduction == gradient_reduction::sum);  // registers the loss's share
     for (const auto& p : replica_.params) p.param->set_owner(this);  // last: a constructor that throws leaves none
   }

@@ -76,24 +76,6 @@ template <reduce_op Op>
 // 4 lanes of SSE2 with the bf16 rounding's packing done in shuffles: a bf16 all-reduce of a 784-1024-1024-10
 // gradient took 14% of a DDP step's samples on 2 host devices (an Intel Xeon with AMX, whose bf16 GEMMs are fast).
 
-template <class T>
-[[gnu::always_inline]] inline void widen(float* __restrict dst, const T* __restrict src, std::size_t n) noexcept {
-  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
-    widen_run(src, dst, static_cast<std::int64_t>(n));
-  } else {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = to_float(src[i]);
-  }
-}
-
-template <class T>
-[[gnu::always_inline]] inline void narrow(T* __restrict dst, const float* __restrict src, std::size_t n) noexcept {
-  if constexpr (std::is_same_v<T, half> || std::is_same_v<T, bfloat16>) {
-    narrow_run(src, dst, static_cast<std::int64_t>(n));
-  } else {
-    for (std::size_t i = 0; i < n; ++i) dst[i] = convert<T>(src[i]);
-  }
-}
-
 /// The size of the last-level cache (sysconf), or 32 MiB when the system does not say.
 /// The last-level cache one core can use: LOCKSTEP_HOST_LLC_BYTES when set to a positive number of bytes (for
 /// machines whose reported L3 is not what a core sees: a VM may report every core complex's L3 together, 508 MiB
@@ -287,9 +269,9 @@ void reduce_range(const T* const* inputs, int k, T* const* outputs, int m, std::
         for (int r = 2; r < k; ++r) combine<Op>(acc, inputs[r] + b, len);
       }
     } else {
-      widen(acc, inputs[0] + b, len);
+      widen_run(inputs[0] + b, acc, static_cast<std::int64_t>(len));
       for (int r = 1; r < k; ++r) {
-        widen(widened, inputs[r] + b, len);
+        widen_run(inputs[r] + b, widened, static_cast<std::int64_t>(len));
         combine<Op>(acc, widened, len);
       }
     }
@@ -299,7 +281,7 @@ void reduce_range(const T* const* inputs, int k, T* const* outputs, int m, std::
     }
     const void* result = acc;
     if constexpr (!std::is_same_v<T, float>) {
-      narrow(rounded, acc, len);  // round once, copy m times
+      narrow_run(acc, rounded, static_cast<std::int64_t>(len));  // round once, copy m times
       result = rounded;
     }
     for (int j = 0; j < m; ++j) {

@@ -32,10 +32,14 @@ inline void check_same_parameters(const parameter_list& params, communicator_ref
     shape dims;
     dtype type;
     const char* kind;
+    bool deferred;
   };
+  constexpr std::int64_t deferred_bit = 1 << 16;
   std::vector<entry> entries;
-  for (const auto& p : params) entries.push_back({&p.name, p.param->dims(), p.param->compute_type(), "parameter"});
-  for (const auto& b : params.buffers()) entries.push_back({&b.name, b.buffer->dims(), b.buffer->type(), "buffer"});
+  for (const auto& p : params) {
+    entries.push_back({&p.name, p.param->dims(), p.param->compute_type(), "parameter", p.param->masters_deferred()});
+  }
+  for (const auto& b : params.buffers()) entries.push_back({&b.name, b.buffer->dims(), b.buffer->type(), "buffer", false});
   constexpr std::size_t name_bytes = 56;
   constexpr std::size_t record = name_bytes + 8 * shape::max_rank + 8 + 8;  // name, rank and dims, type
   // 1. the counts
@@ -67,8 +71,9 @@ inline void check_same_parameters(const parameter_list& params, communicator_ref
     std::int64_t fields[shape::max_rank + 1] = {dims.rank()};
     for (int d = 0; d < dims.rank(); ++d) fields[d + 1] = dims[d];
     std::memcpy(rec + name_bytes, fields, sizeof fields);
-    // the compute type too: it decides the buckets' layout (under ZeRO, the type gradients travel in)
-    const auto type = static_cast<std::int64_t>(entries[i].type);
+    // the compute type too: it decides the buckets' layout (under ZeRO, the type gradients travel in); and whether
+    // the master values are deferred, which decides what the constructor broadcasts
+    const auto type = static_cast<std::int64_t>(entries[i].type) | (entries[i].deferred ? deferred_bit : 0);
     std::memcpy(rec + name_bytes + sizeof fields, &type, sizeof type);
   }
   auto mine_dev = to_device(mine, s);
@@ -85,7 +90,8 @@ inline void check_same_parameters(const parameter_list& params, communicator_ref
     for (std::int64_t d = 0; d < fields[0]; ++d) dims += (d ? ", " : "") + std::to_string(fields[d + 1]);
     std::int64_t type = 0;
     std::memcpy(&type, rec + name_bytes + sizeof fields, sizeof type);
-    return "'" + name + "' " + dims + "] " + std::string(name_of(static_cast<dtype>(type)));
+    return "'" + name + "' " + dims + "] " + std::string(name_of(static_cast<dtype>(type & ~deferred_bit))) +
+           ((type & deferred_bit) != 0 ? " with deferred master values (built inside deferred_master_values)" : "");
   };
   for (int r = 1; r < world; ++r) {
     for (std::size_t i = 0; i < entries.size(); ++i) {
@@ -202,7 +208,10 @@ inline void broadcast_parameters(const parameter_list& params, communicator_ref 
   LOCKSTEP_EXPECTS(pack_elements > 0, "broadcast_parameters: packs of 0 elements");
   if (comm.size() == 1 || params.empty()) return;
   synchronize(s.get_device());
-  const auto numel = [&](std::size_t i) { return static_cast<std::size_t>(params[i].param->numel()); };
+  // (deferred master values have none to broadcast yet: broadcast_deferred_parameters streams them once sharded)
+  const auto numel = [&](std::size_t i) {
+    return params[i].param->masters_deferred() ? std::size_t{0} : static_cast<std::size_t>(params[i].param->numel());
+  };
   std::size_t packed_total = 0;  // of the parameters that go packed
   for (std::size_t i = 0; i < params.size(); ++i) packed_total += numel(i) < pack_elements ? numel(i) : 0;
   device_buffer<float> pack;
@@ -224,12 +233,14 @@ inline void broadcast_parameters(const parameter_list& params, communicator_ref 
     if (pack.size() == 0) pack = device_buffer<float>(std::min(pack_elements, packed_total), s);
     std::size_t offset = 0;
     for (std::size_t k = i; k < end; ++k) {
+      if (numel(k) == 0) continue;
       copy(pack.span().subspan(offset, numel(k)), params[k].param->value().span<const float>(), s);
       offset += numel(k);
     }
     comm.broadcast(pack.span().subspan(0, elements), 0, s);
     offset = 0;
     for (std::size_t k = i; k < end; ++k) {
+      if (numel(k) == 0) continue;
       copy(params[k].param->value().span<float>(), device_span<const float>(pack.span().subspan(offset, numel(k))), s);
       params[k].param->refresh_working_copy(s);
       offset += numel(k);
@@ -237,6 +248,37 @@ inline void broadcast_parameters(const parameter_list& params, communicator_ref 
     i = end;
   }
   comm.synchronize(s);
+}
+
+/// Rank 0's initial values of the parameters whose master values were deferred (deferred_master_values), once a
+/// ZeRO wrapper has sharded them: streamed from rank 0's recipe in chunks of at most `chunk_elements`, each rank
+/// writing its shard's master values and the whole working copy (parameter::write_values_range); the recipes are
+/// then dropped. Beyond the shards, no device holds more than one chunk. On `s`; returns when done.
+inline void broadcast_deferred_parameters(const parameter_list& params, communicator_ref comm, stream_ref s,
+                                          std::int64_t chunk_elements = std::int64_t{4} << 20) {
+  LOCKSTEP_EXPECTS(chunk_elements > 0, "broadcast_deferred_parameters: chunks of 0 elements");
+  synchronize(s.get_device());  // the shards' master values were allocated on the compute stream
+  std::vector<float> host;
+  for (const auto& item : params) {
+    parameter& p = *item.param;
+    if (!p.has_initial_values()) continue;
+    for (std::int64_t first = 0; first < p.numel(); first += chunk_elements) {
+      const auto count = static_cast<std::size_t>(std::min(chunk_elements, p.numel() - first));
+      device_buffer<float> chunk;
+      if (comm.rank() == 0) {
+        host.resize(count);
+        p.initial_values_of(first, host);
+        chunk = to_device(host, s);
+      } else {
+        chunk = device_buffer<float>(count, s);
+      }
+      comm.broadcast(chunk.span(), 0, s);
+      p.write_values_range(first, tensor_view(chunk.data(), dtype::f32, shape{static_cast<std::int64_t>(count)},
+                                              s.get_device()), s);
+    }
+  }
+  comm.synchronize(s);
+  for (const auto& item : params) item.param->forget_initial_values();  // only once every shard is written
 }
 
 /// Rank 0's buffers (running statistics) to every rank, packed into `flat` (bytes, grown on first use), in stream

@@ -77,7 +77,10 @@ class zero_parameter_shard final : public parameter_sharding {
     keeps_masters_ = !p.working().empty();
     if (keeps_masters_) {
       tensor kept(shape{range_.size()}, dtype::f32, s);
-      if (!range_.empty()) copy(kept.span<float>(), flat_part(p.value(), range_).span<const float>(), s);
+      // (deferred master values: written after this by detail::broadcast_deferred_parameters)
+      if (!range_.empty() && !p.masters_deferred()) {
+        copy(kept.span<float>(), flat_part(p.value(), range_).span<const float>(), s);
+      }
       masters_ = std::move(kept);
     }
     keeps_gradient_ = keep_gradient;
