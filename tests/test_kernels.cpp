@@ -12,6 +12,7 @@
 
 #include "lockstep/core/half.hpp"
 #include "lockstep/kernels/bind.hpp"
+#include "lockstep/kernels/conv.hpp"
 #include "lockstep/device/device_set.hpp"
 #include "lockstep/core/random.hpp"
 #include "lockstep/kernels/activation.hpp"
@@ -482,6 +483,43 @@ TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
   };
   check.template operator()<float>();
   check.template operator()<lockstep::half>();
+  check.template operator()<bfloat16>();
+}
+
+// 2x2 max pooling's host loop (eight windows at a time on an AVX2 CPU, tails masked) gives the per-window code's
+// values and indices bit for bit: the first of equal maxima, the last NaN of a window; on widths with and without a
+// tail, odd ones (the last column unused), ReLU-like inputs (many zeros: ties), NaNs and negative zeros.
+TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {
+  auto check = [&]<class T>() {
+    for (const std::size_t w : {2u, 3u, 14u, 15u, 16u, 17u, 28u, 33u}) {
+      for (const std::size_t h : {2u, 5u}) {
+        SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << " " << h << "x" << w);
+        const std::size_t planes = 3, plane = h * w;
+        std::vector<T> x(planes * plane);
+        for (std::size_t i = 0; i < x.size(); ++i) {
+          const float u = philox_uniform(5, w * 16 + h, i);
+          const float v = u < 0.4f ? 0.0f : u < 0.5f ? 1.0f : u < 0.55f ? -0.0f : u < 0.6f ? std::nanf("") : 4.0f * u - 2.0f;
+          x[i] = convert<T>(v);
+        }
+        const kernels::conv_geometry g{.n = planes, .c = 1, .h = h, .w = w, .kh = 2, .kw = 2, .stride = 2, .padding = 0,
+                                       .oh = h / 2, .ow = w / 2};
+        std::vector<T> y(planes * g.pixels()), y_ref(y.size());
+        std::vector<std::int32_t> at(y.size(), -7), at_ref(y.size(), -7);
+        kernels::max_pool_forward_op<T>{x.data(), y.data(), at.data(), g}.for_rows(planes, g.pixels());
+        const kernels::max_pool_forward_op<T> ref{x.data(), y_ref.data(), at_ref.data(), g};
+        for (std::size_t r = 0; r < planes; ++r) {
+          for (std::size_t p = 0; p < g.pixels(); ++p) ref(r, p);
+        }
+        EXPECT_EQ(at, at_ref);
+        for (std::size_t i = 0; i < y.size(); ++i) {
+          EXPECT_EQ(std::bit_cast<std::uint32_t>(to_float(y[i])), std::bit_cast<std::uint32_t>(to_float(y_ref[i])))
+              << "output " << i;
+        }
+      }
+    }
+  };
+  check.template operator()<float>();
+  check.template operator()<half>();
   check.template operator()<bfloat16>();
 }
 

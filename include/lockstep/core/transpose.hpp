@@ -1,8 +1,10 @@
 // lockstep/core/transpose.hpp — float transposes for host loops: 8 x 8 blocks in AVX2 registers where the CPU runs
-// AVX2, a scalar loop elsewhere (data movement only: the same floats either way).
+// AVX2, a scalar loop elsewhere (data movement only: the same floats either way); and 2x2 max pooling's rows of
+// windows in AVX2 registers (comparisons and selections only: the scalar loop's values and indices).
 #pragma once
 
 #include <cstddef>
+#include <cstdint>
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/cpu_features.hpp"
@@ -57,6 +59,61 @@ __attribute__((target("avx2"))) inline void transpose_floats_avx2(const float* s
   }
 }
 #endif
+
+#if LOCKSTEP_TRANSPOSE_X86
+/// The even and the odd floats of lo (floats 0..7) and hi (8..15).
+__attribute__((target("avx2"))) inline void split_even_odd(__m256 lo, __m256 hi, __m256& even, __m256& odd) {
+  even = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0x88)), 0xd8));
+  odd = _mm256_castpd_ps(_mm256_permute4x64_pd(_mm256_castps_pd(_mm256_shuffle_ps(lo, hi, 0xdd)), 0xd8));
+}
+
+/// Where v > best or v is NaN (max pooling's rule): best = v and index = candidate.
+__attribute__((target("avx2"))) inline void take_larger_or_nan(__m256 v, __m256i candidate, __m256& best,
+                                                               __m256i& index) {
+  const __m256 take = _mm256_or_ps(_mm256_cmp_ps(v, best, _CMP_GT_OQ), _mm256_cmp_ps(v, v, _CMP_UNORD_Q));
+  best = _mm256_blendv_ps(best, v, take);
+  index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(index), _mm256_castsi256_ps(candidate), take));
+}
+
+/// 2x2 max pooling of stride 2 without padding, one output row: for ox < ow, the window r0[2ox], r0[2ox + 1],
+/// r1[2ox], r1[2ox + 1] (in that order; plane indices top + 2ox, + 1, + w, + w + 1) gives y[ox] = its first maximum,
+/// or its last NaN, and at[ox] that value's plane index. Eight windows a step, the tail masked: the comparisons of
+/// the scalar loop (kernels::max_pool_forward_op), so the same values and indices.
+__attribute__((target("avx2"))) inline void max_pool_2x2_row_avx2(const float* r0, const float* r1, std::size_t ow,
+                                                                  std::int32_t top, std::int32_t w, float* y,
+                                                                  std::int32_t* at) {
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  for (std::size_t ox = 0; ox < ow; ox += 8) {
+    const auto n = static_cast<std::int32_t>(ow - ox < 8 ? ow - ox : 8);  // windows this step
+    const __m256i out_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+    const __m256i lo_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
+    const __m256i hi_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), lane);
+    const float* p0 = r0 + 2 * ox;
+    const float* p1 = r1 + 2 * ox;
+    __m256 a, b, c, d;
+    split_even_odd(_mm256_maskload_ps(p0, lo_mask), _mm256_maskload_ps(p0 + 8, hi_mask), a, b);
+    split_even_odd(_mm256_maskload_ps(p1, lo_mask), _mm256_maskload_ps(p1 + 8, hi_mask), c, d);
+    const __m256i first = _mm256_add_epi32(_mm256_set1_epi32(top + 2 * static_cast<std::int32_t>(ox)),
+                                           _mm256_add_epi32(lane, lane));
+    __m256 best = a;
+    __m256i index = first;
+    take_larger_or_nan(b, _mm256_add_epi32(first, _mm256_set1_epi32(1)), best, index);
+    take_larger_or_nan(c, _mm256_add_epi32(first, _mm256_set1_epi32(w)), best, index);
+    take_larger_or_nan(d, _mm256_add_epi32(first, _mm256_set1_epi32(w + 1)), best, index);
+    _mm256_maskstore_ps(y + ox, out_mask, best);
+    _mm256_maskstore_epi32(at + ox, out_mask, index);
+  }
+}
+#endif
+
+/// Whether max_pool_2x2_row_avx2 runs on this CPU.
+inline bool max_pool_2x2_row_available() noexcept {
+#if LOCKSTEP_TRANSPOSE_X86
+  return cpu_has_avx2();
+#else
+  return false;
+#endif
+}
 
 /// dst[c * rows + r] = src[r * cols + c]: the [cols, rows] transpose of the row-major [rows, cols] matrix src
 /// (which dst does not overlap).

@@ -298,9 +298,25 @@ struct max_pool_forward_op {
     argmax[o] = at;
   }
   /// The host loop: the same windows, output pixel by output pixel without a division; 2x2 windows of stride 2
-  /// without padding (the usual pooling) read their four values directly, in window order.
+  /// without padding (the usual pooling) read their four values directly, in window order (floats on an AVX2 CPU:
+  /// eight windows at a time, detail::max_pool_2x2_row_avx2).
   void for_rows(std::size_t rows, std::size_t) const {
     if (g.kh == 2 && g.kw == 2 && g.stride == 2 && g.padding == 0) {
+#if LOCKSTEP_TRANSPOSE_X86
+      if constexpr (std::is_same_v<T, float>) {
+        if (detail::max_pool_2x2_row_available()) {  // eight windows at a time
+          for (std::size_t row = 0; row < rows; ++row) {
+            const float* plane = x + row * g.h * g.w;
+            for (std::size_t oy = 0; oy < g.oh; ++oy) {
+              const std::size_t top = 2 * oy * g.w, o = row * g.pixels() + oy * g.ow;
+              detail::max_pool_2x2_row_avx2(plane + top, plane + top + g.w, g.ow, static_cast<std::int32_t>(top),
+                                            static_cast<std::int32_t>(g.w), y + o, argmax + o);
+            }
+          }
+          return;
+        }
+      }
+#endif
       for (std::size_t row = 0; row < rows; ++row) {
         const T* plane = x + row * g.h * g.w;
         std::size_t o = row * g.pixels();
