@@ -491,7 +491,7 @@ TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
 // tail, odd ones (the last column unused), ReLU-like inputs (many zeros: ties), NaNs and negative zeros.
 TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {
   auto check = [&]<class T>() {
-    for (const std::size_t w : {2u, 3u, 14u, 15u, 16u, 17u, 28u, 33u}) {
+    for (const std::size_t w : {2u, 3u, 8u, 9u, 10u, 11u, 14u, 15u, 16u, 17u, 28u, 33u}) {
       for (const std::size_t h : {2u, 5u}) {
         SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << " " << h << "x" << w);
         const std::size_t planes = 3, plane = h * w;
@@ -519,8 +519,8 @@ TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {
     }
   };
   check.template operator()<float>();
-  check.template operator()<half>();
-  check.template operator()<bfloat16>();
+  check.template operator()<lockstep::half>();  // (qualified: CUDA's headers declare a global half)
+  check.template operator()<lockstep::bfloat16>();
 }
 
 TEST(host_block_loops, optimizer_updates_match_the_per_element_code) {

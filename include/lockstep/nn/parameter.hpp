@@ -159,7 +159,8 @@ class parameter {
   /// uninitialized fp32 values and a gradient in `compute_type`, marked zero. Inside a deferred_master_values scope
   /// an f16/bf16 parameter keeps no master values (masters_deferred()); its values are zeros until set.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
-      : parameter(std::move(name), dims, s, compute_type, compute_type != dtype::f32 && detail::deferred_masters_depth > 0) {}
+      : parameter(std::move(name), dims, s, compute_type,
+                  compute_type != dtype::f32 && dims.numel() > 0 && detail::deferred_masters_depth > 0) {}
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   [[nodiscard]] const shape& dims() const noexcept { return dims_; }
@@ -378,8 +379,8 @@ class parameter {
       }
     } else {
       if (masters_deferred()) value_.own(tensor(dims_, dtype::f32, s));  // every value is written here
-      initial_ = nullptr;
       copy(value_.view().span<float>(), values, s);
+      initial_ = nullptr;
     }
     if (working_.empty()) return;
     dispatch_floating(working_.view().type(), "load_values", [&]<class T>() { cast<T, float>(values, working_.view().span<T>(), s); });
@@ -453,14 +454,14 @@ class parameter {
       refresh_working_copy(s);
       return;
     }
-    write_initial_working_copy(values, s);
-    initial_ = std::move(values);  // (after: a failed write leaves the recipe and the working copy as they were)
+    write_initial_working_copy(values, s);  // (a failure may leave it partly written: refresh_working_copy redoes it)
+    initial_ = std::move(values);
   }
   /// Whether the parameter keeps the recipe of its initial values (its master values deferred, or sharded by a
   /// wrapper that has not yet written them).
   [[nodiscard]] bool has_initial_values() const noexcept { return static_cast<bool>(initial_); }
   /// The initial values of elements [first, first + out.size()) into host memory `out`: what a wrapper that
-  /// shards deferred master values writes (see write_values_range). Only while masters_deferred().
+  /// shards deferred master values writes (see write_values_range). Only while has_initial_values().
   void initial_values_of(std::int64_t first, std::span<float> out) const {
     LOCKSTEP_EXPECTS(initial_ && first >= 0 && first + static_cast<std::int64_t>(out.size()) <= numel(), "parameter ",
                      name_, ": initial values [", first, ", ", first + static_cast<std::int64_t>(out.size()), ") of ",
@@ -552,7 +553,8 @@ class parameter {
       set_compute_type(compute_type, s);
       return;
     }
-    LOCKSTEP_EXPECTS(compute_type != dtype::f32, "parameter ", name_, ": f32 master values cannot be deferred");
+    LOCKSTEP_EXPECTS(is_floating(compute_type) && compute_type != dtype::f32, "parameter ", name_,
+                     ": compute type must be f16 or bf16 to defer the master values, got ", name_of(compute_type));
     grad_.own(tensor(dims_, compute_type, s));
     compute_type_ = compute_type;
     working_.own(tensor(dims_, compute_type, s));

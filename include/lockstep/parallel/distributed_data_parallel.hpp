@@ -168,11 +168,11 @@ class distributed_data_parallel {
     replica_.sharded = options.zero != zero_stage::none && comm.size() > 1;
     replica_.reused_buffers = replica_.sharded && options.zero == zero_stage::gradients;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
+    detail::check_same_settings({options_line(options_, ctx)}, comm, replica_.comm_stream);  // they shape the collectives
     if (!replica_.sharded) {  // a model built under deferred_master_values: whole masters without ZeRO
       for (const auto& p : replica_.params) p.param->materialize_masters(ctx.stream());
     }
     detail::check_same_parameters(replica_.params, comm, replica_.comm_stream);
-    detail::check_same_settings({options_line(options_, ctx)}, comm, replica_.comm_stream);  // they shape the collectives
     detail::broadcast_parameters(replica_.params, comm, replica_.comm_stream);
     synchronize(ctx.get_device());  // the buffers' initial values are written (a model may have no parameters)
     detail::broadcast_buffers(replica_.params, comm, replica_.comm_stream, buffers_flat_);
