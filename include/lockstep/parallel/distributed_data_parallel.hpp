@@ -79,6 +79,7 @@
 #include "lockstep/nn/context.hpp"
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/nn/layer.hpp"
+#include "lockstep/parallel/ddp_options.hpp"
 #include "lockstep/parallel/detail/bucket_memory.hpp"
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/ddp_replica.hpp"
@@ -95,50 +96,6 @@
 #include "lockstep/runtime/tensor.hpp"
 
 LOCKSTEP_ABI_BEGIN
-
-/// How gradients are combined across ranks (see the file comment).
-enum class gradient_reduction : std::uint8_t { sum, mean };
-
-/// The precision gradients travel in. `none` sums in fp32 whatever the gradients' storage type (f16/bf16 in their own
-/// type on communicators that sum them in fp32 and round once, in an fp32 bucket on NCCL);
-/// `fp16` / `bf16` halve the bytes on the wire: gradients are rounded to that type, all-reduced (sums in fp32,
-/// rounded once) and restored into the gradients' own type.
-enum class comm_hook : std::uint8_t { none, fp16, bf16 };
-
-/// What ZeRO shards over the ranks, by stage number: `none` (0, plain DDP: every rank holds everything),
-/// `optimizer_state` (1: the optimizer state and the fp32 master values), `gradients` (2: those and the
-/// gradients). See the file comment.
-enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients = 2 };
-
-/// The stage numbered `n` (as DeepSpeed numbers them). Throws precondition_error for another number.
-[[nodiscard]] inline zero_stage to_zero_stage(int n) {
-  LOCKSTEP_EXPECTS(n >= 0 && n <= 2, "ZeRO stage must be 0 (plain DDP), 1 (optimizer state sharded) or 2 "
-                   "(gradients too), got ", n);
-  return static_cast<zero_stage>(n);
-}
-
-struct ddp_options {
-  std::size_t bucket_bytes = std::size_t{25} << 20;
-  std::size_t first_bucket_bytes = std::size_t{1} << 20;
-  gradient_reduction reduction = gradient_reduction::sum;
-  comm_hook hook = comm_hook::none;
-  /// Deterministic mode (nn/deterministic.hpp), set on the context by the constructor; without it the wrapper
-  /// follows the context's own setting. The buckets then hold exact accumulators, all-reduced as i64 sums.
-  std::optional<deterministic_options> deterministic = std::nullopt;
-  /// What ZeRO shards (see the file comment).
-  zero_stage zero = zero_stage::none;
-  /// Before each forward outside no_sync(), rank 0's buffers (batch norm's running statistics) to every rank, as
-  /// PyTorch's broadcast_buffers: every replica normalizes evaluation batches alike and checkpoints (written by rank
-  /// 0) hold what every rank uses. Off: each rank keeps its own.
-  bool broadcast_buffers = true;
-  /// Under ZeRO, the device memory through which visit_whole_state and visit_master_values (checkpoints,
-  /// weights_sha256) gather whole tensors: every rank's part of one chunk of a bucket (at least a float per rank);
-  /// and the chunks in which the constructor streams rank 0's initial values of a model built under
-  /// deferred_master_values into the shards. Smaller: less memory, more collectives.
-  std::size_t visit_chunk_bytes = std::size_t{4} << 20;
-  /// On host devices, the stream the collectives run on (see host_collective_stream; ignored on GPUs).
-  host_collective_stream host_collectives = host_collective_stream::automatic;
-};
 
 template <layer Model>
 class distributed_data_parallel {
