@@ -14,6 +14,7 @@
 #include <iostream>
 #include <optional>
 #include <random>
+#include <string>
 #include <vector>
 
 #include "lockstep/io/checkpoint.hpp"
@@ -648,6 +649,20 @@ TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_
                                               pass};
             EXPECT_NE(detail::host_convolution(ctx.blas(), key), nullptr) << "the ordinary run did not use oneDNN";
           }
+          // backward's data pass reads the weights pass's copy of the output gradient where both passes copy it
+          // into one layout (convolution.hpp): the input gradient above then came through that copy. Which cases
+          // share depends on the kernels oneDNN picks for the CPU (on AVX-512, 3->8 stride 1 does; 4->16 stride 2
+          // takes an AVX2 weights kernel in another layout), so the test records it rather than requiring it.
+          using slot = detail::onednn_convolution::slot;
+          const auto data = detail::host_convolution(
+              ctx.blas(), {n, c.in, c.h, c.w, c.out, c.k, c.stride, c.padding, dtype::f32, c.bias,
+                           detail::onednn_conv_pass::backward_data});
+          const auto weights = detail::host_convolution(
+              ctx.blas(), {n, c.in, c.h, c.w, c.out, c.k, c.stride, c.padding, dtype::f32, c.bias,
+                           detail::onednn_conv_pass::backward_weights});
+          const bool shared = data && weights && data->reads_like(slot::a, *weights, slot::b);
+          ::testing::Test::RecordProperty("conv_" + std::to_string(c.in) + "_" + std::to_string(c.out) + "_shares_dy",
+                                          shared ? "yes" : "no");
         }
 #endif
       }

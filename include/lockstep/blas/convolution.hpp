@@ -4,7 +4,9 @@
 // oneDNN).
 #pragma once
 
+#include <algorithm>
 #include <memory>
+#include <utility>
 
 #include "lockstep/blas/blas_handle.hpp"
 #include "lockstep/blas/onednn_conv.hpp"
@@ -43,6 +45,38 @@ void queue_host_convolution(blas_handle& h, std::shared_ptr<const onednn_convolu
                         : reinterpret_cast<std::byte*>(h.scratch((conv->workspace_bytes() + 3) / 4));
   enqueue_host(h.stream(), [conv, t, workspace] { conv->run(t.a, t.b, t.c, t.out, t.out2, workspace); },
                "conv2d (oneDNN)");
+}
+
+/// A convolution's backward on `h`'s stream as one task: backward weights (`weights`, tensors `w`: x, gy -> dW,
+/// dbias), then backward data (`data`, tensors `d`: gy, W -> gx; the same gy). When both read the output gradient
+/// in the same layout, the data pass takes the weights pass's copy instead of reordering gy again (a pass over the
+/// layer's output gradient saved); the workspace then holds both passes' side by side, so that the copy outlives
+/// the first pass (else the second pass reuses the first's).
+template <class T>
+void queue_host_convolution_backward(blas_handle& h, std::shared_ptr<const onednn_convolution> weights,
+                                     const host_convolution_tensors<T>& w,
+                                     std::shared_ptr<const onednn_convolution> data,
+                                     const host_convolution_tensors<T>& d) {
+  using slot = onednn_convolution::slot;
+  LOCKSTEP_EXPECTS(w.b == d.a && w.c == nullptr && d.c == nullptr,
+                   "queue_host_convolution_backward: both passes read one output gradient and no bias");
+  strict_check_functor(w, h.get_device(), "conv2d backward weights (oneDNN)");
+  strict_check_functor(d, h.get_device(), "conv2d backward data (oneDNN)");
+  const bool shared = data->reads_like(slot::a, *weights, slot::b);
+  const std::size_t first = weights->workspace_bytes(), second = data->workspace_bytes();
+  const std::size_t bytes = shared ? first + second : std::max(first, second);
+  auto* workspace = bytes == 0 ? nullptr : reinterpret_cast<std::byte*>(h.scratch((bytes + 3) / 4));
+  std::byte* data_workspace = shared ? workspace + first : workspace;
+  const std::byte* gy_copy = shared ? weights->copy_of(slot::b, workspace) : nullptr;
+  auto task = [weights, data, x = w.a, gy = w.b, dw = w.out, dbias = w.out2, weight = d.b, gx = d.out, workspace,
+               data_workspace, gy_copy] {
+    weights->run(x, gy, nullptr, dw, dbias, workspace);
+    onednn_convolution::given_copies given{};
+    given[static_cast<std::size_t>(slot::a)] = gy_copy;
+    data->run(gy, weight, nullptr, gx, nullptr, data_workspace, given);
+  };
+  static_assert(sizeof(task) <= host_backend::task_body::inline_bytes, "no allocation per backward");
+  enqueue_host(h.stream(), std::move(task), "conv2d backward (oneDNN)");
 }
 
 LOCKSTEP_DETAIL_END

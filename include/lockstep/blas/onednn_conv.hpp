@@ -12,10 +12,12 @@
 // plain NCHW / OIHW / [C] tensors before and after each pass, through a workspace taken from the handle's scratch
 // memory: the blocked copies of the pass's tensors (each the size of the plain one, rounded up to 16 channels) and
 // the primitive's scratchpad. So the workspace is bounded by the pass's tensors, a few times the layer's output
-// (the reorders' own small scratchpads are oneDNN's). The weight and bias gradients are computed in f32 (also for
-// bf16) and rounded once by the reorder into the plain gradient, which adds beta times what it held (its sum
-// post-op) when gradients accumulate: one rounding, as the GEMMs. f16 has no oneDNN kernel on CPUs (the caller keeps
-// im2col), nor has a shape oneDNN serves only with its reference loop.
+// (the reorders' own small scratchpads are oneDNN's); a backward that needs both passes holds both workspaces at
+// once, its data pass reading the weights pass's copy of the output gradient when both read it in one layout
+// (convolution.hpp). The weight and bias gradients are computed in f32 (also for bf16) and rounded once by the
+// reorder into the plain gradient, which adds beta times what it held (its sum post-op) when gradients accumulate:
+// one rounding, as the GEMMs. f16 has no oneDNN kernel on CPUs (the caller keeps im2col), nor has a shape oneDNN
+// serves only with its reference loop.
 #pragma once
 
 #include "lockstep/blas/onednn.hpp"
@@ -72,9 +74,15 @@ struct onednn_conv_key_hash {
 ///   forward           a = x, b = weight, c = bias (or null)      -> out = y
 ///   backward_data     a = gy, b = weight                         -> out = gx
 ///   backward_weights  a = x, b = gy                              -> out = dweight, out2 = dbias (or null)
-/// Runs on one stream's worker at a time.
+/// Runs on one stream's worker at a time (reorders, copy_of and reads_like read only what construction fixed).
 class onednn_convolution {
  public:
+  enum class slot : std::uint8_t { a, b, c, out, out2 };  // run()'s arguments
+  static constexpr std::size_t max_arguments = 5;
+  /// Copies of input tensors that another pass made in the layouts this pass reads (see copy_of): by slot, null
+  /// where the pass reorders the plain tensor itself.
+  using given_copies = std::array<const std::byte*, max_arguments>;
+
   explicit onednn_convolution(const onednn_conv_key& key) {
     const std::lock_guard lock(onednn_lifetime_mutex());
     const onednn_one_thread_scope one_thread;  // fixed when the primitives are created, on the queuing thread
@@ -186,21 +194,46 @@ class onednn_convolution {
   /// Bytes of workspace a run needs (the blocked copies and the scratchpad), 64-byte aligned.
   [[nodiscard]] std::size_t workspace_bytes() const noexcept { return workspace_bytes_; }
 
+  /// Whether the pass copies its tensor `from` into another layout (else the primitive reads or writes it plain).
+  [[nodiscard]] bool reorders(slot from) const noexcept {
+    const argument* x = find(from);
+    return x != nullptr && x->reorder != nullptr;
+  }
+  /// Where a run with `workspace` leaves its copy of input `from` in the primitive's layout, or null when the
+  /// primitive reads the plain tensor.
+  [[nodiscard]] const std::byte* copy_of(slot from, const std::byte* workspace) const {
+    return reorders(from) ? workspace + find(from)->offset : nullptr;
+  }
+  /// Whether this pass reads its input `mine` in the layout in which `other` copies its input `theirs` (both
+  /// reordered, the same memory descriptor): given the same plain tensor, other's copy can stand in for this one's.
+  [[nodiscard]] bool reads_like(slot mine, const onednn_convolution& other, slot theirs) const {
+    const argument* x = find(mine);
+    const argument* y = other.find(theirs);
+    if (!reorders(mine) || !other.reorders(theirs) || !x->input() || !y->input()) return false;
+    const dnnl_memory_desc_t* mx = nullptr;
+    const dnnl_memory_desc_t* my = nullptr;
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_get_memory_desc(x->inner.get(), &mx), "describing a copy");
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_get_memory_desc(y->inner.get(), &my), "describing a copy");
+    return dnnl_memory_desc_equal(mx, my) != 0;
+  }
+
   /// Runs the pass on the calling thread (a stream's worker), with the plain tensors of the class comment and
   /// `workspace` of workspace_bytes(), 64-byte aligned.
-  void run(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace) const {
+  /// `given`: copies, made by a pass that ran before, of inputs this pass reads in their layouts (reads_like);
+  /// those are not reordered again.
+  void run(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace,
+           const given_copies& given = {}) const {
     onednn_one_thread_here();
-    execute(a, b, c, out, out2, workspace);
+    execute(a, b, c, out, out2, workspace, given);
     if (!ran_.exchange(true, std::memory_order_relaxed)) onednn_wait_at_exit();
   }
 
  private:
-  enum class slot : std::uint8_t { a, b, c, out, out2 };  // run()'s arguments
-  static constexpr std::size_t max_arguments = 5;
-
   // The pass on the calling thread.
-  void execute(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace) const {
-    const std::array<void*, 5> plain{const_cast<void*>(a), const_cast<void*>(b), const_cast<void*>(c), out, out2};
+  void execute(const void* a, const void* b, const void* c, void* out, void* out2, std::byte* workspace,
+               const given_copies& given) const {
+    const std::array<void*, max_arguments> plain{const_cast<void*>(a), const_cast<void*>(b), const_cast<void*>(c), out,
+                                                 out2};
     // (an array, not a vector: nvcc 12's front end crashes on push_back({...}) of this C struct)
     std::array<dnnl_exec_arg_t, max_arguments + 1> args{};
     int count = 0;
@@ -208,6 +241,10 @@ class onednn_convolution {
       void* user = plain[static_cast<std::size_t>(x.from)];
       if (!x.reorder) {  // the primitive reads or writes the plain tensor itself
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.inner.get(), user), "binding a tensor");
+      } else if (const std::byte* copy = given[static_cast<std::size_t>(x.from)]; copy && x.input()) {
+        // (read only: the pass that made it has zeroed its blocked layout's padding, which binding may write again)
+        LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.inner.get(), const_cast<std::byte*>(copy)),
+                              "binding a given copy");
       } else {
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.inner.get(), workspace + x.offset), "binding a copy");
         LOCKSTEP_ONEDNN_CHECK(dnnl_memory_set_data_handle(x.plain.get(), user), "binding a tensor");
@@ -239,7 +276,7 @@ class onednn_convolution {
     std::vector<std::byte> workspace(workspace_bytes_ + 63);
     const auto address = reinterpret_cast<std::uintptr_t>(workspace.data());
     execute(plain[0].data(), plain[1].data(), plain[2].data(), plain[3].data(), plain[4].data(),
-            workspace.data() + ((64 - address % 64) % 64));
+            workspace.data() + ((64 - address % 64) % 64), {});
   }
 
   mutable std::atomic<bool> ran_{false};  // run() ran once
@@ -301,6 +338,13 @@ class onednn_convolution {
     LOCKSTEP_ONEDNN_CHECK(dnnl_primitive_create(&prim, pd), "generating the code of a reorder");
     x.reorder.reset(prim);
     args_.push_back(std::move(x));
+  }
+
+  [[nodiscard]] const argument* find(slot from) const noexcept {
+    for (const argument& x : args_) {
+      if (x.from == from) return &x;
+    }
+    return nullptr;
   }
 
   void run_reorder(const argument& x, dnnl_memory_t from, dnnl_memory_t to) const {

@@ -232,11 +232,13 @@ class conv2d {
     if (!weights) return false;
     (void)weight_.begin_accumulate();
     if (has_bias()) (void)bias_.begin_accumulate();
-    detail::queue_host_convolution<T>(h, weights, {x_.as<T>(), gy.as<T>(), nullptr, weight_.grad().as<T>(),
-                                                   has_bias() ? bias_.grad().as<T>() : nullptr});
-    if (data) {
-      detail::queue_host_convolution<T>(h, data, {gy.as<T>(), weight_.compute_value().as<T>(), nullptr, gx_.as<T>(),
-                                                  nullptr});
+    const detail::host_convolution_tensors<T> w{x_.as<T>(), gy.as<T>(), nullptr, weight_.grad().as<T>(),
+                                                has_bias() ? bias_.grad().as<T>() : nullptr};
+    if (data) {  // one task: the output gradient reordered once for both passes when they read one layout
+      detail::queue_host_convolution_backward<T>(
+          h, weights, w, data, {gy.as<T>(), weight_.compute_value().as<T>(), nullptr, gx_.as<T>(), nullptr});
+    } else {
+      detail::queue_host_convolution<T>(h, weights, w);
     }
     return true;
   }

@@ -1,5 +1,6 @@
-// lockstep/parallel/ddp_options.hpp — the options of distributed_data_parallel (parallel/distributed_data_parallel.hpp):
-// how gradients are combined and travel, what ZeRO shards, the buckets, deterministic mode, buffers.
+// lockstep/parallel/ddp_options.hpp — the options of distributed_data_parallel
+// (parallel/distributed_data_parallel.hpp, whose file comment explains them): how gradients are combined and
+// travel, what ZeRO shards, the buckets, deterministic mode, buffers.
 #pragma once
 
 #include <cstddef>
@@ -8,12 +9,12 @@
 
 #include "lockstep/config.hpp"
 #include "lockstep/core/error.hpp"
-#include "lockstep/nn/deterministic.hpp"
+#include "lockstep/nn/context.hpp"  // deterministic_options
 #include "lockstep/parallel/host_collectives.hpp"
 
 LOCKSTEP_ABI_BEGIN
 
-/// How gradients are combined across ranks (see the file comment).
+/// How gradients are combined across ranks (see distributed_data_parallel.hpp's file comment).
 enum class gradient_reduction : std::uint8_t { sum, mean };
 
 /// The precision gradients travel in. `none` sums in fp32 whatever the gradients' storage type (f16/bf16 in their own
@@ -24,7 +25,7 @@ enum class comm_hook : std::uint8_t { none, fp16, bf16 };
 
 /// What ZeRO shards over the ranks, by stage number: `none` (0, plain DDP: every rank holds everything),
 /// `optimizer_state` (1: the optimizer state and the fp32 master values), `gradients` (2: those and the
-/// gradients). See the file comment.
+/// gradients). See distributed_data_parallel.hpp's file comment.
 enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients = 2 };
 
 /// The stage numbered `n` (as DeepSpeed numbers them). Throws precondition_error for another number.
@@ -42,7 +43,7 @@ struct ddp_options {
   /// Deterministic mode (nn/deterministic.hpp), set on the context by the constructor; without it the wrapper
   /// follows the context's own setting. The buckets then hold exact accumulators, all-reduced as i64 sums.
   std::optional<deterministic_options> deterministic = std::nullopt;
-  /// What ZeRO shards (see the file comment).
+  /// What ZeRO shards (see distributed_data_parallel.hpp's file comment).
   zero_stage zero = zero_stage::none;
   /// Before each forward outside no_sync(), rank 0's buffers (batch norm's running statistics) to every rank, as
   /// PyTorch's broadcast_buffers: every replica normalizes evaluation batches alike and checkpoints (written by rank
