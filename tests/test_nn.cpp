@@ -743,6 +743,12 @@ TEST_P(finite_differences_test, convolution_and_pooling_name_bad_shapes_and_unfl
   tensor flat = make_tensor(random_values(12, 87), shape{2, 6}, ctx.stream());
   EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)c.forward(flat, ctx); }), "is not [rows, 3, height, width]");
   EXPECT_CONTAINS(message_of<precondition_error>([&] { max_pool2d bad(2, 1, 2); }), "padding in [0, kernel / 2]");
+  // Max pooling's indices are 32-bit pixel numbers: an image of 2^31 pixels or more is refused by shape, before any
+  // work; 46340^2 is the largest square under 2^31 and average pooling, which keeps no indices, has no such bound.
+  EXPECT_EQ(max_pool2d(2).output_shape(shape{1, 46340, 46340}), (shape{1, 23170, 23170}));
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)max_pool2d(2).output_shape(shape{1, 46341, 46341}); }),
+                  "images of 46341x46341 pixels; max pooling records each window's maximum as a 32-bit pixel index");
+  EXPECT_EQ(avg_pool2d(2).output_shape(shape{1, 46341, 46341}), (shape{1, 23170, 23170}));
   unflatten u(shape{1, 2, 3});
   EXPECT_EQ(u.output_shape(shape{6}), (shape{1, 2, 3}));
   EXPECT_EQ(u.forward(flat, ctx).dims(), (shape{2, 1, 2, 3}));

@@ -3,6 +3,7 @@
 #pragma once
 
 #include <cstdint>
+#include <limits>
 #include <string>
 
 #include "lockstep/config.hpp"
@@ -91,6 +92,12 @@ class pool2d {
                      sample.str());
     LOCKSTEP_EXPECTS(sample[1] + 2 * padding_ >= k_ && sample[2] + 2 * padding_ >= k_, name(), ": images of ",
                      sample[1], "x", sample[2], " are smaller than the window");
+    if constexpr (Kind == pooling::max) {
+      constexpr std::int64_t most = std::numeric_limits<std::int32_t>::max();
+      LOCKSTEP_EXPECTS(sample[2] == 0 || sample[1] <= most / sample[2], name(), ": images of ", sample[1], "x",
+                       sample[2], " pixels; max pooling records each window's maximum as a 32-bit pixel index, so an "
+                       "image may have at most 2^31 - 1 pixels (split the image into tiles)");
+    }
     return shape{sample[0], window_output_size(sample[1], k_, stride_, padding_),
                  window_output_size(sample[2], k_, stride_, padding_)};
   }
