@@ -29,7 +29,7 @@ for n in 2 3 4; do
   devices=$(seq -s, -f 'host:%g' 0 $((n - 1)))
   batch=$(( n == 3 ? 129 : 128 ))
   reference=""
-  for zero in 0 1 2; do
+  for zero in 0 1 2 3; do
     line=$(run "ddp_${n}_zero_$zero" "$mlp_train" "${options[@]}" --mode ddp --devices "$devices" --batch "$batch" \
            --zero "$zero" --json)
     h=$(field weights_sha256 "$line")

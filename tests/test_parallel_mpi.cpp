@@ -79,7 +79,7 @@ int main(int argc, char** argv) {
                           recipe{.adamw = true, .micro_batches = 2}}) {
       for (const std::int64_t batch : {std::int64_t{130}, std::int64_t{3}}) {
         const auto ddp = train_recipe_rank(comm, compute, comm_stream, batch, r);
-        for (int zero : {1, 2}) {
+        for (int zero : {1, 2, 3}) {
           recipe z = r;
           z.zero = zero;
           const auto mine = train_recipe_rank(comm, compute, comm_stream, batch, z);

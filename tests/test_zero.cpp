@@ -66,19 +66,21 @@ std::vector<recipe_result> train_recipe_threads(const device_set& devices, std::
 // Parameterized over (backend, (devices, global batch, precision, AdamW rather than SGD)).
 class zero_equivalence : public on_backend<std::tuple<device_kind, std::tuple<int, std::int64_t, dtype, bool>>> {};
 
-TEST_P(zero_equivalence, stages_1_and_2_give_the_bits_of_ddp_and_split_the_state_between_the_ranks) {
+TEST_P(zero_equivalence, stages_1_2_and_3_give_the_bits_of_ddp_and_split_the_state_between_the_ranks) {
   const auto [k, batch, precision, use_adamw] = std::get<1>(GetParam());
   if (!require_devices(k)) return;
   recipe r{.precision = precision, .adamw = use_adamw};
   const auto ddp = train_recipe_threads(devices(k), batch, r);
   ASSERT_NE(ddp[0].parameters, initial_parameters(dev(0))) << "the run must train";
-  for (const auto& [zero, deferred] : {std::pair{1, false}, std::pair{2, false}, std::pair{1, true}, std::pair{2, true},
-                                       std::pair{0, true}}) {
+  std::uint64_t stage_2_bytes = 0;  // ZeRO-2's rank 0 (the last run, whole or deferred)
+  for (const auto& [zero, deferred] : {std::pair{1, false}, std::pair{2, false}, std::pair{3, false}, std::pair{1, true},
+                                       std::pair{2, true}, std::pair{3, true}, std::pair{0, true}}) {
     SCOPED_TRACE(deferred ? "built with deferred master values" : "built whole");
     r.zero = zero;
     r.deferred_masters = deferred;
     const auto sharded = train_recipe_threads(devices(k), batch, r);
-    std::uint64_t optimizer_bytes = 0;
+    std::uint64_t optimizer_bytes = 0, parameter_bytes = 0;
+    if (zero == 2) stage_2_bytes = sharded[0].report.parameter_bytes;
     for (int rank = 0; rank < k; ++rank) {
       const auto& mine = sharded[static_cast<std::size_t>(rank)];
       if (kind() == device_kind::cuda && precision != dtype::f32) {
@@ -90,12 +92,23 @@ TEST_P(zero_equivalence, stages_1_and_2_give_the_bits_of_ddp_and_split_the_state
       }
       EXPECT_EQ(mine.skipped_steps, ddp[0].skipped_steps) << "ZeRO-" << zero << ", rank " << rank << " of " << k;
       optimizer_bytes += mine.report.optimizer_bytes;
+      parameter_bytes += mine.report.parameter_bytes;
     }
     if (zero == 0) continue;  // (plain DDP from deferred master values: every rank holds the whole state)
     // the shards partition the state: together the ranks hold one copy (plus a step counter each)
     const std::uint64_t counters = sizeof(kernels::optimizer_counters);
     EXPECT_EQ(optimizer_bytes, ddp[0].report.optimizer_bytes + static_cast<std::uint64_t>(k - 1) * counters)
         << "ZeRO-" << zero;
+    // ZeRO-3 between steps (the whole values freed): the ranks' values shards together are one rank's values buffer
+    // under ZeRO-2 (V: the buckets' aligned layout), so under f32 (masters in it) they hold what one ZeRO-2 rank holds;
+    // under f16/bf16 (ZeRO-2's rank 0: V + its shard of the masters) with every rank's masters shard on top, 4 bytes
+    // per parameter (a third of DDP's 6)
+    if (zero == 3 && k > 1) {
+      const std::uint64_t masters = precision == dtype::f32 ? 0 : ddp[0].report.parameter_bytes * 4 / 6;
+      EXPECT_GE(parameter_bytes, stage_2_bytes);
+      EXPECT_LE(parameter_bytes, stage_2_bytes + masters) << parameter_bytes;
+      if (precision == dtype::f32) EXPECT_EQ(parameter_bytes, stage_2_bytes);
+    }
   }
 }
 
@@ -163,7 +176,7 @@ TEST_P(zero_test, on_a_communicator_that_adds_in_the_type_f16_and_bf16_are_reduc
   for (const dtype precision : {dtype::f16, dtype::bf16}) {
     recipe r{.precision = precision, .clip = 1.0f};
     const auto ddp = train_recipe_threads(devices(3), 130, r);
-    for (const int zero : {1, 2}) {
+    for (const int zero : {1, 2, 3}) {
       r.zero = zero;
       std::vector<std::vector<dtype>> reduced(3);
       std::vector<recipe_result> sharded(3);
@@ -198,7 +211,7 @@ TEST_P(zero_test, no_sync_micro_batches_and_clipping_agree_with_ddp) {
   r = recipe{.precision = dtype::f16, .adamw = true, .clip = 0.05f};
   const auto clipped = train_recipe_threads(devices(3), 130, r);
   ASSERT_GT(clipped[0].norm, 0.05f) << "the test must clip";
-  for (int zero : {1, 2}) {
+  for (int zero : {1, 2, 3}) {
     r.zero = zero;
     const auto sharded = train_recipe_threads(devices(3), 130, r);
     for (const auto& rank : sharded) {
@@ -275,7 +288,7 @@ TEST_P(zero_test, overflowing_f16_steps_are_skipped_on_every_rank_as_ddp_skips_t
     const auto ddp = train_recipe_threads(devices(3), 130, r);
     ASSERT_GE(ddp[0].skipped_steps, 2) << "the test must overflow";
     ASSERT_LT(ddp[0].skipped_steps, steps - 5) << "and then train";
-    for (int zero : {1, 2}) {
+    for (int zero : {1, 2, 3}) {
       r.zero = zero;
       const auto sharded = train_recipe_threads(devices(3), 130, r);
       for (int rank = 0; rank < 3; ++rank) {
@@ -310,7 +323,7 @@ TEST_P(zero_test, deterministic_zero_1_and_2_give_the_bits_of_one_device_on_2_3_
              .deterministic = deterministic_options{.chunk_rows = m.chunk}};
     const auto one = train_recipe_threads(devices(1), m.batch, r);
     ASSERT_NE(one[0].parameters, initial_parameters(dev(0))) << "the run must train";
-    for (int zero : {0, 1, 2}) {
+    for (int zero : {0, 1, 2, 3}) {
       r.zero = zero;
       r.global = zero == 0 ? global_batch::told : global_batch::not_told;
       for (int k = 2; k <= 4; ++k) {
@@ -346,7 +359,7 @@ TEST_P(zero_test, deterministic_mode_with_normalization_gives_the_bits_of_one_de
     recipe r{.precision = precision, .adamw = true, .deterministic = deterministic_options{.chunk_rows = 16},
              .variant = variant};
     const auto one = train_recipe_threads(devices(1), 100, r);
-    for (int zero : {0, 1, 2}) {
+    for (int zero : {0, 1, 2, 3}) {
       r.zero = zero;
       for (const global_batch global : {global_batch::not_told, global_batch::told}) {
         if (zero != 0 && global == global_batch::told) continue;
@@ -402,7 +415,7 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
   EXPECT_CONTAINS(messages[3], "so that the norm covers every rank's shard");
   EXPECT_CONTAINS(messages[4], "before distributed_data_parallel sharded the parameters");
   for (const auto& [options, expected] :
-       {std::pair{ddp_options{.zero = static_cast<zero_stage>(3)}, "ZeRO stage must be 0 (plain DDP), 1"},
+       {std::pair{ddp_options{.zero = static_cast<zero_stage>(4)}, "ZeRO stage must be 0 (plain DDP), 1"},
         std::pair{ddp_options{.hook = comm_hook::fp16, .zero = zero_stage::optimizer_state}, "cannot be combined with a comm hook"}}) {
     const auto o = options;
     EXPECT_CONTAINS(message_of<error>([&] {
@@ -414,6 +427,39 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
                     }),
                     expected);
   }
+}
+
+// ZeRO-3 frees the whole values after a synchronized backward: the model used outside the wrapper says so and names
+// gather_parameters(), after which it reads the gathered values (the wrapper's own forward's output).
+TEST_P(zero_test, stage_3_names_the_gather_a_model_needs_outside_the_wrapper) {
+  if (!require_devices(2)) return;
+  std::vector<std::string> messages(2);
+  std::vector<std::vector<float>> outputs(2), after_gather(2);
+  run_on_devices(devices(2), [&](rank_context& rc) {
+    const stream_ref s = rc.compute_stream();
+    context ctx(s);
+    graph model = make_model(ctx);
+    distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = zero_stage::parameters});
+    EXPECT_EQ(ddp.zero(), zero_stage::parameters);
+    const auto r = static_cast<std::size_t>(rc.rank());
+    messages[0] = message_of<precondition_error>([&] { (void)parameters_of(model)[0].param->compute_value(); });
+    softmax_cross_entropy loss(reduction::mean);
+    tensor x = device_tensor(slice(inputs(), 0, 4, features), shape{4, features}, s);
+    tensor y = device_labels({1, 2, 3, 4}, s);
+    outputs[r] = to_vector(ddp.forward(x).span<const float>(), s);
+    loss.forward(ddp.forward(x), y, ctx);
+    ddp.backward(loss.backward(ctx));
+    messages[1] = message_of<precondition_error>([&] { (void)model.forward(x, ctx); });
+    ddp.gather_parameters();
+    after_gather[r] = to_vector(model.forward(x, ctx).span<const float>(), s);
+  });
+  for (const auto& m : messages) {
+    EXPECT_CONTAINS(m, "ZeRO-3 keeps only this rank's shard of its values between steps");
+    EXPECT_CONTAINS(m, "gather_parameters()");
+  }
+  EXPECT_EQ(outputs[1], outputs[0]);
+  EXPECT_EQ(after_gather[0], outputs[0]);  // no step between: the same values
+  EXPECT_EQ(after_gather[1], outputs[0]);
 }
 
 // A model built inside a deferred_master_values scope: its f16/bf16 parameters hold the working copy alone, with the
@@ -481,16 +527,16 @@ TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name
                     sgd opt(parameters_of(deferred).pointers(), optimizer_options);
                     opt.step(s);
                   }),
-                  "wrap the model in distributed_data_parallel with zero_stage::optimizer_state or gradients");
+                  "wrap the model in distributed_data_parallel with zero_stage::optimizer_state, gradients or parameters");
 }
 
 // As for a model built whole, every rank starts from rank 0's values: the ranks build under deferred_master_values
 // from other seeds, and the wrapper streams rank 0's recipe (in chunks of 16 values) into every rank's shard of the
-// master values and its whole working copy. A rank built whole among deferred ones is named.
+// master values and its whole working copy (ZeRO-3: its shard of it, gathered). A rank built whole among deferred ones is named.
 TEST_P(zero_test, deferred_master_values_of_rank_0_reach_every_ranks_shards_and_working_copies) {
   if (!require_devices(3)) return;
   for (const dtype type : {dtype::f16, dtype::bf16}) {
-    for (const int zero : {1, 2}) {
+    for (const int zero : {1, 2, 3}) {
       SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero);
       std::vector<std::vector<float>> values(3);
       std::vector<std::vector<std::uint8_t>> working(3);
@@ -515,6 +561,7 @@ TEST_P(zero_test, deferred_master_values_of_rank_0_reach_every_ranks_shards_and_
         distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
                                       ddp_options{.bucket_bytes = 1024, .first_bucket_bytes = 512,
                                                   .zero = to_zero_stage(zero), .visit_chunk_bytes = 64});
+        if (zero == 3) ddp.gather_parameters();  // (ZeRO-3 keeps each rank's shard of the working copy)
         for (const auto& p : parameters_of(model)) {
           const auto bytes = to_vector(p.param->compute_value().bytes(), s);
           working[r].insert(working[r].end(), bytes.begin(), bytes.end());
@@ -563,7 +610,7 @@ TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_w
     return g;
   };
   for (const dtype type : {dtype::f16, dtype::bf16}) {
-    for (const int zero : {1, 2}) {
+    for (const int zero : {1, 2, 3}) {
       std::vector<std::uint64_t> transient(2), deferred_transient(2), masters(2);
       std::vector<std::vector<float>> values(2), deferred_values(2);
       run_on_devices(devices(2), [&](rank_context& rc) {
@@ -608,8 +655,8 @@ TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_w
 TEST_P(zero_test, weights_are_hashed_in_chunks_without_whole_values_on_any_device) {
   if (!require_devices(2)) return;
   for (const dtype type : {dtype::f32, dtype::bf16}) {
-    for (const int zero : {0, 1, 2}) {
-      const std::size_t bucket = zero == 2 ? std::size_t{1} << 20 : 512;  // ZeRO-2: the whole model in one bucket
+    for (const int zero : {0, 1, 2, 3}) {
+      const std::size_t bucket = zero >= 2 ? std::size_t{1} << 20 : 512;  // ZeRO-2 and 3: the whole model in one bucket
       std::vector<std::string> streamed(2), whole(2);
       std::vector<std::uint64_t> streamed_peak(2), whole_peak(2), masters(2);
       run_on_devices(devices(2), [&](rank_context& rc) {
@@ -667,9 +714,9 @@ streamed_save_result save_streamed_and_resume(rank_context& rc, dtype type, int 
                                               MakeOptimizer&& make_opt) {
   streamed_save_result out;
   const stream_ref s = rc.compute_stream();
-  // streamed through chunks of 200 bytes (25 floats per rank: the ranges end inside a chunk); ZeRO-2 with the whole
+  // streamed through chunks of 200 bytes (25 floats per rank: the ranges end inside a chunk); ZeRO-2 and 3 with the whole
   // model in one bucket, ZeRO-1 in buckets of 512 bytes
-  const std::size_t bucket = zero == 2 ? std::size_t{1} << 20 : 512;
+  const std::size_t bucket = zero >= 2 ? std::size_t{1} << 20 : 512;
   const ddp_options options{.bucket_bytes = bucket, .first_bucket_bytes = bucket / 2, .zero = to_zero_stage(zero),
                             .visit_chunk_bytes = 200};
   const auto train = [&](context& ctx, distributed_data_parallel<graph>& ddp, auto& opt, int from, int to) {
@@ -734,7 +781,8 @@ TEST_P(zero_test, checkpoints_stream_whole_tensors_to_the_writer_and_load_each_r
     return std::string(std::istreambuf_iterator<char>(in), {});
   };
   for (const auto& [type, zero, adam] : {std::tuple{dtype::f32, 1, true}, std::tuple{dtype::f32, 2, false},
-                                         std::tuple{dtype::bf16, 1, false}, std::tuple{dtype::bf16, 2, true}}) {
+                                         std::tuple{dtype::bf16, 1, false}, std::tuple{dtype::bf16, 2, true},
+                                         std::tuple{dtype::f32, 3, true}, std::tuple{dtype::bf16, 3, false}}) {
     SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero << (adam ? ", AdamW" : ", SGD"));
     fs::remove_all(root);
     std::vector<streamed_save_result> out(2);
@@ -849,7 +897,7 @@ TEST_P(zero_test, consolidation_before_the_first_step_nested_or_between_backward
     return out;
   };
   const auto plain = train(0);
-  for (int zero : {1, 2}) {
+  for (int zero : {1, 2, 3}) {
     const auto sharded = train(zero);
     EXPECT_EQ(sharded[0], plain[0]) << "ZeRO-" << zero;
     EXPECT_EQ(sharded[1], plain[0]) << "ZeRO-" << zero;

@@ -79,7 +79,8 @@ inline constexpr const char* common_usage =
     "  --exact-sums S        --mode ddp --deterministic: auto (default: the chunks' partial gradients gathered when\n"
     "                        the batch has few chunks) or accumulators (exact sums all-reduced); the same bits\n"
     "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
-    "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too\n"
+    "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too,\n"
+    "                        3 the weights too (gathered whole for each step)\n"
     "  --host-collectives S  --mode ddp on host devices: the stream the collectives run on: auto (default: the\n"
     "                        compute stream when this process has fewer than two cores per rank), communication\n"
     "                        or compute (the same results either way)\n"
@@ -244,7 +245,7 @@ inline options parse_options(int argc, char** argv, const model_option_parser& m
       }
     } else if (flag == "--zero") {
       o.zero = parse_number<int>(flag, value());
-      if (o.zero < 0 || o.zero > 2) throw usage_error("--zero must be 0, 1 or 2, got " + std::string(argv[i]));
+      if (o.zero < 0 || o.zero > 3) throw usage_error("--zero must be 0, 1, 2 or 3, got " + std::string(argv[i]));
     } else if (flag == "--optimizer") {
       o.optimizer = value();
       if (o.optimizer != "sgd" && o.optimizer != "adamw") {

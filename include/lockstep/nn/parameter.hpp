@@ -78,7 +78,7 @@ LOCKSTEP_ABI_BEGIN
 
 /// While it lives, the f16/bf16 parameters constructed on this thread defer their fp32 master values (see the file
 /// comment): build the model inside it when a ZeRO wrapper (distributed_data_parallel with zero_stage::
-/// optimizer_state or gradients) will shard it, and the whole model's masters never exist on the device. Outside
+/// optimizer_state, gradients or parameters) will shard it, and the whole model's masters never exist on the device. Outside
 /// ZeRO the wrappers (DDP on one rank or without ZeRO, data_parallel) give the parameters whole masters again;
 /// anything else that needs them (an optimizer on the bare model, value()) says so, or calls materialize_masters.
 /// f32 parameters are not deferred: forward reads their master values.
@@ -139,9 +139,18 @@ class parameter_sharding {
   virtual void zero_grad() noexcept = 0;
   /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
   virtual void materialize_gradient(stream_ref s) = 0;
-  /// The values forward reads are about to be written whole on the context's stream (load_values): orders it
-  /// after a gather of them still in flight.
+  /// The values forward reads are about to be written on the context's stream (load_values, write_values_range):
+  /// orders it after a gather of them still in flight (under ZeRO-3, the values gathered before are then out of
+  /// date).
   virtual void before_write() = 0;
+  /// Whether the wrapper keeps the values forward reads too (ZeRO-3): the parameter then holds none of its own;
+  /// keeps_masters() is true (under f32 the master values are the values) and the whole values exist only while
+  /// the wrapper holds them gathered.
+  [[nodiscard]] virtual bool shards_values() const noexcept { return false; }
+  /// ZeRO-3: the whole values forward reads, in the wrapper's gathered buffer (asked after before_read).
+  [[nodiscard]] virtual tensor_view values() const noexcept { return {}; }
+  /// ZeRO-3: the working copy's elements of range(), flat (f16/bf16; empty under f32).
+  [[nodiscard]] virtual tensor_view working_shard() const noexcept { return {}; }
 };
 
 /// Who sets a parameter's update settings (parameter::set_update_settings).
@@ -186,7 +195,10 @@ class parameter {
   /// What forward and backward read: the working copy under f16/bf16, the master values under f32. Throws
   /// precondition_error between a ZeRO backward and the gather of the updated values (they are stale).
   [[nodiscard]] tensor_view compute_value() const {
-    if (sharding_) sharding_->before_read(*this);
+    if (sharding_) {
+      sharding_->before_read(*this);
+      if (is_sharded() && sharding_->shards_values()) return sharding_->values();
+    }
     return working_.empty() ? value_.view() : working_.view();
   }
   /// The gradient, in the compute precision.
@@ -339,16 +351,21 @@ class parameter {
   }
   /// The working copy's elements of shard(), flat; empty under f32.
   [[nodiscard]] tensor_view working_shard() const {
+    if (shards_values()) return sharding_->working_shard();
     if (working_.empty()) return {};
     return flat_range(working_.view(), shard());
   }
 
   /// Attaches the wrapper's `sharding` (null: detaches). When it is active and keeps the master values, the
-  /// parameter's own are freed in stream order on `s` (the wrapper copied its range first, on `s`).
+  /// parameter's own are freed in stream order on `s` (the wrapper copied its range first, on `s`); when it keeps
+  /// the values forward reads (ZeRO-3), the working copy too.
   void set_sharding(std::shared_ptr<parameter_sharding> sharding, stream_ref s) {
     sharding_ = std::move(sharding);
     if (is_sharded() && sharding_->keeps_masters()) value_.reset(s);
+    if (shards_values()) working_.reset(s);
   }
+  /// Whether a wrapper keeps the values forward reads as shards (ZeRO-3; see parameter_sharding::shards_values).
+  [[nodiscard]] bool shards_values() const noexcept { return is_sharded() && sharding_->shards_values(); }
   /// A consolidation's whole master values (`full`: all numel() of them, flat fp32 on this device, copied in
   /// stream order on `s`) replace those the wrapper kept for its range (which then deactivates its sharding).
   void restore_values(const tensor_view& full, stream_ref s) {
@@ -360,11 +377,23 @@ class parameter {
     value_.own(std::move(whole), s);
     initial_ = nullptr;
   }
+  /// With restore_values, when the wrapper kept the values forward reads (ZeRO-3) of an f16/bf16 parameter: its
+  /// working copy whole again from `values` (all numel() of them in the compute type, on this device), copied in
+  /// stream order on `s`.
+  void restore_working_copy(const tensor_view& values, stream_ref s) {
+    LOCKSTEP_EXPECTS(values.type() == compute_type_ && compute_type_ != dtype::f32 && values.numel() == numel() &&
+                         values.get_device() == get_device(),
+                     "parameter ", name_, ": restore_working_copy needs its ", numel(), " values of ",
+                     name_of(compute_type_), " on ", get_device().str());
+    tensor whole(dims_, compute_type_, s);
+    copy(whole.bytes(), device_span<const std::uint8_t>(values.bytes()), s);
+    working_.own(std::move(whole), s);
+  }
 
   /// Writes all numel() fp32 master values from `full` (flat, on this device) in stream order on `s` (the
   /// context's stream), sharded or not: the shard's range into the master values the wrapper keeps (f16/bf16 under
   /// ZeRO), or into the parameter's own; and the values forward reads (the working copy, or the f32 values) whole,
-  /// so that no gather is needed.
+  /// so that no gather is needed (under ZeRO-3, the working copy's shard: the next forward gathers).
   void load_values(const tensor_view& full, stream_ref s) {
     LOCKSTEP_EXPECTS(full.type() == dtype::f32 && full.numel() == numel() && full.get_device() == get_device(),
                      "parameter ", name_, ": load_values needs its ", numel(), " fp32 master values on ",
@@ -381,6 +410,10 @@ class parameter {
       if (masters_deferred()) value_.own(tensor(dims_, dtype::f32, s));  // every value is written here
       copy(value_.view().span<float>(), values, s);
       initial_ = nullptr;
+    }
+    if (shards_values()) {  // (f32: the master values written above are the values)
+      write_working_shard(0, values, s);
+      return;
     }
     if (working_.empty()) return;
     dispatch_floating(working_.view().type(), "load_values", [&]<class T>() { cast<T, float>(values, working_.view().span<T>(), s); });
@@ -423,8 +456,8 @@ class parameter {
   /// Rounds the master values into the working copy (after an optimizer step); under ZeRO, the shard's only.
   /// No-op under f32.
   void refresh_working_copy(stream_ref s) {
-    if (working_.empty()) return;
-    if (masters_deferred()) {
+    if (working_.empty() && (!shards_values() || compute_type_ == dtype::f32)) return;
+    if (masters_deferred()) {  // (never under ZeRO-3, which keeps the master values)
       write_initial_working_copy(initial_, s);
       return;
     }
@@ -488,6 +521,10 @@ class parameter {
       const tensor_view to = keeps ? sharding_->masters() : value_.view();
       copy(to.span<float>().subspan(static_cast<std::size_t>(begin - mine.begin), static_cast<std::size_t>(end - begin)),
            from.subspan(static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - begin)), s);
+    }
+    if (shards_values()) {
+      write_working_shard(first, from, s);
+      return;
     }
     if (working_.empty() || n == 0) return;
     dispatch_floating(working_.view().type(), "write_values_range", [&]<class T>() {
@@ -575,7 +612,7 @@ class parameter {
     throw precondition_error(detail::concat(
         "parameter ", name_, ": ", what, " needs its fp32 master values, which are deferred (it was built inside a "
         "deferred_master_values scope, for a ZeRO wrapper to keep only its shard of them): wrap the model in "
-        "distributed_data_parallel with zero_stage::optimizer_state or gradients before building the optimizer, or "
+        "distributed_data_parallel with zero_stage::optimizer_state, gradients or parameters before building the optimizer, or "
         "call materialize_masters(stream) to hold them whole"));
   }
 
@@ -592,6 +629,19 @@ class parameter {
                        working_.view().span<T>().subspan(static_cast<std::size_t>(first), count), s);
       });
     }
+  }
+
+  // ZeRO-3: the elements of [first, first + from.size()) in this rank's working-copy shard, cast from the fp32
+  // `from` (f32: nothing, the master values are the values), in stream order on `s`.
+  void write_working_shard(std::int64_t first, device_span<const float> from, stream_ref s) {
+    const tensor_view to = sharding_->working_shard();
+    const element_range mine = sharding_->range();
+    const std::int64_t begin = std::max(first, mine.begin), end = std::min(first + static_cast<std::int64_t>(from.size()), mine.end);
+    if (to.empty() || begin >= end) return;
+    dispatch_floating(to.type(), "write_values_range", [&]<class T>() {
+      cast<T, float>(from.subspan(static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - begin)),
+                     to.span<T>().subspan(static_cast<std::size_t>(begin - mine.begin), static_cast<std::size_t>(end - begin)), s);
+    });
   }
 
   // The elements `r` of `t`, flat.

@@ -25,13 +25,14 @@ enum class comm_hook : std::uint8_t { none, fp16, bf16 };
 
 /// What ZeRO shards over the ranks, by stage number: `none` (0, plain DDP: every rank holds everything),
 /// `optimizer_state` (1: the optimizer state and the fp32 master values), `gradients` (2: those and the
-/// gradients). See distributed_data_parallel.hpp's file comment.
-enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients = 2 };
+/// gradients), `parameters` (3: those and the values forward reads, gathered whole for the step). See
+/// distributed_data_parallel.hpp's file comment.
+enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients = 2, parameters = 3 };
 
 /// The stage numbered `n` (as DeepSpeed numbers them). Throws precondition_error for another number.
 [[nodiscard]] inline zero_stage to_zero_stage(int n) {
-  LOCKSTEP_EXPECTS(n >= 0 && n <= 2, "ZeRO stage must be 0 (plain DDP), 1 (optimizer state sharded) or 2 "
-                   "(gradients too), got ", n);
+  LOCKSTEP_EXPECTS(n >= 0 && n <= 3, "ZeRO stage must be 0 (plain DDP), 1 (optimizer state sharded), 2 "
+                   "(gradients too) or 3 (parameters too), got ", n);
   return static_cast<zero_stage>(n);
 }
 

@@ -41,7 +41,10 @@
 // per bucket, so the next forward() (or gather_parameters()) all-gathers the updated shards in place. Stage 2
 // also frees the gradients outside the shard: the whole gradients of a bucket live in one of two buffers reused
 // bucket after bucket (a write into a buffer waits for the bucket that used it before to be reduced and copied
-// out), and each parameter keeps its shard's gradient in storage of its own. Gradients travel in their own
+// out), and each parameter keeps its shard's gradient in storage of its own. Stage 3 also frees the values
+// outside the shard between steps: each rank keeps its range of every bucket's values (under f32 those are the
+// master values), forward() (or gather_parameters()) all-gathers whole buffers, and a synchronized backward frees
+// them (a model used outside the wrapper after it needs gather_parameters() first). Gradients travel in their own
 // type when the communicator sums f16/bf16 in fp32 and rounds once (host cliques, MPI: the bits of DDP's fp32
 // all-reduce); on NCCL, which adds them in the type, an f16/bf16 bucket is widened into one f32 buffer for its
 // reduce-scatter and each rank's range rounded back once (parallel/detail/gradient_sync.hpp): DDP's sums there too.
@@ -123,7 +126,8 @@ class distributed_data_parallel {
       ctx.set_gradient_rounding(exact_rounding::by_wrapper);
     }
     replica_.sharded = options.zero != zero_stage::none && comm.size() > 1;
-    replica_.reused_buffers = replica_.sharded && options.zero == zero_stage::gradients;
+    replica_.reused_buffers = replica_.sharded && options.zero >= zero_stage::gradients;
+    replica_.values_sharded = replica_.sharded && options.zero == zero_stage::parameters;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
     detail::check_same_settings({options_line(options_, ctx)}, comm, replica_.comm_stream);  // they shape the collectives
     if (!replica_.sharded) {  // a model built under deferred_master_values: whole masters without ZeRO

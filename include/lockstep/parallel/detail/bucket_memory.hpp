@@ -118,8 +118,8 @@ inline void build_buckets(ddp_replica& r, zero_shards& shards, gradient_sync& sy
   for (const auto& p : r.params) {
     const parameter& q = *p.param;
     const auto numel = static_cast<std::uint64_t>(q.numel());
-    if (q.working().empty()) {
-      n += r.sharded ? 0 : 4 * numel;  // under ZeRO in the buckets' value buffers, counted below
+    if (q.compute_type() == dtype::f32) {
+      n += r.sharded ? 0 : 4 * numel;  // under ZeRO in the buckets' value buffers (or values shards), counted below
     } else {
       n += 4 * static_cast<std::uint64_t>(q.master_shard().numel()) + (r.sharded ? 0 : numel * size_of(q.compute_type()));
     }

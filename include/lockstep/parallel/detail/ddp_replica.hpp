@@ -29,7 +29,8 @@ struct ddp_bucket {
   std::optional<event> done;      // its collective (and, under ZeRO-2, the copy out of it) finished
   std::size_t ready = 0;          // this backward: parameters whose gradients are complete
   // ZeRO
-  std::shared_ptr<tensor> values;    // the values forward reads, in the values' layout
+  std::shared_ptr<tensor> values;    // the values forward reads, in the values' layout (ZeRO-3: while gathered)
+  std::shared_ptr<tensor> values_shard;  // ZeRO-3: the rank's range of them, what it gathers from
   std::optional<event> released;     // ZeRO-2: `flat` (a reused buffer) was reduced and copied out
   std::optional<event> gathered;     // `values` was all-gathered
   // deterministic mode: each parameter's count of partial gradients outside the exact window (gathered partials)
@@ -54,7 +55,8 @@ struct ddp_replica {
   std::vector<std::size_t> bucket_of;  // per parameter
   bool deterministic;          // buckets of exact accumulators (nn/deterministic.hpp), rounded after the collective
   bool sharded = false;        // ZeRO-1/2 on more than one rank
-  bool reused_buffers = false; // ZeRO-2
+  bool reused_buffers = false; // ZeRO-2 and 3
+  bool values_sharded = false; // ZeRO-3
   bool exact_collective = false;  // the communicator sums exact partials itself (all_reduce_exact)
   event handoff;               // orders one stream after the other's work so far (after())
 

@@ -23,108 +23,11 @@
 #include "lockstep/kernels/elementwise.hpp"
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/parallel/detail/ddp_replica.hpp"
+#include "lockstep/parallel/detail/zero_parameter_shard.hpp"
 #include "lockstep/parallel/timeline.hpp"
 #include "lockstep/runtime/memory.hpp"
 
 LOCKSTEP_DETAIL_BEGIN
-
-/// The elements `r` of `t`, flat.
-inline tensor_view flat_part(const tensor_view& t, element_range r) {
-  return tensor_view(static_cast<std::byte*>(t.data()) + static_cast<std::size_t>(r.begin) * size_of(t.type()), t.type(),
-                     shape{r.size()}, t.get_device());
-}
-
-/// One parameter's shard, as ZeRO keeps it (parameter_sharding): the range this rank updates, under f16/bf16
-/// the range's fp32 master values, under ZeRO-2 the range's gradient in storage of its own (kept, with what it
-/// holds, while a consolidation holds the parameter whole), and whether the values are stale.
-class zero_parameter_shard final : public parameter_sharding {
- public:
-  explicit zero_parameter_shard(element_range range) noexcept : range_(range.empty() ? element_range{} : range) {}
-
-  [[nodiscard]] bool active() const noexcept override { return active_; }
-  [[nodiscard]] element_range range() const noexcept override { return range_; }
-  [[nodiscard]] bool keeps_masters() const noexcept override { return active_ && keeps_masters_; }
-  [[nodiscard]] tensor_view masters() const noexcept override { return masters_.view(); }
-  [[nodiscard]] bool keeps_gradient() const noexcept override { return active_ && keeps_gradient_; }
-  [[nodiscard]] tensor_view gradient() const noexcept override { return gradient_.view(); }
-
-  void before_read(const parameter& p) override {
-    if (stale_) {
-      throw precondition_error(concat(
-          "parameter ", p.name(), ": its values on this rank are stale (ZeRO updates a shard per rank; the others' "
-          "updates arrive with the next distributed_data_parallel::forward or gather_parameters()); call "
-          "ddp.gather_parameters() before using the model outside the wrapper"));
-    }
-    if (read_hook_) std::exchange(read_hook_, nullptr)();
-  }
-  void before_first_write() override {
-    if (first_write_) first_write_();
-  }
-  void before_write() override {
-    if (read_hook_) std::exchange(read_hook_, nullptr)();  // the values' all-gather, if still pending
-  }
-  void zero_grad() noexcept override { gradient_zero_ = true; }
-  void materialize_gradient(stream_ref s) override {
-    if (std::exchange(gradient_zero_, false)) fill_zero(gradient_.view().bytes(), s);
-  }
-
-  /// Shards `p` (again), in stream order on `s`: under f16/bf16 the range's master values are copied apart and
-  /// the parameter's freed; with `keep_gradient` (ZeRO-2) the range's gradient gets storage of its own (what it
-  /// held before a consolidation, else new storage marked zero).
-  void activate(const std::shared_ptr<zero_parameter_shard>& self, parameter& p, bool keep_gradient, stream_ref s) {
-    LOCKSTEP_EXPECTS(!active_ && range_.end <= p.numel(), "parameter ", p.name(), ": shard [", range_.begin, ", ",
-                     range_.end, ") of ", p.numel(), " elements", active_ ? " (it is sharded already)" : "");
-    keeps_masters_ = !p.working().empty();
-    if (keeps_masters_) {
-      tensor kept(shape{range_.size()}, dtype::f32, s);
-      // (deferred master values: written after this by detail::broadcast_deferred_parameters)
-      if (!range_.empty() && !p.masters_deferred()) {
-        copy(kept.span<float>(), flat_part(p.value(), range_).span<const float>(), s);
-      }
-      masters_ = std::move(kept);
-    }
-    keeps_gradient_ = keep_gradient;
-    active_ = true;
-    p.set_sharding(self, s);  // frees the whole master values before the gradient shard is allocated
-    if (keep_gradient && (!has_gradient_ || gradient_.numel() != range_.size())) {
-      gradient_ = tensor(shape{range_.size()}, p.compute_type(), s);
-      gradient_zero_ = true;
-      has_gradient_ = true;
-    }
-  }
-  /// Holds `p` whole again: `whole` (its numel() fp32 master values) replaces the range's under f16/bf16, copied
-  /// in stream order on `s`; the range's gradient storage is kept for the next activate().
-  void deactivate(parameter& p, const tensor_view& whole, stream_ref s) {
-    if (keeps_masters()) {
-      p.restore_values(whole, s);  // checks `whole` before anything changes
-      masters_.set_stream(s);      // read by the gather that produced `whole`
-      masters_ = tensor();
-    }
-    active_ = false;
-  }
-
-  /// ZeRO-2: the factor for the gradient's old contents when adding a reduced gradient into it (0 when it is
-  /// logically zero), marking it written.
-  [[nodiscard]] float begin_accumulate() noexcept { return std::exchange(gradient_zero_, false) ? 0.0f : 1.0f; }
-  void set_stale(bool stale) noexcept { stale_ = stale; }
-  /// Runs once, at the next read of the values (empty: nothing).
-  void set_read_hook(std::function<void()> hook) { read_hook_ = std::move(hook); }
-  /// Runs before the whole gradient's memory, logically zero, is first written (empty: nothing).
-  void set_first_write_hook(std::function<void()> hook) { first_write_ = std::move(hook); }
-
- private:
-  element_range range_;
-  bool active_ = false;
-  bool keeps_masters_ = false;
-  bool keeps_gradient_ = false;
-  tensor masters_;
-  tensor gradient_;
-  bool has_gradient_ = false;
-  bool gradient_zero_ = true;
-  bool stale_ = false;
-  std::function<void()> read_hook_;
-  std::function<void()> first_write_;
-};
 
 class zero_shards {
  public:
@@ -150,18 +53,31 @@ class zero_shards {
   /// ZeRO-2: the buffer bucket b uses.
   [[nodiscard]] const std::shared_ptr<tensor>& reused_buffer(std::size_t b) const { return reused_[b % 2]; }
 
-  /// The buffer of the values forward reads, for a bucket.
+  /// The buffer of the values forward reads, for a bucket (ZeRO-3: the rank's range of it, the whole one only
+  /// while gathered).
   void create_values(ddp_bucket& b) const {
     const stream_ref s = r_->compute_stream();
-    b.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(b.layout.value_elements)}, b.layout.value_type, s);
-    fill_zero(b.values->bytes(), s);
+    std::shared_ptr<tensor>& kept = r_->values_sharded ? b.values_shard : b.values;
+    const std::size_t n = r_->values_sharded ? b.layout.shard_elements : b.layout.value_elements;
+    kept = std::make_shared<tensor>(shape{static_cast<std::int64_t>(n)}, b.layout.value_type, s);
+    fill_zero(kept->bytes(), s);
     b.gathered.emplace(r_->get_device());
   }
-  /// The i-th parameter of bucket b reads its values from the bucket's values buffer; its range is noted.
+  /// The i-th parameter of bucket b reads its values from the bucket's values buffer (ZeRO-3: keeps its range's
+  /// in the values shard); its range is noted.
   void place(const ddp_bucket& b, std::size_t i) {
     parameter& p = r_->param(b, i);
-    p.share_compute_storage(r_->value_slot(b, i, *b.values), b.values, r_->compute_stream());
-    parts_[b.layout.params[i]] = std::make_shared<zero_parameter_shard>(b.layout.shard_of(i, p.numel(), r_->comm.rank()));
+    const element_range range = b.layout.shard_of(i, p.numel(), r_->comm.rank());
+    auto part = std::make_shared<zero_parameter_shard>(range);
+    if (r_->values_sharded) {
+      const bucket_layout& l = b.layout;
+      const std::size_t at = range.empty() ? 0 : l.value_offsets[i] + static_cast<std::size_t>(range.begin) - l.rank_offset(r_->comm.rank());
+      part->keep_values_in(flat_part(b.values_shard->view(), element_range{static_cast<std::int64_t>(at), static_cast<std::int64_t>(at) + range.size()}),
+                           b.values_shard);
+    } else {
+      p.share_compute_storage(r_->value_slot(b, i, *b.values), b.values, r_->compute_stream());
+    }
+    parts_[b.layout.params[i]] = std::move(part);
   }
   /// ZeRO-2: `hook` runs before parameter k's whole gradient, logically zero, is first written.
   void set_first_write_hook(std::size_t k, std::function<void()> hook) { parts_[k]->set_first_write_hook(std::move(hook)); }
@@ -181,15 +97,26 @@ class zero_shards {
 
   // ---- training ----
 
-  /// After a synchronized backward: each rank updates its shard, the others' values arrive with the next gather.
-  void mark_updated() { set_stale(true); }
+  /// After a synchronized backward: each rank updates its shard, the others' values arrive with the next gather
+  /// (ZeRO-3: the whole values are freed until then).
+  void mark_updated() {
+    set_stale(true);
+    if (r_->values_sharded) release_values();
+  }
 
-  /// All-gathers the values each rank updated into every rank's copy, in stream order on the context's stream
-  /// (a collective), timed on `t`. No-op when nothing changed since the last gather.
+  /// All-gathers the values each rank updated into every rank's copy (ZeRO-3: into whole buffers allocated for
+  /// them), in stream order on the context's stream (a collective), timed on `t`. No-op when nothing changed since
+  /// the last gather (every rank decides alike: the values change or are freed only at calls every rank makes).
   void gather(timeline& t) {
-    if (!stale_) return;
+    if (!stale_ && std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); })) return;
     r_->check_communication();
     const stream_ref cs = r_->comm_stream;
+    for (ddp_bucket& bk : r_->buckets) {  // ZeRO-3, where the values go (on the context's stream, as the reads)
+      if (r_->values_sharded && !bk.values) {
+        bk.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.layout.value_elements)}, bk.layout.value_type,
+                                             r_->compute_stream());
+      }
+    }
     r_->after(cs, r_->compute_stream());  // the optimizer step that updated the shards
     t.begin(phase::communication, cs);
     // Last bucket first: it holds the first layers, which forward reads first. Each parameter's first read waits
@@ -198,11 +125,14 @@ class zero_shards {
       ddp_bucket& bk = r_->buckets[b];
       const bucket_layout& l = bk.layout;
       const std::size_t es = size_of(l.value_type);
-      r_->comm.all_gather(static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * es,
-                          bk.values->data(), l.shard_elements, l.value_type, cs);
+      const void* mine = r_->values_sharded ? bk.values_shard->data()
+                                            : static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * es;
+      r_->comm.all_gather(mine, bk.values->data(), l.shard_elements, l.value_type, cs);
       bk.gathered->record(cs);
-      for (const std::size_t k : l.params) {
-        parts_[k]->set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
+      for (std::size_t i = 0; i < l.params.size(); ++i) {
+        zero_parameter_shard& part = *parts_[l.params[i]];
+        part.set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
+        if (r_->values_sharded) part.set_gathered(r_->value_slot(bk, i, *bk.values));
       }
     }
     t.end(cs);
@@ -290,6 +220,7 @@ class zero_shards {
     for (std::size_t k = 0; k < parts_.size(); ++k) {  // the f32 ones: nothing to gather
       if (parts_[k]->active()) parts_[k]->deactivate(r_->param(k), tensor_view{}, s);
     }
+    if (r_->values_sharded) release_values();  // ZeRO-3: the parameters hold their own now (copied before gathered_)
     r_->comm.synchronize(s);
   }
 
@@ -375,10 +306,13 @@ class zero_shards {
 
   // ---- memory ----
 
-  /// Bytes of the values buffers forward reads.
+  /// Bytes of the values buffers forward reads (ZeRO-3: the values shards, and the whole buffers while held).
   [[nodiscard]] std::uint64_t values_bytes() const {
     std::uint64_t n = 0;
-    for (const auto& b : r_->buckets) n += b.values ? b.layout.value_elements * size_of(b.layout.value_type) : 0;
+    for (const auto& b : r_->buckets) {
+      n += b.values ? b.layout.value_elements * size_of(b.layout.value_type) : 0;
+      n += b.values_shard ? b.values_shard->size_bytes() : 0;
+    }
     return n;
   }
   /// ZeRO-2: bytes of the reused buffers, the gradient shards and their exact sums.
@@ -398,6 +332,19 @@ class zero_shards {
       if (!part) continue;
       part->set_first_write_hook(nullptr);
       part->set_read_hook(nullptr);
+      if (r_->values_sharded) {  // the whole values go with the buckets
+        part->set_gathered(tensor_view{});
+        part->set_stale(true);
+      }
+    }
+  }
+  // ZeRO-3: the whole values freed, in stream order on the context's stream (which waited for their gathers).
+  void release_values() {
+    for (const auto& part : parts_) part->set_gathered(tensor_view{});
+    for (ddp_bucket& b : r_->buckets) {
+      if (!b.values) continue;
+      b.values->set_stream(r_->compute_stream());
+      b.values.reset();
     }
   }
   // Every parameter's values stale (after backward) or current (after a gather).
@@ -409,6 +356,10 @@ class zero_shards {
   void activate_all() {
     for (std::size_t k = 0; k < parts_.size(); ++k) {
       parts_[k]->activate(parts_[k], r_->param(k), r_->reused_buffers, r_->compute_stream());
+    }
+    if (r_->values_sharded) {  // ZeRO-3: nothing held whole until the next gather
+      release_values();
+      set_stale(true);
     }
   }
 
