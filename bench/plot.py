@@ -134,7 +134,7 @@ def plot_zero(path, out):
     if not mem:
         return
     fig, ax = plt.subplots(figsize=(6.5, 4.2))
-    for zero, label in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2")):
+    for zero, label in ((0, "DDP"), (1, "ZeRO-1"), (2, "ZeRO-2"), (3, "ZeRO-3")):
         rows = sorted((r for r in mem["rows"] if r["zero"] == zero), key=lambda r: r["devices"])
         if not rows:
             continue

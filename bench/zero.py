@@ -1,15 +1,15 @@
 #!/usr/bin/env python3
-"""ZeRO measured with the sample (examples/mlp_train --mode ddp --zero 0|1|2): memory per device and step time.
+"""ZeRO measured with the sample (examples/mlp_train --mode ddp --zero 0..3): memory per device and step time.
 
-    memory  for 1..--max-devices host devices and ZeRO stages 0 (plain DDP), 1 and 2: the peak memory per device
+    memory  for 1..--max-devices host devices and the ZeRO --stages (default 0 (plain DDP) to 3): the peak memory per device
             over a few training steps of --memory-hidden (default 4096,4096: 784-4096-4096-10, 20 M parameters)
             and while building (the setup peak: the model, the wrapper, under ZeRO without whole masters),
             AdamW, --memory-precision (default f16), batch 128 (126 on 3 devices); the bytes the sample reports for the parameters
             (working copies and fp32 masters), the gradients (with the buffers they are reduced in) and the
             optimizer state; and the bytes predicted from the layout (below). The largest device of each run.
-    speed   ms per step of DDP, ZeRO-1 and ZeRO-2 on each of --speed-devices host device counts (default 2) for --speed-hidden
+    speed   ms per step of DDP and the ZeRO --stages on each of --speed-devices host device counts (default 2) for --speed-hidden
             (default 1024,1024: 784-1024-1024-10) with the sample's recipe otherwise (f32, SGD, batch 128),
-            alternated (DDP, ZeRO-1, ZeRO-2, DDP, ...): the median of --repeats runs of --steps steps, and each
+            alternated (DDP, ZeRO-1, ZeRO-2, ZeRO-3, DDP, ...): the median of --repeats runs of --steps steps, and each
             stage's ratio to DDP.
 
 Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), from how lockstep lays them out:
@@ -17,9 +17,11 @@ Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), fro
             + 4 (master) + 8 (moments) = 16 (on NCCL, 4 more: its fp32 bucket beside the gradient)
     ZeRO-1  2 + 2 (gradients reduced in place, in their type) + 12 / N (master and moments of the shard)
     ZeRO-2  2 + B / P (two reused bucket buffers, B bytes: the largest bucket of each parity) + 2 / N + 12 / N
+    ZeRO-3  B / P + 2 / N (the working copy's shard) + 2 / N + 12 / N, between steps; during a step the whole working
+            copy is gathered (2 more: the peak, for now, is ZeRO-2's)
 (f32: the working copy is the master, and the f32 gradients are reduced in place in every stage.)
 
-Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--max-devices 4] [--speed-devices 1 2 3 4]
+Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--stages 0 1 2 3] [--max-devices 4] [--speed-devices 1 2 3 4]
                      [--steps N] [--repeats R] [--json FILE]
 Writes the figures as JSON (for bench/plot.py) with --json, and prints markdown tables.
 """
@@ -71,13 +73,13 @@ def predicted(hidden, precision, zero, n):
         if zero == 0 or n == 1:
             return p * (4 + 4 + 8)
         grads = 4 * p if zero == 1 else sum(max(ddp_buckets(hidden, 4)[i::2], default=0) for i in (0, 1)) + 4 * p / n
-        return 4 * p + grads + 8 * p / n
+        return (4 * p if zero < 3 else 4 * p / n) + grads + 8 * p / n
     if zero == 0 or n == 1:
         return p * (2 + 2 + 4 + 8)  # host devices: DDP reduces f16/bf16 gradients in place, as ZeRO does
     if zero == 1:
         return p * (2 + 2) + 12 * p / n
     buffers = sum(max(ddp_buckets(hidden, 2)[i::2], default=0) for i in (0, 1))
-    return 2 * p + buffers + 2 * p / n + 12 * p / n
+    return (2 * p if zero < 3 else 2 * p / n) + buffers + 2 * p / n + 12 * p / n
 
 
 def main():
@@ -85,6 +87,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--mlp-train", default=os.path.join(here, "..", "build", "rel", "examples", "mlp_train", "mlp_train"))
     p.add_argument("--modes", nargs="+", default=["memory", "speed"])
+    p.add_argument("--stages", type=int, nargs="+", default=[0, 1, 2, 3])
     p.add_argument("--max-devices", type=int, default=4)
     p.add_argument("--memory-hidden", default="4096,4096")
     p.add_argument("--memory-precision", default="f16")
@@ -96,6 +99,7 @@ def main():
     p.add_argument("--json", default="")
     a = p.parse_args()
     env = dict(os.environ, LOCKSTEP_HOST_DEVICES=str(max([a.max_devices] + a.speed_devices)))
+    stages = sorted(set([0] + a.stages))  # DDP: what the others are compared with
     env.pop("LOCKSTEP_HOST_STRICT", None)  # a test-time mode: measure the library as users run it
     report = {}
 
@@ -103,7 +107,7 @@ def main():
         rows = []
         for n in range(1, a.max_devices + 1):
             devices = ",".join(f"host:{i}" for i in range(n))
-            for zero in (0, 1, 2):
+            for zero in stages:
                 batch = 128 // n * n  # DDP splits a batch evenly: 126 on 3 devices
                 j = run([a.mlp_train, "--mode", "ddp", "--devices", devices, "--zero", str(zero), "--hidden",
                          a.memory_hidden, "--optimizer", "adamw", "--lr", "0.001", "--precision", a.memory_precision,
@@ -135,15 +139,15 @@ def main():
         for n in a.speed_devices:
             devices = ",".join(f"host:{i}" for i in range(n))
             batch = 128 // n * n
-            times = {0: [], 1: [], 2: []}
+            times = {z: [] for z in stages}
             for _ in range(a.repeats):
-                for zero in (0, 1, 2):
+                for zero in stages:
                     j = run([a.mlp_train, "--mode", "ddp", "--devices", devices, "--zero", str(zero), "--hidden",
                              a.speed_hidden, "--batch", str(batch), "--max-steps", str(a.steps), "--lr-schedule",
                              "constant", "--json"], env)
                     times[zero].append(1000.0 * j["train_seconds"] / j["steps"])
             med = {z: statistics.median(t) for z, t in times.items()}
-            for z in (0, 1, 2):
+            for z in stages:
                 speed["rows"].append({"devices": n, "zero": z, "batch": batch, "median_ms": med[z],
                                       "vs_ddp": med[z] / med[0], "ms_per_step": times[z]})
         report["speed"] = speed
