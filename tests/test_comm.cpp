@@ -603,8 +603,12 @@ TEST_P(clique, a_collective_captured_into_a_cuda_graph_runs_when_the_graph_is_la
     EXPECT_SAME(to_vector(device_span<const float>(buf.span()), s(r)), expected, "rank " << r);
     EXPECT_SAME(to_vector(device_span<const float>(busy.span()), other), std::vector<float>(n, static_cast<float>(k_)),
                 "rank " << r << ", the collective outside the capture");
-    if (exec != nullptr) EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
-    if (graph != nullptr) EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    if (exec != nullptr) {
+      EXPECT_EQ(cudaGraphExecDestroy(exec), cudaSuccess);
+    }
+    if (graph != nullptr) {
+      EXPECT_EQ(cudaGraphDestroy(graph), cudaSuccess);
+    }
   });
 #endif
 }

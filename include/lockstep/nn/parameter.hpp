@@ -12,7 +12,7 @@
 // gradients of a bucket side by side in the bucket's buffer, as PyTorch's gradient_as_bucket_view, so that
 // backward writes them where the all-reduce reads them and no copy is needed either way. The values forward
 // reads (the working copy, or the master values under f32) can be placed the same way (`share_compute_storage`):
-// ZeRO all-gathers them in place.
+// ZeRO all-gathers them in place (ZeRO-3 keeps only a shard of them: parameter_sharding::shards_values).
 //
 // A wrapper that shards parameters over ranks (ZeRO: parallel/detail/zero_shards.hpp) attaches a
 // `parameter_sharding` to each: its state (the range of elements this rank updates, the shard's master values
@@ -35,6 +35,7 @@
 #include <span>
 #include <string>
 #include <string_view>
+#include <type_traits>
 #include <vector>
 
 #include "lockstep/config.hpp"
@@ -140,9 +141,11 @@ class parameter_sharding {
   /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
   virtual void materialize_gradient(stream_ref s) = 0;
   /// The values forward reads are about to be written on the context's stream (load_values, write_values_range):
-  /// orders it after a gather of them still in flight (under ZeRO-3, the values gathered before are then out of
-  /// date).
+  /// orders it after a gather of them still in flight.
   virtual void before_write() = 0;
+  /// An optimizer is about to update range() on the context's stream: orders it after a gather still in flight,
+  /// and the values held gathered are stale from then on (the next forward gathers again).
+  virtual void before_update() = 0;
   /// Whether the wrapper keeps the values forward reads too (ZeRO-3): the parameter then holds none of its own;
   /// keeps_masters() is true (under f32 the master values are the values) and the whole values exist only while
   /// the wrapper holds them gathered.
@@ -412,11 +415,18 @@ class parameter {
       initial_ = nullptr;
     }
     if (shards_values()) {  // (f32: the master values written above are the values)
-      write_working_shard(0, values, s);
+      write_sharded_values(0, values, s);
       return;
     }
     if (working_.empty()) return;
     dispatch_floating(working_.view().type(), "load_values", [&]<class T>() { cast<T, float>(values, working_.view().span<T>(), s); });
+  }
+
+  /// An optimizer is about to update shard() (its master values and working copy) on the context's stream: a
+  /// wrapper that shards the parameter (ZeRO) orders it after a gather still in flight, and gathers again before
+  /// the next forward (also when the model was used, and the values gathered, between backward and the step).
+  void before_update() {
+    if (sharding_) sharding_->before_update();
   }
 
   /// The gradient's memory is about to be reused by the wrapper that owns it: the next write overwrites it.
@@ -456,8 +466,13 @@ class parameter {
   /// Rounds the master values into the working copy (after an optimizer step); under ZeRO, the shard's only.
   /// No-op under f32.
   void refresh_working_copy(stream_ref s) {
-    if (working_.empty() && (!shards_values() || compute_type_ == dtype::f32)) return;
-    if (masters_deferred()) {  // (never under ZeRO-3, which keeps the master values)
+    if (shards_values()) {  // (and the copy held gathered)
+      sharding_->before_write();
+      write_sharded_values(shard().begin, master_shard().span<const float>(), s);
+      return;
+    }
+    if (working_.empty()) return;
+    if (masters_deferred()) {
       write_initial_working_copy(initial_, s);
       return;
     }
@@ -523,7 +538,7 @@ class parameter {
            from.subspan(static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - begin)), s);
     }
     if (shards_values()) {
-      write_working_shard(first, from, s);
+      write_sharded_values(first, from, s);
       return;
     }
     if (working_.empty() || n == 0) return;
@@ -548,7 +563,8 @@ class parameter {
     initial_ = nullptr;
   }
 
-  /// The working copy, for a fused optimizer that writes it directly; empty under f32.
+  /// The working copy, for a fused optimizer that writes it directly; empty under f32, and under ZeRO-3 (which
+  /// keeps a shard of it: working_shard()).
   [[nodiscard]] tensor_view working() const noexcept { return working_.view(); }
 
   /// The data-parallel wrapper this parameter belongs to (nullptr: none); see gradient_owner_scope.
@@ -631,16 +647,28 @@ class parameter {
     }
   }
 
-  // ZeRO-3: the elements of [first, first + from.size()) in this rank's working-copy shard, cast from the fp32
-  // `from` (f32: nothing, the master values are the values), in stream order on `s`.
-  void write_working_shard(std::int64_t first, device_span<const float> from, stream_ref s) {
-    const tensor_view to = sharding_->working_shard();
+  // ZeRO-3: elements [first, first + from.size()) of the values forward reads, from the fp32 `from`, in stream order
+  // on `s`: their part of this rank's working-copy shard (f32: nothing, the master values are the values), and all
+  // of them in the copy the wrapper holds gathered, if it holds one (which so stays current, as stages 1 and 2
+  // write their whole values: a write never changes which collectives the ranks issue).
+  void write_sharded_values(std::int64_t first, device_span<const float> from, stream_ref s) {
+    const tensor_view shard = sharding_->working_shard(), held = sharding_->values();
     const element_range mine = sharding_->range();
-    const std::int64_t begin = std::max(first, mine.begin), end = std::min(first + static_cast<std::int64_t>(from.size()), mine.end);
-    if (to.empty() || begin >= end) return;
-    dispatch_floating(to.type(), "write_values_range", [&]<class T>() {
-      cast<T, float>(from.subspan(static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - begin)),
-                     to.span<T>().subspan(static_cast<std::size_t>(begin - mine.begin), static_cast<std::size_t>(end - begin)), s);
+    const auto n = static_cast<std::int64_t>(from.size());
+    const std::int64_t begin = std::max(first, mine.begin), end = std::min(first + n, mine.end);
+    dispatch_floating(compute_type_, "write_values_range", [&]<class T>() {
+      const auto put = [&](device_span<const float> f, device_span<T> to) {
+        if constexpr (std::is_same_v<T, float>) {
+          copy(to, f, s);
+        } else {
+          cast<T, float>(f, to, s);
+        }
+      };
+      if (!shard.empty() && begin < end) {
+        put(from.subspan(static_cast<std::size_t>(begin - first), static_cast<std::size_t>(end - begin)),
+            shard.span<T>().subspan(static_cast<std::size_t>(begin - mine.begin), static_cast<std::size_t>(end - begin)));
+      }
+      if (!held.empty() && n > 0) put(from, held.span<T>().subspan(static_cast<std::size_t>(first), static_cast<std::size_t>(n)));
     });
   }
 

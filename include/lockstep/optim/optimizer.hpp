@@ -200,6 +200,7 @@ class optimizer_core {
           if (p->compute_type() != t) continue;
           // the parameter's shard (all of it without ZeRO); the state covers the same elements
           const auto n = static_cast<std::size_t>(p->shard().size());
+          p->before_update();  // (every rank, also for an empty shard: ZeRO then gathers on every rank alike)
           if (!g.state.empty()) {
             const auto held = static_cast<std::size_t>(g.state[i][0].numel());
             LOCKSTEP_EXPECTS(held == n, "optimizer state of ", p->name(), " covers ", held, " elements but this rank "

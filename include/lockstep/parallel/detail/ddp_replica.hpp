@@ -54,7 +54,7 @@ struct ddp_replica {
   std::vector<ddp_bucket> buckets;
   std::vector<std::size_t> bucket_of;  // per parameter
   bool deterministic;          // buckets of exact accumulators (nn/deterministic.hpp), rounded after the collective
-  bool sharded = false;        // ZeRO-1/2 on more than one rank
+  bool sharded = false;        // ZeRO on more than one rank
   bool reused_buffers = false; // ZeRO-2 and 3
   bool values_sharded = false; // ZeRO-3
   bool exact_collective = false;  // the communicator sums exact partials itself (all_reduce_exact)

@@ -48,17 +48,15 @@ class zero_parameter_shard final : public parameter_sharding {
   }
 
   void before_read(const parameter& p) override {
-    if (stale_ && shards_values()) {
+    const bool unheld = shards_values() && gathered_.empty();
+    if (stale_ || unheld) {
       throw precondition_error(concat(
-          "parameter ", p.name(), ": ZeRO-3 keeps only this rank's shard of its values between steps; "
-          "distributed_data_parallel::forward gathers them whole (after a synchronized backward they are freed); call "
-          "ddp.gather_parameters() before using the model outside the wrapper"));
-    }
-    if (stale_) {
-      throw precondition_error(concat(
-          "parameter ", p.name(), ": its values on this rank are stale (ZeRO updates a shard per rank; the others' "
-          "updates arrive with the next distributed_data_parallel::forward or gather_parameters()); call "
-          "ddp.gather_parameters() before using the model outside the wrapper"));
+          "parameter ", p.name(),
+          shards_values() ? ": ZeRO-3 keeps only this rank's shard of its values between steps (distributed_data_"
+                            "parallel::forward gathers them whole, a synchronized backward frees them)"
+                          : ": its values on this rank are stale (ZeRO updates a shard per rank; the others' updates "
+                            "arrive with the next distributed_data_parallel::forward or gather_parameters())",
+          "; call ddp.gather_parameters() before using the model outside the wrapper"));
     }
     if (read_hook_) std::exchange(read_hook_, nullptr)();
   }
@@ -67,7 +65,10 @@ class zero_parameter_shard final : public parameter_sharding {
   }
   void before_write() override {
     if (read_hook_) std::exchange(read_hook_, nullptr)();  // the values' all-gather, if still pending
-    if (shards_values()) stale_ = true;  // the gathered values no longer hold what the shard will
+  }
+  void before_update() override {
+    before_write();  // (the all-gather reads the range the update writes)
+    if (active_) stale_ = true;
   }
   void zero_grad() noexcept override { gradient_zero_ = true; }
   void materialize_gradient(stream_ref s) override {
@@ -130,6 +131,7 @@ class zero_parameter_shard final : public parameter_sharding {
   /// logically zero), marking it written.
   [[nodiscard]] float begin_accumulate() noexcept { return std::exchange(gradient_zero_, false) ? 0.0f : 1.0f; }
   void set_stale(bool stale) noexcept { stale_ = stale; }
+  /// Whether the values must be gathered before they are read (set for all parameters at once, or by an update).
   [[nodiscard]] bool stale() const noexcept { return stale_; }
   /// ZeRO-3: where the whole values are gathered (an empty view: no longer held).
   void set_gathered(const tensor_view& values) noexcept { gathered_ = values; }

@@ -3,7 +3,9 @@
 // optimizer state of that range only, and steps it alone; the values forward reads live in one flat buffer per
 // bucket, all-gathered in place before the next forward (gather()). Stage 2 also keeps only the range's
 // gradients: the whole gradients of a bucket live in one of two buffers reused bucket after bucket, and the
-// reduced range is copied out of it into each parameter's gradient shard (copy_out). consolidate() and
+// reduced range is copied out of it into each parameter's gradient shard (copy_out). Stage 3 also keeps only the
+// range's values between steps, in a values shard per bucket: gather() allocates the whole buffers and all-gathers
+// into them, a synchronized backward frees them (mark_updated). consolidate() and
 // reshard() gather whole values and optimizer state on every rank, and shard them again (host_visits.hpp streams
 // them to the host instead, without whole tensors on the device).
 #pragma once
@@ -56,11 +58,12 @@ class zero_shards {
   /// The buffer of the values forward reads, for a bucket (ZeRO-3: the rank's range of it, the whole one only
   /// while gathered).
   void create_values(ddp_bucket& b) const {
-    const stream_ref s = r_->compute_stream();
+    const bucket_layout& l = b.layout;
     std::shared_ptr<tensor>& kept = r_->values_sharded ? b.values_shard : b.values;
-    const std::size_t n = r_->values_sharded ? b.layout.shard_elements : b.layout.value_elements;
-    kept = std::make_shared<tensor>(shape{static_cast<std::int64_t>(n)}, b.layout.value_type, s);
-    fill_zero(kept->bytes(), s);
+    kept = r_->values_sharded
+               ? std::make_shared<tensor>(shape{static_cast<std::int64_t>(l.shard_elements)}, l.value_type, r_->compute_stream())
+               : whole_values(l);
+    fill_zero(kept->bytes(), r_->compute_stream());
     b.gathered.emplace(r_->get_device());
   }
   /// The i-th parameter of bucket b reads its values from the bucket's values buffer (ZeRO-3: keeps its range's
@@ -106,16 +109,14 @@ class zero_shards {
 
   /// All-gathers the values each rank updated into every rank's copy (ZeRO-3: into whole buffers allocated for
   /// them), in stream order on the context's stream (a collective), timed on `t`. No-op when nothing changed since
-  /// the last gather (every rank decides alike: the values change or are freed only at calls every rank makes).
+  /// the last gather: every rank decides alike, since the values go stale only at calls every rank makes (a
+  /// synchronized backward, an optimizer step: parameter::before_update), and writes keep the gathered copy current.
   void gather(timeline& t) {
     if (!stale_ && std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); })) return;
     r_->check_communication();
     const stream_ref cs = r_->comm_stream;
     for (ddp_bucket& bk : r_->buckets) {  // ZeRO-3, where the values go (on the context's stream, as the reads)
-      if (r_->values_sharded && !bk.values) {
-        bk.values = std::make_shared<tensor>(shape{static_cast<std::int64_t>(bk.layout.value_elements)}, bk.layout.value_type,
-                                             r_->compute_stream());
-      }
+      if (r_->values_sharded && !bk.values) bk.values = whole_values(bk.layout);
     }
     r_->after(cs, r_->compute_stream());  // the optimizer step that updated the shards
     t.begin(phase::communication, cs);
@@ -124,9 +125,8 @@ class zero_shards {
     for (std::size_t b = r_->buckets.size(); b-- > 0;) {
       ddp_bucket& bk = r_->buckets[b];
       const bucket_layout& l = bk.layout;
-      const std::size_t es = size_of(l.value_type);
       const void* mine = r_->values_sharded ? bk.values_shard->data()
-                                            : static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * es;
+                                            : static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * size_of(l.value_type);
       r_->comm.all_gather(mine, bk.values->data(), l.shard_elements, l.value_type, cs);
       bk.gathered->record(cs);
       for (std::size_t i = 0; i < l.params.size(); ++i) {
@@ -332,14 +332,16 @@ class zero_shards {
       if (!part) continue;
       part->set_first_write_hook(nullptr);
       part->set_read_hook(nullptr);
-      if (r_->values_sharded) {  // the whole values go with the buckets
-        part->set_gathered(tensor_view{});
-        part->set_stale(true);
-      }
+      if (r_->values_sharded) part->set_gathered(tensor_view{});  // the whole values go with the buckets
     }
   }
-  // ZeRO-3: the whole values freed, in stream order on the context's stream (which waited for their gathers).
+  // A bucket's whole values, on the context's stream.
+  [[nodiscard]] std::shared_ptr<tensor> whole_values(const bucket_layout& l) const {
+    return std::make_shared<tensor>(shape{static_cast<std::int64_t>(l.value_elements)}, l.value_type, r_->compute_stream());
+  }
+  // ZeRO-3: the whole values freed, in stream order on the context's stream (after their gathers).
   void release_values() {
+    wait_for_gathers();
     for (const auto& part : parts_) part->set_gathered(tensor_view{});
     for (ddp_bucket& b : r_->buckets) {
       if (!b.values) continue;
@@ -354,12 +356,12 @@ class zero_shards {
   }
   // Every parameter sharded (again), in stream order on the context's stream.
   void activate_all() {
+    if (r_->values_sharded) {  // ZeRO-3: nothing held whole until the next gather (also if this fails midway)
+      release_values();         // (after a gather in flight, which reads the values shards written below)
+      set_stale(true);
+    }
     for (std::size_t k = 0; k < parts_.size(); ++k) {
       parts_[k]->activate(parts_[k], r_->param(k), r_->reused_buffers, r_->compute_stream());
-    }
-    if (r_->values_sharded) {  // ZeRO-3: nothing held whole until the next gather
-      release_values();
-      set_stale(true);
     }
   }
 
