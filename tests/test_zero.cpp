@@ -431,16 +431,18 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
   }
 }
 
-// The model used between backward and the step (gather_parameters(), then an evaluation outside the wrapper, as the
-// sample does at its end): the values gathered there are stale after the step, so the next forward gathers again and
-// training keeps DDP's bits (it trained on rank-local stale values before parameter::before_update).
+// The model used between backward and the step (gather_parameters(), then an evaluation outside the wrapper): the
+// values gathered there are stale after the step, so the next forward gathers again and training keeps DDP's bits
+// (it trained on rank-local stale values before parameter::before_update), in every precision (f16/bf16: the step
+// writes the working shard, which the held copy must not shadow). A step inside consolidated() is refused.
 TEST_P(zero_test, the_model_used_between_backward_and_the_step_keeps_the_bits_of_ddp) {
   if (!require_devices(2)) return;
-  auto train = [&](int zero) {
+  auto train = [&](int zero, dtype precision) {
     std::vector<std::vector<float>> out(2);
+    std::vector<std::string> refused(2);
     run_on_devices(devices(2), [&](rank_context& rc) {
       const stream_ref s = rc.compute_stream();
-      context ctx(s);
+      context ctx(s, precision);
       graph model = make_model(ctx);
       distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = to_zero_stage(zero)});
       sgd opt(parameters_of(model).pointers(), optimizer_options);
@@ -448,7 +450,9 @@ TEST_P(zero_test, the_model_used_between_backward_and_the_step_keeps_the_bits_of
       for (int step = 0; step < 3; ++step) {
         opt.zero_grad();
         const std::int64_t begin = first_row(step, 64) + 32 * rc.rank();
-        tensor x = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
+        tensor xf = device_tensor(slice(inputs(), begin, 32, features), shape{32, features}, s);
+        tensor x(shape{32, features}, precision, s);
+        detail::convert_floating(xf, x, s);
         tensor y = device_labels(slice(labels(), begin, 32, 1), s);
         loss.forward(ddp.forward(x), y, ctx, 64);
         ddp.backward(loss.backward(ctx));
@@ -457,15 +461,58 @@ TEST_P(zero_test, the_model_used_between_backward_and_the_step_keeps_the_bits_of
         opt.step(s);
       }
       auto whole = ddp.consolidated(opt);
-      out[static_cast<std::size_t>(rc.rank())] = parameter_values(model, s);
+      const auto r = static_cast<std::size_t>(rc.rank());
+      out[r] = parameter_values(model, s);
+      if (zero > 0) refused[r] = message_of<precondition_error>([&] { opt.step(s); });
+    });
+    if (zero > 0) {
+      for (const auto& m : refused) EXPECT_CONTAINS(m, "step after the consolidation's guard ends");
+    }
+    return out;
+  };
+  for (const dtype precision : {dtype::f32, dtype::f16, dtype::bf16}) {
+    const auto plain = train(0, precision);
+    for (int zero : {1, 2, 3}) {
+      const auto sharded = train(zero, precision);
+      EXPECT_EQ(sharded[0], plain[0]) << "ZeRO-" << zero << ", " << name_of(precision);
+      EXPECT_EQ(sharded[1], plain[0]) << "ZeRO-" << zero << ", " << name_of(precision);
+    }
+  }
+}
+
+// Values loaded while ZeRO-3 holds the whole values gathered: the load writes the values shard and the held copy,
+// so the model reads the loaded values without another gather (DDP's output), in every precision.
+TEST_P(zero_test, stage_3_loads_into_the_values_it_holds_gathered) {
+  if (!require_devices(2)) return;
+  auto output_after_load = [&](int zero, dtype precision) {
+    std::vector<std::vector<float>> out(2);
+    run_on_devices(devices(2), [&](rank_context& rc) {
+      const stream_ref s = rc.compute_stream();
+      context ctx(s, precision);
+      graph model = make_model(ctx);
+      distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = to_zero_stage(zero)});
+      tensor xf = device_tensor(slice(inputs(), 0, 8, features), shape{8, features}, s);
+      tensor x(shape{8, features}, precision, s);
+      detail::convert_floating(xf, x, s);
+      (void)ddp.forward(x);  // gathered (ZeRO-3: held until a synchronized backward)
+      for (const auto& np : parameters_of(model)) {
+        std::vector<float> values(static_cast<std::size_t>(np.param->numel()));
+        for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.01f * static_cast<float>(i % 37) - 0.15f;
+        tensor full = device_tensor(values, shape{np.param->numel()}, s);
+        np.param->load_values(full.view(), s);
+      }
+      const auto y = model.forward(x, ctx);
+      tensor yf(y.dims(), dtype::f32, s);
+      detail::convert_floating(y, yf, s);
+      out[static_cast<std::size_t>(rc.rank())] = to_vector(yf.span<const float>(), s);
     });
     return out;
   };
-  const auto plain = train(0);
-  for (int zero : {1, 2, 3}) {
-    const auto sharded = train(zero);
-    EXPECT_EQ(sharded[0], plain[0]) << "ZeRO-" << zero;
-    EXPECT_EQ(sharded[1], plain[0]) << "ZeRO-" << zero;
+  for (const dtype precision : {dtype::f32, dtype::bf16}) {
+    const auto plain = output_after_load(0, precision);
+    const auto sharded = output_after_load(3, precision);
+    EXPECT_EQ(sharded[0], plain[0]) << name_of(precision);
+    EXPECT_EQ(sharded[1], plain[0]) << name_of(precision);
   }
 }
 
@@ -473,7 +520,7 @@ TEST_P(zero_test, the_model_used_between_backward_and_the_step_keeps_the_bits_of
 // gather_parameters(), after which it reads the gathered values (the wrapper's own forward's output).
 TEST_P(zero_test, stage_3_names_the_gather_a_model_needs_outside_the_wrapper) {
   if (!require_devices(2)) return;
-  std::vector<std::string> messages(2);
+  std::vector<std::string> messages(4);  // per rank: before the first forward, after backward
   std::vector<std::vector<float>> outputs(2), after_gather(2);
   run_on_devices(devices(2), [&](rank_context& rc) {
     const stream_ref s = rc.compute_stream();
@@ -482,14 +529,14 @@ TEST_P(zero_test, stage_3_names_the_gather_a_model_needs_outside_the_wrapper) {
     distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(), ddp_options{.zero = zero_stage::parameters});
     EXPECT_EQ(ddp.zero(), zero_stage::parameters);
     const auto r = static_cast<std::size_t>(rc.rank());
-    messages[0] = message_of<precondition_error>([&] { (void)parameters_of(model)[0].param->compute_value(); });
+    messages[2 * r] = message_of<precondition_error>([&] { (void)parameters_of(model)[0].param->compute_value(); });
     softmax_cross_entropy loss(reduction::mean);
     tensor x = device_tensor(slice(inputs(), 0, 4, features), shape{4, features}, s);
     tensor y = device_labels({1, 2, 3, 4}, s);
     outputs[r] = to_vector(ddp.forward(x).span<const float>(), s);
     loss.forward(ddp.forward(x), y, ctx);
     ddp.backward(loss.backward(ctx));
-    messages[1] = message_of<precondition_error>([&] { (void)model.forward(x, ctx); });
+    messages[2 * r + 1] = message_of<precondition_error>([&] { (void)model.forward(x, ctx); });
     ddp.gather_parameters();
     after_gather[r] = to_vector(model.forward(x, ctx).span<const float>(), s);
   });

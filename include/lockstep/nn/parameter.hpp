@@ -140,12 +140,14 @@ class parameter_sharding {
   virtual void zero_grad() noexcept = 0;
   /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
   virtual void materialize_gradient(stream_ref s) = 0;
-  /// The values forward reads are about to be written on the context's stream (load_values, write_values_range):
+  /// The values forward reads are about to be written on the context's stream (load_values, write_values_range,
+  /// refresh_working_copy):
   /// orders it after a gather of them still in flight.
   virtual void before_write() = 0;
-  /// An optimizer is about to update range() on the context's stream: orders it after a gather still in flight,
-  /// and the values held gathered are stale from then on (the next forward gathers again).
-  virtual void before_update() = 0;
+  /// An optimizer is about to update range() of `p` on the context's stream: orders it after a gather still in
+  /// flight, and the values held gathered are stale from then on (the next forward gathers again). Throws while a
+  /// consolidation holds `p` whole (only range()'s gradient was reduced on this rank).
+  virtual void before_update(const parameter& p) = 0;
   /// Whether the wrapper keeps the values forward reads too (ZeRO-3): the parameter then holds none of its own;
   /// keeps_masters() is true (under f32 the master values are the values) and the whole values exist only while
   /// the wrapper holds them gathered.
@@ -396,7 +398,8 @@ class parameter {
   /// Writes all numel() fp32 master values from `full` (flat, on this device) in stream order on `s` (the
   /// context's stream), sharded or not: the shard's range into the master values the wrapper keeps (f16/bf16 under
   /// ZeRO), or into the parameter's own; and the values forward reads (the working copy, or the f32 values) whole,
-  /// so that no gather is needed (under ZeRO-3, the working copy's shard: the next forward gathers).
+  /// so that no gather is needed (under ZeRO-3, the values shard, and the whole values if the wrapper holds them
+  /// gathered: values already stale stay stale, and the next forward gathers them).
   void load_values(const tensor_view& full, stream_ref s) {
     LOCKSTEP_EXPECTS(full.type() == dtype::f32 && full.numel() == numel() && full.get_device() == get_device(),
                      "parameter ", name_, ": load_values needs its ", numel(), " fp32 master values on ",
@@ -422,11 +425,13 @@ class parameter {
     dispatch_floating(working_.view().type(), "load_values", [&]<class T>() { cast<T, float>(values, working_.view().span<T>(), s); });
   }
 
-  /// An optimizer is about to update shard() (its master values and working copy) on the context's stream: a
-  /// wrapper that shards the parameter (ZeRO) orders it after a gather still in flight, and gathers again before
-  /// the next forward (also when the model was used, and the values gathered, between backward and the step).
+  /// An optimizer is about to update shard() (its master values and working copy) on the context's stream (the
+  /// stream the wrapper computes on): a wrapper that shards the parameter (ZeRO) orders it after a gather still in
+  /// flight, and gathers again before the next forward (also when the model was used, and the values gathered,
+  /// between backward and the step). An optimizer of the user's own that writes master_shard() or
+  /// working_shard() calls it first, for every parameter, on every rank.
   void before_update() {
-    if (sharding_) sharding_->before_update();
+    if (sharding_) sharding_->before_update(*this);
   }
 
   /// The gradient's memory is about to be reused by the wrapper that owns it: the next write overwrites it.
@@ -464,7 +469,7 @@ class parameter {
   }
 
   /// Rounds the master values into the working copy (after an optimizer step); under ZeRO, the shard's only.
-  /// No-op under f32.
+  /// No-op under f32, except under ZeRO-3, where this rank's range of the whole values held gathered is written.
   void refresh_working_copy(stream_ref s) {
     if (shards_values()) {  // (and the copy held gathered)
       sharding_->before_write();

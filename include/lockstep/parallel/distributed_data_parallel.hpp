@@ -281,8 +281,9 @@ class distributed_data_parallel {
   /// whole state of `opt` (the optimizer of these parameters), as plain DDP does, for code that reads or writes them
   /// whole on the device. Its end shards them again (keeping whatever was written). Checkpoints and weights_sha256
   /// need no consolidation, and no whole tensors on any device: visit_whole_state, visit_master_values, and loads
-  /// write each rank's range. Collective: every rank creates and ends it at the same point. Without ZeRO, a guard
-  /// that does nothing.
+  /// write each rank's range. Collective: every rank creates and ends it at the same point. An optimizer step inside
+  /// it throws precondition_error (each rank reduced only its shard's gradient). Without ZeRO, a guard that does
+  /// nothing.
   template <class Optimizer>
   [[nodiscard]] auto consolidated(Optimizer& opt) {
     struct guard {

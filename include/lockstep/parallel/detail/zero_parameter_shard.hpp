@@ -52,10 +52,10 @@ class zero_parameter_shard final : public parameter_sharding {
     if (stale_ || unheld) {
       throw precondition_error(concat(
           "parameter ", p.name(),
-          shards_values() ? ": ZeRO-3 keeps only this rank's shard of its values between steps (distributed_data_"
-                            "parallel::forward gathers them whole, a synchronized backward frees them)"
-                          : ": its values on this rank are stale (ZeRO updates a shard per rank; the others' updates "
-                            "arrive with the next distributed_data_parallel::forward or gather_parameters())",
+          unheld ? ": ZeRO-3 keeps only this rank's shard of its values between steps (distributed_data_parallel::"
+                   "forward gathers them whole, a synchronized backward frees them)"
+                 : ": its values on this rank are stale (ZeRO updates a shard per rank; the others' updates arrive "
+                   "with the next distributed_data_parallel::forward or gather_parameters())",
           "; call ddp.gather_parameters() before using the model outside the wrapper"));
     }
     if (read_hook_) std::exchange(read_hook_, nullptr)();
@@ -66,9 +66,13 @@ class zero_parameter_shard final : public parameter_sharding {
   void before_write() override {
     if (read_hook_) std::exchange(read_hook_, nullptr)();  // the values' all-gather, if still pending
   }
-  void before_update() override {
+  void before_update(const parameter& p) override {
+    // (inactive: a consolidation holds the parameter whole, yet only the range's gradient was reduced here, and
+    // under ZeRO-2 the whole gradient is gone: a step would diverge the ranks)
+    LOCKSTEP_EXPECTS(active_, "parameter ", p.name(), ": an optimizer step while distributed_data_parallel::",
+                     "consolidated() holds the model whole; step after the consolidation's guard ends");
     before_write();  // (the all-gather reads the range the update writes)
-    if (active_) stale_ = true;
+    stale_ = true;
   }
   void zero_grad() noexcept override { gradient_zero_ = true; }
   void materialize_gradient(stream_ref s) override {

@@ -198,9 +198,8 @@ class zero_shards {
   template <class Optimizer>
   void consolidate(Optimizer& opt, timeline& comm_timeline) {
     if (consolidations_++ > 0) return;
-    // The values whole and current for the guard's readers; if a step may still come (a save between backward
-    // and the step), the next forward gathers again (reshard marks them stale again).
-    regather_ = stale_;
+    // The values whole and current for the guard's readers (a step that follows, after a save between backward and
+    // the step, marks them stale again: parameter::before_update).
     gather(comm_timeline);
     wait_for_gathers();  // the guard's readers (checkpoints) read the values on any stream
     // Every rank gathers the same state tensors: a rank that saved before the first step has state (the save
@@ -301,7 +300,6 @@ class zero_shards {
       });
     }
     activate_all();
-    if (std::exchange(regather_, false)) set_stale(true);
   }
 
   // ---- memory ----
@@ -419,7 +417,6 @@ class zero_shards {
   std::vector<tensor> exact_shards_;       // ZeRO-2, deterministic mode: each gradient shard's exact sum
   event gathered_;                         // the last gather's (or gather_whole's) collectives
   int consolidations_ = 0;                 // consolidate() calls not yet resharded
-  bool regather_ = false;                  // stale when the outermost consolidate began: stale again at its end
   bool pending_reads_ = false;             // gathered, and the context's stream not yet after every gather
   bool stale_ = false;                     // shards updated since the last gather
 };
