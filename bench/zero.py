@@ -18,7 +18,7 @@ Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), fro
     ZeRO-1  2 + 2 (gradients reduced in place, in their type) + 12 / N (master and moments of the shard)
     ZeRO-2  2 + B / P (two reused bucket buffers, B bytes: the largest bucket of each parity) + 2 / N + 12 / N
     ZeRO-3  B / P + 2 / N (the working copy's shard) + 2 / N + 12 / N, between steps; during a step the whole working
-            copy is gathered (2 more: the peak, for now, is ZeRO-2's)
+            copy is gathered (2 more: the peak, for now, is ZeRO-2's plus the shards)
 (f32: the working copy is the master, and the f32 gradients are reduced in place in every stage.)
 
 Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--stages 0 1 2 3] [--max-devices 4] [--speed-devices 1 2 3 4]
