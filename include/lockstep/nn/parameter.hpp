@@ -141,8 +141,7 @@ class parameter_sharding {
   /// materialize_grad(): zeros into the gradient kept apart when it is logically zero, in stream order on `s`.
   virtual void materialize_gradient(stream_ref s) = 0;
   /// The values forward reads are about to be written on the context's stream (load_values, write_values_range,
-  /// refresh_working_copy):
-  /// orders it after a gather of them still in flight.
+  /// refresh_working_copy): orders it after a gather of them still in flight.
   virtual void before_write() = 0;
   /// An optimizer is about to update range() of `p` on the context's stream: orders it after a gather still in
   /// flight, and the values held gathered are stale from then on (the next forward gathers again). Throws while a
