@@ -17,8 +17,9 @@ Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), fro
             + 4 (master) + 8 (moments) = 16 (on NCCL, 4 more: its fp32 bucket beside the gradient)
     ZeRO-1  2 + 2 (gradients reduced in place, in their type) + 12 / N (master and moments of the shard)
     ZeRO-2  2 + B / P (two reused bucket buffers, B bytes: the largest bucket of each parity) + 2 / N + 12 / N
-    ZeRO-3  B / P + 2 / N (the working copy's shard) + 2 / N + 12 / N, between steps; during a step the whole working
-            copy is gathered (2 more: the peak, for now, is ZeRO-2's plus the shards)
+    ZeRO-3  B / P + 2 / N (the working copy's shard) + 2 / N + 12 / N, between steps, B from buckets that keep a
+            layer whole and close at a layer's end past 1 MiB; during a step the values of a few buckets are gathered
+            at a time (graph models, as the sample's: layer by layer), about two to four layers' 2 bytes a parameter
 (f32: the working copy is the master, and the f32 gradients are reduced in place in every stage.)
 
 Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--stages 0 1 2 3] [--max-devices 4] [--speed-devices 1 2 3 4]
@@ -49,15 +50,14 @@ def model_parameters(hidden):
     return [(widths[i + 1] * widths[i], widths[i + 1]) for i in range(len(widths) - 1)]  # (weight, bias) per layer
 
 
-def ddp_buckets(hidden, elem_bytes, first=1 << 20, rest=25 << 20):
-    """The bucket sizes in bytes DDP builds (reverse parameter order, 1 MiB first bucket, 25 MiB after)."""
-    sizes = []
-    for w, b in model_parameters(hidden):
-        sizes += [w, b]
+def ddp_buckets(hidden, elem_bytes, first=1 << 20, rest=25 << 20, by_layer=False):
+    """The bucket sizes in bytes DDP builds (reverse parameter order, 1 MiB first bucket, 25 MiB after); by_layer
+    (ZeRO-3 on a graph): a layer's weight and bias never split, and a bucket closes at a layer's end past 1 MiB."""
+    units = [[w, b] for w, b in model_parameters(hidden)] if by_layer else [[n] for wb in model_parameters(hidden) for n in wb]
     buckets, current, limit = [], 0, first
-    for n in reversed(sizes):
-        nbytes = n * elem_bytes
-        if current and current + nbytes > limit:
+    for unit in reversed(units):
+        nbytes = sum(unit) * elem_bytes
+        if current and (current + nbytes > limit or (by_layer and current >= first)):
             buckets.append(current)
             current, limit = 0, rest
         current += nbytes
@@ -72,13 +72,15 @@ def predicted(hidden, precision, zero, n):
     if not low:  # f32: values are the masters; gradients f32 in place
         if zero == 0 or n == 1:
             return p * (4 + 4 + 8)
-        grads = 4 * p if zero == 1 else sum(max(ddp_buckets(hidden, 4)[i::2], default=0) for i in (0, 1)) + 4 * p / n
+        reused = ddp_buckets(hidden, 4, by_layer=zero == 3)
+        grads = 4 * p if zero == 1 else sum(max(reused[i::2], default=0) for i in (0, 1)) + 4 * p / n
         return (4 * p if zero < 3 else 4 * p / n) + grads + 8 * p / n
     if zero == 0 or n == 1:
         return p * (2 + 2 + 4 + 8)  # host devices: DDP reduces f16/bf16 gradients in place, as ZeRO does
     if zero == 1:
         return p * (2 + 2) + 12 * p / n
-    buffers = sum(max(ddp_buckets(hidden, 2)[i::2], default=0) for i in (0, 1))
+    reused = ddp_buckets(hidden, 2, by_layer=zero == 3)
+    buffers = sum(max(reused[i::2], default=0) for i in (0, 1))
     return (2 * p if zero < 3 else 2 * p / n) + buffers + 2 * p / n + 12 * p / n
 
 

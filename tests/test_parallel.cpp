@@ -299,6 +299,39 @@ TEST(bucket_plan, reverse_order_a_small_first_bucket_and_aligned_offsets) {
   EXPECT_EQ(plan.buckets[1].buffer_elements, plan.buckets[1].elements);
 }
 
+TEST(bucket_plan, whole_units_keep_a_layer_in_one_bucket_whatever_its_size) {
+  // three layers (units 0, 1, 2): 300 + 100 floats, 1000 + 7, 2000; 1000-byte first bucket, then 2000 bytes
+  const std::vector<detail::planned_parameter> ps{{300, dtype::f32, 0}, {100, dtype::f32, 0}, {1000, dtype::f32, 1},
+                                                  {7, dtype::f32, 1}, {2000, dtype::f32, 2}};
+  detail::bucket_plan_options o{.bucket_bytes = 2000, .first_bucket_bytes = 1000, .own_type = true, .sharded = true,
+                                .reused_buffers = true, .world = 3};
+  // without units, parameter by parameter: {4}, {3}, {2}, {1, 0}
+  EXPECT_EQ(detail::plan_buckets(ps, o).buckets.size(), 4u);
+  // with them: a unit's parameters together, however far past the limit (8000 bytes, 4028, 1600)
+  o.whole_units = true;
+  const auto plan = detail::plan_buckets(ps, o);
+  expect_valid_plan(ps, plan, o);
+  ASSERT_EQ(plan.buckets.size(), 3u);
+  EXPECT_EQ(plan.buckets[0].params, (std::vector<std::size_t>{4}));
+  EXPECT_EQ(plan.buckets[1].params, (std::vector<std::size_t>{3, 2}));
+  EXPECT_EQ(plan.buckets[2].params, (std::vector<std::size_t>{1, 0}));
+  // small units share a bucket up to the limit, and a bucket closes only between them
+  const std::vector<detail::planned_parameter> small{{10, dtype::f32, 0}, {10, dtype::f32, 0}, {10, dtype::f32, 1},
+                                                     {10, dtype::f32, 1}, {400, dtype::f32, 2}, {10, dtype::f32, 2}};
+  o.first_bucket_bytes = 100;
+  const auto packed = detail::plan_buckets(small, o);
+  expect_valid_plan(small, packed, o);
+  ASSERT_EQ(packed.buckets.size(), 2u);
+  EXPECT_EQ(packed.buckets[0].params, (std::vector<std::size_t>{5, 4}));
+  EXPECT_EQ(packed.buckets[1].params, (std::vector<std::size_t>{3, 2, 1, 0}));
+  // once a bucket holds first_bucket_bytes, the next layer starts a new one, however much room is left: a layer (or
+  // a few small ones) gathered at a time
+  const std::vector<detail::planned_parameter> layers{{30, dtype::f32, 0}, {30, dtype::f32, 1}, {30, dtype::f32, 2}};
+  const auto apart = detail::plan_buckets(layers, o);
+  expect_valid_plan(layers, apart, o);
+  EXPECT_EQ(apart.buckets.size(), 3u);
+}
+
 TEST(bucket_plan, a_change_of_wire_or_value_type_closes_a_bucket) {
   const std::vector<detail::planned_parameter> ps{{10, dtype::f16}, {10, dtype::f32}, {10, dtype::f32}};
   // comm hook none: everything travels in f32, one bucket

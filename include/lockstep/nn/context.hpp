@@ -10,6 +10,7 @@
 #include <functional>
 #include <optional>
 #include <span>
+#include <utility>
 
 #include "lockstep/blas/blas_handle.hpp"
 #include "lockstep/config.hpp"
@@ -156,6 +157,15 @@ class context {
   /// The hook set now (empty when none), e.g. to restore it after a container reports its children itself.
   [[nodiscard]] const gradients_ready_fn& gradients_ready_hook() const noexcept { return on_gradients_ready_; }
 
+  /// Called by graph and sequential before a child's forward is queued, with the child's parameters (a container
+  /// inside a child does not report again: the hook is unset during the child's forward). Under ZeRO-3,
+  /// DistributedDataParallel gathers the parameters of the next children and frees those of the children before.
+  using parameters_needed_fn = std::function<void(std::span<parameter* const>)>;
+  void set_parameters_needed_hook(parameters_needed_fn f) { on_parameters_needed_ = std::move(f); }
+  [[nodiscard]] bool has_parameters_needed_hook() const noexcept { return static_cast<bool>(on_parameters_needed_); }
+  /// Takes the hook out (to report a child, then run it without the hook), leaving none.
+  [[nodiscard]] parameters_needed_fn take_parameters_needed_hook() noexcept { return std::exchange(on_parameters_needed_, {}); }
+
   /// Deterministic mode, or nullopt (the default: GEMMs over whole shards, gradients summed in floats).
   [[nodiscard]] const std::optional<deterministic_options>& deterministic() const noexcept { return deterministic_; }
   void set_deterministic(std::optional<deterministic_options> d) {
@@ -192,6 +202,7 @@ class context {
   std::int64_t global_rows_ = 0;
   batch_share* share_ = nullptr;
   gradients_ready_fn on_gradients_ready_;
+  parameters_needed_fn on_parameters_needed_;
   const float* loss_scale_ = nullptr;
   std::optional<deterministic_options> deterministic_;
   exact_rounding rounding_ = exact_rounding::by_layer;

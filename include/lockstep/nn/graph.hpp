@@ -157,7 +157,7 @@ class graph {
       switch (v.kind) {
         case node_kind::layer: {
           const tensor_view y = detail::naming_the_child([&] { return detail::concat("graph node '", v.name, "' forward"); },
-                                                         [&] { return v.impl.forward(output_of(inputs[0]), ctx); });
+                                                         [&] { return detail::forward_and_report(v.impl, output_of(inputs[0]), ctx); });
           LOCKSTEP_EXPECTS(y.rows() == rows_ && y.numel() == dims.numel() && y.type() == ct, "graph: node '", v.name,
                            "' returned an output of shape ", y.dims().str(), " (", name_of(y.type()),
                            ") for a batch of ", rows_, " rows; its output_shape promised ", dims.str(), " (",
@@ -248,6 +248,21 @@ class graph {
       auto scope = out.scope(v.name);
       v.impl.parameters(out);
     }
+  }
+
+  /// How many parameters each layer node that has some holds, in the order of parameters(): the units forward
+  /// reports to the context's parameters_needed hook (ZeRO-3 never splits one across gradient buckets).
+  [[nodiscard]] std::vector<std::size_t> parameter_units() {
+    if (!built_) build();
+    std::vector<std::size_t> units;
+    for (const int id : plan_.order) {
+      node& v = nodes_[static_cast<std::size_t>(id)];
+      if (v.kind != node_kind::layer) continue;
+      parameter_list ps;
+      v.impl.parameters(ps);
+      if (ps.size() > 0) units.push_back(ps.size());
+    }
+    return units;
   }
 
   /// A graph of the same structure whose layers are clones on ctx's device (parameter values copied in stream

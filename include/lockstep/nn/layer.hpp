@@ -110,6 +110,23 @@ std::int64_t parameter_count(L& l) {
   return n;
 }
 
+/// Runs a child's forward, first telling the context which parameters it is about to read (a container inside the
+/// child reports nothing: the hook is put back only after the child's forward).
+template <layer L>
+tensor_view forward_and_report(L& child, const tensor_view& x, context& ctx) {
+  if (!ctx.has_parameters_needed_hook()) return child.forward(x, ctx);
+  struct restore {
+    context& ctx;
+    context::parameters_needed_fn hook;
+    ~restore() { ctx.set_parameters_needed_hook(std::move(hook)); }
+  } held{ctx, ctx.take_parameters_needed_hook()};
+  parameter_list ps;
+  child.parameters(ps);
+  const auto ptrs = ps.pointers();
+  if (!ptrs.empty()) held.hook(ptrs);
+  return child.forward(x, ctx);
+}
+
 /// Runs a child's backward and tells the context which parameters now have final gradients.
 template <layer L>
 tensor_view backward_and_report(L& child, const tensor_view& grad_y, context& ctx, input_grad need) {

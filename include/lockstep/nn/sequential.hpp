@@ -9,6 +9,7 @@
 #include <string>
 #include <tuple>
 #include <utility>
+#include <vector>
 
 #include "lockstep/config.hpp"
 #include "lockstep/nn/layer.hpp"
@@ -27,7 +28,7 @@ class sequential {
       tensor_view h = x;
       std::size_t i = 0;
       ((h = detail::naming_the_child([&] { return detail::concat("sequential layer ", i, " forward"); },
-                                     [&] { return l.forward(h, ctx); }),
+                                     [&] { return detail::forward_and_report(l, h, ctx); }),
         ++i),
        ...);
       return h;
@@ -48,7 +49,21 @@ class sequential {
     }, layers_);
   }
 
-  [[nodiscard]] sequential clone(context& ctx) const {
+  /// How many parameters each layer that has some holds, in the order of parameters(): the units forward reports
+  /// to the context's parameters_needed hook (ZeRO-3 never splits one across gradient buckets).
+  [[nodiscard]] std::vector<std::size_t> parameter_units() {
+    std::vector<std::size_t> units;
+    std::apply([&](auto&... l) {
+      ((void)[&] {
+        parameter_list ps;
+        l.parameters(ps);
+        if (ps.size() > 0) units.push_back(ps.size());
+      }(), ...);
+    }, layers_);
+    return units;
+  }
+
+    [[nodiscard]] sequential clone(context& ctx) const {
     return std::apply([&](const auto&... l) { return sequential(l.clone(ctx)...); }, layers_);
   }
 

@@ -37,6 +37,9 @@ enum class zero_stage : std::uint8_t { none = 0, optimizer_state = 1, gradients 
 }
 
 struct ddp_options {
+  /// Gradient buckets close past bucket_bytes (the first one past first_bucket_bytes, so that communication starts
+  /// early). ZeRO-3 on a graph or sequential, gathered layer by layer, never splits a layer and closes a bucket at the
+  /// first layer's end past first_bucket_bytes: a layer, or a few small ones, is gathered at a time.
   std::size_t bucket_bytes = std::size_t{25} << 20;
   std::size_t first_bucket_bytes = std::size_t{1} << 20;
   gradient_reduction reduction = gradient_reduction::sum;

@@ -43,8 +43,9 @@
 // bucket after bucket (a write into a buffer waits for the bucket that used it before to be reduced and copied
 // out), and each parameter keeps its shard's gradient in storage of its own. Stage 3 also frees the values
 // outside the shard between steps: each rank keeps its range of every bucket's values (under f32 those are the
-// master values), forward() (or gather_parameters()) all-gathers whole buffers, and a synchronized backward frees
-// them (a model used outside the wrapper after it needs gather_parameters() first). Gradients travel in their own
+// master values); a graph or sequential is gathered layer by layer during forward and backward, freed as it goes
+// (parallel/detail/gathered_values.hpp), any other model whole before forward (as gather_parameters() does), and a
+// synchronized backward frees what is left (a model used outside the wrapper after it needs gather_parameters()). Gradients travel in their own
 // type when the communicator sums f16/bf16 in fp32 and rounds once (host cliques, MPI: the bits of DDP's fp32
 // all-reduce); on NCCL, which adds them in the type, an f16/bf16 bucket is widened into one f32 buffer for its
 // reduce-scatter and each rank's range rounded back once (parallel/detail/gradient_sync.hpp): DDP's sums there too.
@@ -62,6 +63,7 @@
 // The parts (parallel/detail/): bucket_plan (the pure layout), bucket_memory (the buckets allocated and the
 // gradients placed in them), gradient_sync (one sync_kind per backward: launch and finish), exact_partials
 // (deterministic mode's gathered partial gradients), zero_shards (ZeRO's shards, gathers and consolidation),
+// gathered_values (ZeRO-3's schedule of gathers, layer by layer),
 // replica_agreement (the same parameters and settings on every rank, rank 0's values broadcast), global_batch (the
 // loss's share of the global batch), over ddp_replica (what they share). This file orders them: construction,
 // forward, backward, no_sync, consolidated, the report.
@@ -87,6 +89,7 @@
 #include "lockstep/parallel/detail/bucket_plan.hpp"
 #include "lockstep/parallel/detail/ddp_replica.hpp"
 #include "lockstep/parallel/detail/exact_partials.hpp"
+#include "lockstep/parallel/detail/gathered_values.hpp"
 #include "lockstep/parallel/detail/global_batch.hpp"
 #include "lockstep/parallel/detail/gradient_sync.hpp"
 #include "lockstep/parallel/detail/host_visits.hpp"
@@ -114,8 +117,9 @@ class distributed_data_parallel {
                  parameters_of(model),
                  options.deterministic.has_value() || ctx.deterministic().has_value()),
         compute_timeline_(ctx.get_device()), comm_timeline_(ctx.get_device()), partials_(replica_),
-        shards_(replica_), sync_(replica_, options.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum,
-                                 partials_, shards_, comm_timeline_),
+        shards_(replica_), values_(replica_, shards_, comm_timeline_),
+        sync_(replica_, options.reduction == gradient_reduction::mean ? reduce_op::mean : reduce_op::sum, partials_,
+              shards_, values_, comm_timeline_),
         replicas_(comm, replica_.comm_stream) {
     if (options.deterministic) ctx.set_deterministic(options.deterministic);
     if (replica_.deterministic) {
@@ -138,6 +142,8 @@ class distributed_data_parallel {
     synchronize(ctx.get_device());  // the buffers' initial values are written (a model may have no parameters)
     detail::broadcast_buffers(replica_.params, comm, replica_.comm_stream, buffers_flat_);
     comm.synchronize(replica_.comm_stream);
+    const std::vector<std::size_t> units = replica_.values_sharded ? detail::layer_of_each_parameter(model) : std::vector<std::size_t>{};
+    if (!units.empty()) values_.enable();  // ZeRO-3 layer by layer (gathered_values.hpp)
     detail::build_buckets(replica_, shards_, sync_,
                           {.bucket_bytes = options_.bucket_bytes,
                            .first_bucket_bytes = options_.first_bucket_bytes,
@@ -147,8 +153,9 @@ class distributed_data_parallel {
                            .sharded = replica_.sharded,
                            .reused_buffers = replica_.reused_buffers,
                            .exact_collective = replica_.exact_collective,
+                           .whole_units = !units.empty(),
                            .world = comm.size()},
-                          hook_type(options_.hook));
+                          hook_type(options_.hook), units);
     if (replica_.sharded) {  // deferred master values, into the shards (a failure here: build the model again)
       detail::broadcast_deferred_parameters(replica_.params, comm, replica_.comm_stream,
                                             std::max<std::int64_t>(1, static_cast<std::int64_t>(options_.visit_chunk_bytes / 4)));
@@ -188,17 +195,23 @@ class distributed_data_parallel {
   }
 
   /// The model's forward on this rank's shard. Under ZeRO, first gathers the values updated since the last
-  /// backward (gather_parameters()). In training with gradient_reduction::sum, a loss computed on the output is this
+  /// backward (gather_parameters(); ZeRO-3: a graph or sequential layer by layer as it runs). In training with gradient_reduction::sum, a loss computed on the output is this
   /// rank's share of the global batch's (see the file comment).
   tensor_view forward(const tensor_view& x) {
     batch_->count(x.rows());  // first: the rows' sum does not wait behind ZeRO's gathers
-    gather_parameters();
+    const bool by_layer = values_.begin_forward();  // ZeRO: the gathers (ZeRO-3 by layer: the first ones)
     if (syncing_) sync_buffers();
     context& ctx = *replica_.ctx;
     compute_timeline_.begin(phase::compute, ctx.stream());
     replicas_.reset_calls();
     const replicas_scope group(ctx, &replicas_);  // a synchronized batch norm sums over the ranks
-    tensor_view y = model_->forward(x, ctx);
+    tensor_view y;
+    {
+      const bool shared = replica_.comm_stream == replica_.compute_stream();  // (then time them apart from compute)
+      const detail::layer_gathers gathers(by_layer ? &values_ : nullptr, ctx, shared ? &compute_timeline_ : nullptr);
+      y = model_->forward(x, ctx);
+      if (by_layer) values_.end_forward();
+    }
     forward_used_replicas_ = replicas_.calls() > 0;
     output_ = y;
     batch_->forward_output(y);
@@ -214,7 +227,7 @@ class distributed_data_parallel {
     const stream_ref s = ctx.stream();
     replica_.check_communication();
     if (!batch_->counted()) batch_->count(0);  // a rank without rows this step calls backward without forward: the
-    gather_parameters();                        // rows' sum, the gathers
+    values_.before_backward();                  // rows' sum, ZeRO's gathers
     if (syncing_) sync_buffers();               // and the buffers' broadcast
     batch_->loss_ran();
     shards_.wait_for_gathers();  // backward and the step after it: after every all-gather (which reads the shards)
@@ -268,6 +281,7 @@ class distributed_data_parallel {
     accumulated_ = false;
     buffers_stale_ = true;  // the next forward's batch statistics update them again
     if (replica_.sharded) shards_.mark_updated();
+    values_.end_backward();
   }
 
   /// ZeRO: all-gathers the values each rank updated into every rank's copy, in stream order on the context's
@@ -443,6 +457,7 @@ class distributed_data_parallel {
   timeline comm_timeline_;
   detail::exact_partials partials_;
   detail::zero_shards shards_;
+  detail::gathered_values values_;
   detail::gradient_sync sync_;
   bool syncing_ = true;             // outside no_sync()
   detail::communicator_replicas replicas_;  // the context's replica_group (synchronized batch norm)

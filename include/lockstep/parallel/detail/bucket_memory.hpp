@@ -6,6 +6,7 @@
 #include <cstddef>
 #include <cstdint>
 #include <memory>
+#include <span>
 #include <vector>
 
 #include "lockstep/config.hpp"
@@ -74,12 +75,16 @@ inline void allocate_buckets(ddp_replica& r, zero_shards& shards, const gradient
 
 /// The buckets' layout (bucket_plan.hpp, with `options`; `hook_type`: the type gradients travel in without ZeRO),
 /// then their memory, and every parameter's gradient (and under ZeRO its values) placed in it; under ZeRO, the
-/// parameters sharded last. `shards` and `sync` are r's parts (ZeRO-2's first-write hooks call them).
+/// parameters sharded last. `shards` and `sync` are r's parts (ZeRO-2's first-write hooks call them). `units`: each
+/// parameter's layer (with options.whole_units), or empty.
 inline void build_buckets(ddp_replica& r, zero_shards& shards, gradient_sync& sync, const bucket_plan_options& options,
-                          dtype hook_type) {
+                          dtype hook_type, std::span<const std::size_t> units = {}) {
   const stream_ref s = r.compute_stream();
   std::vector<planned_parameter> planned;
-  for (const auto& p : r.params) planned.push_back({p.param->numel(), p.param->compute_type()});
+  for (std::size_t k = 0; k < r.params.size(); ++k) {
+    const parameter& p = r.param(k);
+    planned.push_back({p.numel(), p.compute_type(), units.empty() ? 0 : units[k]});
+  }
   bucket_plan plan = plan_buckets(planned, options, hook_type);
   r.bucket_of = plan.bucket_of;
   // The model's gradients move into the buckets (most of them): their own memory goes first, so that the

@@ -4,7 +4,10 @@
 //
 // Parameters go into buckets in reverse model order (the order backward produces their gradients); a bucket
 // closes when the next parameter would take it past its byte limit (the first bucket's limit is smaller, so that
-// communication starts early) or changes the type on the wire (or, with shards or exact sums, the values' type).
+// communication starts early) or changes the type on the wire (or, with shards or exact sums, the values' type);
+// with whole units (ZeRO-3 gathering layer by layer) a layer's parameters stay in one bucket however many bytes they
+// take, and a bucket closes between layers once it holds the first bucket's limit, so that the values gathered at
+// a time are a layer's, or a few small layers' (DeepSpeed's prefetch bucket).
 // Two layouts per bucket: the buffer the collective reads (`offsets`, `elements`, in `wire` elements) and the
 // values' layout in their compute type (`value_offsets`, `value_elements`; ZeRO's shards and gathered values
 // use it). Every tensor starts at a 256-byte boundary, as cudaMalloc's allocations do. Under ZeRO the values'
@@ -28,6 +31,7 @@ LOCKSTEP_DETAIL_BEGIN
 struct planned_parameter {
   std::int64_t numel = 0;
   dtype compute_type = dtype::f32;
+  std::size_t unit = 0;  // the layer it belongs to (with bucket_plan_options::whole_units)
 };
 
 /// How a bucket's gradients are summed over the ranks (one per bucket kind; parallel/detail/gradient_sync.hpp).
@@ -47,6 +51,8 @@ struct bucket_plan_options {
   bool sharded = false;        // ZeRO-1/2 on more than one rank: reduce-scatter into equal ranges
   bool reused_buffers = false; // ZeRO-2: the buckets take turns in two buffers
   bool exact_collective = false;  // the communicator sums exact partials itself (all_reduce_exact)
+  bool whole_units = false;       // ZeRO-3's layer-by-layer gathers: a bucket closes only between units, and at
+                                  // the first one after first_bucket_bytes
   int world = 1;
 };
 
@@ -124,7 +130,10 @@ struct bucket_plan {
     // ZeRO: its 16-byte accumulators would make the first bucket a quarter as large, and then nothing overlaps
     // the backward of the model's first layers); ZeRO-2 sizes its reused buffers by the words
     const std::size_t n = o.deterministic && !o.sharded ? numel * size_of(p.compute_type) : elements * size_of(wire);
-    if (!current.params.empty() && (bytes + n > limit || wire != current.wire ||
+    const bool unit_ends = !o.whole_units || k + 1 == params.size() || params[k + 1].unit != p.unit;  // (k + 1: the one before)
+    // by layer, a bucket also closes between layers once it holds first_bucket_bytes: what is gathered at a time
+    const bool full = bytes + n > limit || (o.whole_units && bytes >= o.first_bucket_bytes);
+    if (!current.params.empty() && ((unit_ends && full) || wire != current.wire ||
                                      ((o.sharded || o.deterministic) && p.compute_type != current.value_type))) {
       plan.buckets.push_back(std::move(current));
       current = bucket_layout{};

@@ -17,6 +17,7 @@
 #include "lockstep/nn/deterministic.hpp"
 #include "lockstep/parallel/detail/ddp_replica.hpp"
 #include "lockstep/parallel/detail/exact_partials.hpp"
+#include "lockstep/parallel/detail/gathered_values.hpp"
 #include "lockstep/parallel/detail/zero_shards.hpp"
 #include "lockstep/parallel/timeline.hpp"
 
@@ -24,10 +25,13 @@ LOCKSTEP_DETAIL_BEGIN
 
 class gradient_sync {
  public:
-  /// `op`: sum or mean over the ranks; `partials` and `shards` are the replica's other parts (exact partials in
-  /// deterministic mode, ZeRO's shards when sharded); collectives are timed on `t`.
-  gradient_sync(ddp_replica& r, reduce_op op, exact_partials& partials, zero_shards& shards, timeline& t)
-      : r_(&r), op_(op), partials_(&partials), shards_(&shards), timeline_(&t), reported_(r.params.size(), false) {}
+  /// `op`: sum or mean over the ranks; `partials`, `shards` and `values` are the replica's other parts (exact
+  /// partials in deterministic mode, ZeRO's shards when sharded, ZeRO-3's layer-by-layer values); collectives are
+  /// timed on `t`.
+  gradient_sync(ddp_replica& r, reduce_op op, exact_partials& partials, zero_shards& shards, gathered_values& values,
+                timeline& t)
+      : r_(&r), op_(op), partials_(&partials), shards_(&shards), values_(&values), timeline_(&t),
+        reported_(r.params.size(), false) {}
 
   /// How this backward sums gradients (after exact_partials::begin_backward decided whether it gathers).
   [[nodiscard]] sync_kind kind() const noexcept {
@@ -149,6 +153,7 @@ class gradient_sync {
     timeline_->end(cs);
     if (r_->reused_buffers) shards_->copy_out(b);
     b.done->record(cs);
+    values_->after_launch(index);  // ZeRO-3, layer by layer: b's values freed, b + 2's gathered
     if (compute_ != nullptr) compute_->begin(phase::compute, s);
   }
 
@@ -180,6 +185,7 @@ class gradient_sync {
   reduce_op op_;
   exact_partials* partials_;
   zero_shards* shards_;
+  gathered_values* values_;
   timeline* timeline_;
   timeline* compute_ = nullptr;  // set_compute_bracket
   std::vector<bool> reported_;   // this backward: parameters whose gradients were reported complete

@@ -5,7 +5,8 @@
 // gradients: the whole gradients of a bucket live in one of two buffers reused bucket after bucket, and the
 // reduced range is copied out of it into each parameter's gradient shard (copy_out). Stage 3 also keeps only the
 // range's values between steps, in a values shard per bucket: gather() allocates the whole buffers and all-gathers
-// into them, a synchronized backward frees them (mark_updated). consolidate() and
+// into them, a synchronized backward frees them (mark_updated); gather_bucket() and release_bucket() do it one
+// bucket at a time, for the layer-by-layer schedule of gathered_values.hpp. consolidate() and
 // reshard() gather whole values and optimizer state on every rank, and shard them again (host_visits.hpp streams
 // them to the host instead, without whole tensors on the device).
 #pragma once
@@ -103,16 +104,17 @@ class zero_shards {
   /// After a synchronized backward: each rank updates its shard, the others' values arrive with the next gather
   /// (ZeRO-3: the whole values are freed until then).
   void mark_updated() {
-    set_stale(true);
+    mark_stale();
     if (r_->values_sharded) release_values();
   }
 
   /// All-gathers the values each rank updated into every rank's copy (ZeRO-3: into whole buffers allocated for
   /// them), in stream order on the context's stream (a collective), timed on `t`. No-op when nothing changed since
-  /// the last gather: every rank decides alike, since the values go stale only at calls every rank makes (a
-  /// synchronized backward, an optimizer step: parameter::before_update), and writes keep the gathered copy current.
+  /// the last gather and every bucket is held: every rank decides alike, since the values go stale only at calls
+  /// every rank makes (a synchronized backward, an optimizer step: parameter::before_update), ZeRO-3's buckets are
+  /// gathered and freed at such calls too (gathered_values.hpp), and writes keep the gathered copy current.
   void gather(timeline& t) {
-    if (!stale_ && std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); })) return;
+    if (held_whole()) return;
     r_->check_communication();
     const stream_ref cs = r_->comm_stream;
     for (ddp_bucket& bk : r_->buckets) {  // ZeRO-3, where the values go (on the context's stream, as the reads)
@@ -122,23 +124,38 @@ class zero_shards {
     t.begin(phase::communication, cs);
     // Last bucket first: it holds the first layers, which forward reads first. Each parameter's first read waits
     // for its own bucket only (a read hook), so that forward overlaps the later gathers.
-    for (std::size_t b = r_->buckets.size(); b-- > 0;) {
-      ddp_bucket& bk = r_->buckets[b];
-      const bucket_layout& l = bk.layout;
-      const void* mine = r_->values_sharded ? bk.values_shard->data()
-                                            : static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * size_of(l.value_type);
-      r_->comm.all_gather(mine, bk.values->data(), l.shard_elements, l.value_type, cs);
-      bk.gathered->record(cs);
-      for (std::size_t i = 0; i < l.params.size(); ++i) {
-        zero_parameter_shard& part = *parts_[l.params[i]];
-        part.set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
-        if (r_->values_sharded) part.set_gathered(r_->value_slot(bk, i, *bk.values));
-      }
-    }
+    for (std::size_t b = r_->buckets.size(); b-- > 0;) gather_into(r_->buckets[b]);
     t.end(cs);
-    gathered_.record(cs);
-    pending_reads_ = true;
-    set_stale(false);
+  }
+  /// Whether every parameter's values are held whole and current (gather() would do nothing).
+  [[nodiscard]] bool held_whole() const {
+    return std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); }) &&
+           (!r_->values_sharded || std::all_of(r_->buckets.begin(), r_->buckets.end(), [](const ddp_bucket& b) { return b.values != nullptr; }));
+  }
+  /// ZeRO-3: bucket b's whole values all-gathered into a buffer allocated for them (on the context's stream), on the
+  /// communication stream after the context's stream's work so far (a collective), timed on `t`; its parameters'
+  /// first reads wait for it.
+  void gather_bucket(std::size_t b, timeline& t) {
+    ddp_bucket& bk = r_->buckets[b];
+    if (!bk.values) bk.values = whole_values(bk.layout);
+    const stream_ref cs = r_->comm_stream;
+    r_->after(cs, r_->compute_stream());  // the buffer's allocation, and the reads of the one it may reuse
+    t.begin(phase::communication, cs);
+    gather_into(bk);
+    t.end(cs);
+  }
+  /// ZeRO-3: bucket b's whole values freed in stream order on the context's stream (after the reads queued so far,
+  /// and its gather); its parameters hold no values until it is gathered again.
+  void release_bucket(std::size_t b) {
+    ddp_bucket& bk = r_->buckets[b];
+    if (!bk.values) return;
+    r_->compute_stream().wait(*bk.gathered);
+    for (const std::size_t k : bk.layout.params) {
+      parts_[k]->set_gathered(tensor_view{});
+      parts_[k]->set_read_hook(nullptr);
+    }
+    bk.values->set_stream(r_->compute_stream());
+    bk.values.reset();
   }
   /// Orders the context's stream after every all-gather of the last gather() (the read hooks ordered only the
   /// reads forward made): backward and the step after it come after every all-gather, which reads the shards.
@@ -337,6 +354,24 @@ class zero_shards {
   [[nodiscard]] std::shared_ptr<tensor> whole_values(const bucket_layout& l) const {
     return std::make_shared<tensor>(shape{static_cast<std::int64_t>(l.value_elements)}, l.value_type, r_->compute_stream());
   }
+  // Bucket bk's all-gather into its values (the whole buffer), queued on the communication stream; its parameters'
+  // first reads wait for it, and under ZeRO-3 read the gathered buffer.
+  void gather_into(ddp_bucket& bk) {
+    const stream_ref cs = r_->comm_stream;
+    const bucket_layout& l = bk.layout;
+    const void* mine = r_->values_sharded ? bk.values_shard->data()
+                                          : static_cast<const std::byte*>(bk.values->data()) + l.rank_offset(r_->comm.rank()) * size_of(l.value_type);
+    r_->comm.all_gather(mine, bk.values->data(), l.shard_elements, l.value_type, cs);
+    bk.gathered->record(cs);
+    gathered_.record(cs);
+    pending_reads_ = true;
+    for (std::size_t i = 0; i < l.params.size(); ++i) {
+      zero_parameter_shard& part = *parts_[l.params[i]];
+      part.set_read_hook([this, &bk] { r_->compute_stream().wait(*bk.gathered); });
+      if (r_->values_sharded) part.set_gathered(r_->value_slot(bk, i, *bk.values));
+      part.set_stale(false);
+    }
+  }
   // ZeRO-3: the whole values freed, in stream order on the context's stream (after their gathers).
   void release_values() {
     wait_for_gathers();
@@ -347,16 +382,15 @@ class zero_shards {
       b.values.reset();
     }
   }
-  // Every parameter's values stale (after backward) or current (after a gather).
-  void set_stale(bool stale) {
-    for (const auto& part : parts_) part->set_stale(stale);
-    stale_ = stale;
+  // Every parameter's values stale (after backward; a gather makes them current again).
+  void mark_stale() {
+    for (const auto& part : parts_) part->set_stale(true);
   }
   // Every parameter sharded (again), in stream order on the context's stream.
   void activate_all() {
     if (r_->values_sharded) {  // ZeRO-3: nothing held whole until the next gather (also if this fails midway)
       release_values();         // (after a gather in flight, which reads the values shards written below)
-      set_stale(true);
+      mark_stale();
     }
     for (std::size_t k = 0; k < parts_.size(); ++k) {
       parts_[k]->activate(parts_[k], r_->param(k), r_->reused_buffers, r_->compute_stream());
@@ -418,7 +452,6 @@ class zero_shards {
   event gathered_;                         // the last gather's (or gather_whole's) collectives
   int consolidations_ = 0;                 // consolidate() calls not yet resharded
   bool pending_reads_ = false;             // gathered, and the context's stream not yet after every gather
-  bool stale_ = false;                     // shards updated since the last gather
 };
 
 LOCKSTEP_DETAIL_END
