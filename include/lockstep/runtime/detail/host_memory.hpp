@@ -249,9 +249,11 @@ class device_memory {
     return (bytes + allocation_granularity - 1) / allocation_granularity * allocation_granularity;
   }
 
-  // A block is reused for a request if it is at most twice the request: enough to absorb the small size
-  // changes of a last, ragged batch without wasting a large block on a small request.
-  static bool fits(std::size_t block, std::size_t request) { return block >= request && block <= 2 * request; }
+  // A block is reused for a request if it is at most a quarter larger: enough to absorb small changes of size
+  // (padding, a few rows) without counting much more than the request as in use, as a GPU's pool counts the
+  // request (a block up to twice the request, the rule until 2026-12-06, let a rank's half-sized gradient shard
+  // take the whole parameter's freed block, and ZeRO's reported peaks differ by rank).
+  static bool fits(std::size_t block, std::size_t request) { return block >= request && block - request <= request / 4; }
 
   void* take_cached_locked(std::size_t size, const stream_state* s) {
     if (auto it = free_.lower_bound(size); it != free_.end() && fits(it->first, size)) {
