@@ -127,7 +127,7 @@ def plot_grad_sync(rows, out):
     save(fig, out, "grad_sync.svg")
 
 
-def plot_zero(path, out):
+def plot_zero(path, out, name="zero_memory"):
     with open(path) as f:
         report = json.load(f)
     mem = report.get("memory")
@@ -146,11 +146,13 @@ def plot_zero(path, out):
     ax.set_ylabel("MiB per device")
     ax.set_xticks(sorted({r["devices"] for r in mem["rows"]}))
     ax.set_ylim(bottom=0)
-    ax.set_title(f"memory per device: 784-{mem['hidden'].replace(',', '-')}-10, {mem['optimizer']}, "
+    widths = mem["hidden"].split(",")
+    hidden = f"{widths[0]}x{len(widths)}" if len(widths) > 2 and len(set(widths)) == 1 else "-".join(widths)
+    ax.set_title(f"memory per device: 784-{hidden}-10, {mem['optimizer']}, "
                  f"{mem['precision']}, batch {mem['batch']}")
     ax.grid(True, alpha=0.3)
     ax.legend(fontsize=7)
-    save(fig, out, "zero_memory.svg")
+    save(fig, out, name + ".svg")
 
 
 def plot_pytorch(path, out):
@@ -208,6 +210,7 @@ def main():
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--collectives")
     p.add_argument("--zero")
+    p.add_argument("--zero-name", default="zero_memory", help="the --zero figure's file name, without extension")
     p.add_argument("--pytorch")
     p.add_argument("--roofline")
     p.add_argument("--out", default=os.path.join(here, "..", "docs", "figures"))
@@ -223,7 +226,7 @@ def main():
         plot_collectives(rows, a.out)
         plot_grad_sync(rows, a.out)
     if a.zero:
-        plot_zero(a.zero, a.out)
+        plot_zero(a.zero, a.out, a.zero_name)
     if a.pytorch:
         plot_pytorch(a.pytorch, a.out)
     if a.roofline:

@@ -566,7 +566,7 @@ TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_s
     const device_report report = ddp.report();
     peak[f][r] = report.peak_bytes;
     held[f][r] = report.parameter_bytes;
-    value_bytes = static_cast<std::uint64_t>(params.numel()) * 4;
+    if (r == 0) value_bytes = static_cast<std::uint64_t>(params.numel()) * 4;  // (one writer: the ranks are threads)
     auto guard = ddp.consolidated(opt);
     values[f][r] = parameter_values(model, s);
   };
