@@ -223,6 +223,8 @@ struct recipe {
   model_variant variant = model_variant::mlp;  // make_model's
   host_collective_stream collectives = host_collective_stream::automatic;  // ddp_options::host_collectives
   bool deferred_masters = false;  // the model built inside a deferred_master_values scope
+  bool evaluate = false;     // every rank runs an eval-mode forward through the wrapper before each step
+  bool consolidate = false;  // every rank with rows consolidates between its forward and its backward
 };
 
 /// What a rank ends a recipe with: its parameters (whole: gathered with ddp.consolidated under ZeRO), its
@@ -278,6 +280,14 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
   ddp.reset_report();
   for (int step = 0; step < steps; ++step) {
     const std::int64_t first = first_row(step, batch);
+    if (r.evaluate) {  // (the same 4 rows on every rank: an evaluation is every rank's call)
+      tensor xe = device_tensor(slice(x, 0, 4, features), shape{4, features}, s);
+      tensor input(shape{4, features}, r.precision, s);
+      detail::convert_floating(xe, input, s);
+      ctx.set_mode(run_mode::eval);
+      (void)ddp.forward(input);
+      ctx.set_mode(run_mode::train);
+    }
     plain ? plain->zero_grad() : adam->zero_grad();
     row_range mine = static_cast<std::size_t>(comm.rank()) < chunks.size() ? chunks[static_cast<std::size_t>(comm.rank())]
                                                                             : row_range{batch, 0};
@@ -308,6 +318,13 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
           }
         });
         loss.forward(ddp.forward(input), yb, ctx, batch);  // the mean over the GLOBAL batch
+        if (r.consolidate) {
+          if (adam) {
+            auto guard = ddp.consolidated(*adam);
+          } else {
+            auto guard = ddp.consolidated(*plain);
+          }
+        }
         ddp.backward(loss.backward(ctx));
       };
       if (last) {

@@ -493,7 +493,7 @@ TEST_P(zero_test, stage_3_loads_into_the_values_it_holds_gathered) {
       tensor xf = device_tensor(slice(inputs(), 0, 8, features), shape{8, features}, s);
       tensor x(shape{8, features}, precision, s);
       detail::convert_floating(xf, x, s);
-      (void)ddp.forward(x);  // gathered (ZeRO-3: held until a synchronized backward)
+      ddp.gather_parameters();  // held whole (ZeRO-3: until a synchronized backward)
       for (const auto& np : parameters_of(model)) {
         std::vector<float> values(static_cast<std::size_t>(np.param->numel()));
         for (std::size_t i = 0; i < values.size(); ++i) values[i] = 0.01f * static_cast<float>(i % 37) - 0.15f;
@@ -515,15 +515,11 @@ TEST_P(zero_test, stage_3_loads_into_the_values_it_holds_gathered) {
   }
 }
 
-// ZeRO-3 frees the whole values after a synchronized backward: the model used outside the wrapper says so and names
-// gather_parameters(), after which it reads the gathered values (the wrapper's own forward's output).
 // ZeRO-3 gathers a graph's values layer by layer (FSDP's schedule: parallel/detail/gathered_values.hpp): a step holds
 // this rank's shard and the values of a few layers, not the model's, and trains to the bits of ZeRO-2 and of a whole
 // gather (a model that does not report its layers: the same graph behind any_layer), also with a forward without a
 // backward (an evaluation) before a step's.
 TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_step_peak) {
-  // (3 ranks: on 2, a rank's gradient shard of a layer is half its values, and the host pool may serve it from the
-  // whole values' freed block, counted whole: runtime/detail/host_memory.hpp)
   if (!require_devices(3)) return;
   constexpr std::int64_t width = 96, rows = 8;  // per rank
   const auto build = [](context& ctx) {  // 12 hidden layers of 37 KB: 459 KB of values
@@ -588,8 +584,13 @@ TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_s
   for (std::size_t r = 0; r < 3; ++r) {
     SCOPED_TRACE(testing::Message() << "rank " << r << ": peaks " << peak[stage_2][r] << " (ZeRO-2), " << peak[by_layer][r]
                                     << " (by layer), " << peak[whole][r] << " (whole); values " << value_bytes);
-    EXPECT_EQ(values[by_layer][r], values[stage_2][0]);
-    EXPECT_EQ(values[whole][r], values[stage_2][0]);
+    if (kind() == device_kind::cuda) {  // NCCL: other buckets, so other ranges summed in another order
+      EXPECT_LE(relative_difference(values[by_layer][r], values[stage_2][0]), 1e-6);
+      EXPECT_LE(relative_difference(values[whole][r], values[stage_2][0]), 1e-6);
+    } else {
+      EXPECT_EQ(values[by_layer][r], values[stage_2][0]);
+      EXPECT_EQ(values[whole][r], values[stage_2][0]);
+    }
     // between steps: the shards alone either way (in their buckets' layouts: a layer whole in one, or not)
     EXPECT_LT(held[by_layer][r], value_bytes * 2 / 5);
     EXPECT_LT(held[whole][r], value_bytes * 2 / 5);
@@ -599,6 +600,40 @@ TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_s
   }
 }
 
+// ZeRO-3 layer by layer keeps every rank's collectives in step (a mismatch hangs or fails the clique): with a model of
+// buffers (batch norm's, broadcast before each step's forward) over four buckets and a rank without rows (batch 6 on
+// 4 ranks: it calls backward without forward, and replays the forward's gathers after the broadcast, as the others
+// ran them), also with an evaluation's forward through the wrapper before each step, and with a consolidation
+// between forward and backward (the values backward starts with gathered again) on ranks that all have rows: DDP's
+// bits.
+TEST_P(zero_test, stage_3_keeps_every_ranks_collectives_in_step_around_buffers_evaluations_and_consolidations) {
+  if (!require_devices(4)) return;
+  struct scenario {
+    const char* name;
+    std::int64_t batch;
+    bool evaluate, consolidate;
+  };
+  for (const scenario c : {scenario{"a rank without rows", 6, false, false},
+                           scenario{"an evaluation before each step", 6, true, false},
+                           scenario{"a consolidation between forward and backward", 64, false, true}}) {
+    SCOPED_TRACE(c.name);
+    recipe r{.precision = dtype::f32, .adamw = true, .variant = model_variant::batch_norm, .evaluate = c.evaluate,
+             .consolidate = c.consolidate};
+    const auto ddp = train_recipe_threads(devices(4), c.batch, r);
+    r.zero = 3;
+    const auto sharded = train_recipe_threads(devices(4), c.batch, r);
+    for (std::size_t rank = 0; rank < 4; ++rank) {
+      if (kind() == device_kind::cuda) {
+        EXPECT_LE(relative_difference(sharded[rank].parameters, ddp[0].parameters), 1e-6) << "rank " << rank;
+      } else {
+        EXPECT_EQ(sharded[rank].parameters, ddp[0].parameters) << "rank " << rank;
+      }
+    }
+  }
+}
+
+// ZeRO-3 frees the whole values after a synchronized backward: the model used outside the wrapper says so and names
+// gather_parameters(), after which it reads the gathered values (the wrapper's own forward's output).
 TEST_P(zero_test, stage_3_names_the_gather_a_model_needs_outside_the_wrapper) {
   if (!require_devices(2)) return;
   std::vector<std::string> messages(4);  // per rank: before the first forward, after backward

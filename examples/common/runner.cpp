@@ -287,7 +287,9 @@ std::string memory_in_use(const std::vector<device>& devices) {
 }
 
 // The test set's correct answers, evaluated on ctx's device; sets r.accuracy, r.correct, r.tested.
-void evaluate(graph& model, const mnist_dataset& test, context& ctx, const options& o, run_result& r) {
+// The test set's accuracy into r, each batch's output from forward(input) (the model's, or the DDP wrapper's).
+template <class Forward>
+void evaluate_with(Forward&& forward, const mnist_dataset& test, context& ctx, const options& o, run_result& r) {
   data_loader loader(test, sequential_sampler(test.size()), ctx.stream(),
                      data_loader_options{.batch_size = static_cast<std::size_t>(o.eval_batch),
                                          .workers = o.workers,
@@ -296,11 +298,15 @@ void evaluate(graph& model, const mnist_dataset& test, context& ctx, const optio
   ctx.set_mode(run_mode::eval);
   accuracy_counter acc;
   loader.start_epoch(0);
-  while (auto b = loader.next()) acc.add(model.forward(b->input, ctx), b->target, ctx);
+  while (auto b = loader.next()) acc.add(forward(b->input), b->target, ctx);
   ctx.set_mode(before);
   r.correct = static_cast<std::int64_t>(acc.correct(ctx.stream()));
   r.tested = static_cast<std::int64_t>(acc.rows());
   r.accuracy = static_cast<double>(r.correct) / static_cast<double>(r.tested);
+}
+
+void evaluate(graph& model, const mnist_dataset& test, context& ctx, const options& o, run_result& r) {
+  evaluate_with([&](const tensor_view& x) { return model.forward(x, ctx); }, test, ctx, o, r);
 }
 
 bool step_limit_reached(const options& o, std::int64_t step) {
@@ -711,8 +717,15 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   r.collectives_on = ddp.collective_stream() == compute ? "compute stream" : "communication stream";
   r.devices.back().optimizer_bytes = optimizer.state_bytes();
   r.weights_sha256 = ck.weights_sha256();  // under ZeRO gathers one bucket at a time: after the report
-  ddp.gather_parameters();  // under ZeRO: every rank's last update, before rank 0 evaluates the model alone
-  if (rank == 0 && (r.stopped.empty() || r.stopped == "--stop-after")) evaluate(model, data.test, ctx, o, r);
+  const bool evaluating = r.stopped.empty() || r.stopped == "--stop-after";  // (the same on every rank)
+  if (ddp.zero() == zero_stage::parameters) {  // no rank holds the whole model: every rank evaluates through the
+    if (evaluating) {                          // wrapper, which gathers it layer by layer (rank 0's result is kept)
+      evaluate_with([&](const tensor_view& x) { return ddp.forward(x); }, data.test, ctx, o, r);
+    }
+    return r;
+  }
+  ddp.gather_parameters();  // under ZeRO-1/2: every rank's last update, before rank 0 evaluates the model alone
+  if (rank == 0 && evaluating) evaluate(model, data.test, ctx, o, r);
   return r;
 }
 

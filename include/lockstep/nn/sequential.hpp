@@ -63,7 +63,7 @@ class sequential {
     return units;
   }
 
-    [[nodiscard]] sequential clone(context& ctx) const {
+  [[nodiscard]] sequential clone(context& ctx) const {
     return std::apply([&](const auto&... l) { return sequential(l.clone(ctx)...); }, layers_);
   }
 

@@ -195,12 +195,13 @@ class distributed_data_parallel {
   }
 
   /// The model's forward on this rank's shard. Under ZeRO, first gathers the values updated since the last
-  /// backward (gather_parameters(); ZeRO-3: a graph or sequential layer by layer as it runs). In training with gradient_reduction::sum, a loss computed on the output is this
-  /// rank's share of the global batch's (see the file comment).
+  /// backward (gather_parameters(); ZeRO-3: a graph or sequential layer by layer as it runs). In training with
+  /// gradient_reduction::sum, a loss computed on the output is this rank's share of the global batch's (see the file
+  /// comment).
   tensor_view forward(const tensor_view& x) {
     batch_->count(x.rows());  // first: the rows' sum does not wait behind ZeRO's gathers
+    if (syncing_) sync_buffers();  // (before the gathers, as in the backward of a rank without a forward)
     const bool by_layer = values_.begin_forward();  // ZeRO: the gathers (ZeRO-3 by layer: the first ones)
-    if (syncing_) sync_buffers();
     context& ctx = *replica_.ctx;
     compute_timeline_.begin(phase::compute, ctx.stream());
     replicas_.reset_calls();
@@ -227,8 +228,8 @@ class distributed_data_parallel {
     const stream_ref s = ctx.stream();
     replica_.check_communication();
     if (!batch_->counted()) batch_->count(0);  // a rank without rows this step calls backward without forward: the
-    values_.before_backward();                  // rows' sum, ZeRO's gathers
-    if (syncing_) sync_buffers();               // and the buffers' broadcast
+    if (syncing_) sync_buffers();               // rows' sum, the buffers' broadcast
+    values_.before_backward();                  // and ZeRO's gathers
     batch_->loss_ran();
     shards_.wait_for_gathers();  // backward and the step after it: after every all-gather (which reads the shards)
     LOCKSTEP_EXPECTS(ctx.deterministic().has_value() == replica_.deterministic,

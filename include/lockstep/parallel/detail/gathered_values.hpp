@@ -13,7 +13,9 @@
 // Every rank issues the same collectives in the same order, whatever its rows and timing: forward's gathers go
 // from the last bucket to the first (the reports only decide when), backward's follow the launches, which go in
 // bucket order on every rank (a rank without rows launches them all at the end of its backward). A rank that calls
-// backward without a forward first issues the forward's gathers. Any other model (a layer of the user's own, which
+// backward without a training forward first issues the forward's gathers (so every forward through the wrapper, an
+// evaluation's too, is one every rank makes; such a rank must not consolidate between the others' forward and
+// backward: it calls forward on its empty batch then). Any other model (a layer of the user's own, which
 // reports nothing) is gathered whole before forward, as is a model held whole and current
 // (gather_parameters(): no collective then, so that one rank may run it alone).
 #pragma once
@@ -51,7 +53,7 @@ class gathered_values {
   /// starts gathering layer by layer (returns true: the forward reports its layers to needed(), and end_forward()
   /// follows). Otherwise, under ZeRO, gathers whole as before (zero_shards::gather, a no-op when nothing changed).
   bool begin_forward() {
-    forwarded_ = true;
+    forwarded_ = forwarded_ || r_->ctx->training();  // (an evaluation's forward is not the step's: see before_backward)
     if (!r_->sharded) return false;  // (nothing to gather)
     if (!enabled_ || !r_->values_sharded || shards_->consolidated() || shards_->held_whole()) {
       shards_->gather(*timeline_);
@@ -89,11 +91,27 @@ class gathered_values {
     release_from(2);
   }
 
-  /// At the start of backward: a rank that called no forward since the last backward issues the forward's gathers
-  /// (the other ranks did), as a forward would leave them.
+  /// At the start of backward: a rank that called no training forward since the last backward (a rank without
+  /// rows) issues the forward's gathers, as the other ranks' forward did, and is left as a forward would leave it
+  /// (as every rank counts the rows in a training forward only: an evaluation's forward through the wrapper is one
+  /// every rank makes). After a forward, the values backward starts with are gathered again if something freed them
+  /// between (a consolidation, on every rank); a model gathered whole is gathered if it is not held (a no-op else).
   void before_backward() {
-    if (forwarded_) return;
-    if (begin_forward()) end_forward();
+    if (!forwarded_) {
+      if (begin_forward()) end_forward();
+      return;
+    }
+    if (!streaming_) {
+      if (r_->sharded) shards_->gather(*timeline_);
+      return;
+    }
+    const std::size_t first = std::min<std::size_t>(2, r_->buckets.size());
+    bool held = true;
+    for (std::size_t b = 0; b < first; ++b) held = held && shards_->held(b);
+    if (held) return;
+    release_from(0);
+    lowest_ = first;
+    gather_down_to(0);
   }
 
   /// In a layer-by-layer backward, after bucket b's collective was queued: its layers' backward is queued, so b is

@@ -53,7 +53,8 @@ class zero_parameter_shard final : public parameter_sharding {
       throw precondition_error(concat(
           "parameter ", p.name(),
           unheld ? ": ZeRO-3 keeps only this rank's shard of its values between steps (distributed_data_parallel::"
-                   "forward gathers them whole, a synchronized backward frees them)"
+                   "forward gathers them, a graph or sequential one layer at a time, freed after use; a synchronized "
+                   "backward frees the rest)"
                  : ": its values on this rank are stale (ZeRO updates a shard per rank; the others' updates arrive "
                    "with the next distributed_data_parallel::forward or gather_parameters())",
           "; call ddp.gather_parameters() before using the model outside the wrapper"));

@@ -127,8 +127,10 @@ class zero_shards {
     for (std::size_t b = r_->buckets.size(); b-- > 0;) gather_into(r_->buckets[b]);
     t.end(cs);
   }
-  /// Whether every parameter's values are held whole and current (gather() would do nothing).
+  /// Whether every parameter's values are held whole and current (gather() would do nothing), also inside a
+  /// consolidation (the parameters hold their own).
   [[nodiscard]] bool held_whole() const {
+    if (std::any_of(parts_.begin(), parts_.end(), [](const auto& part) { return !part->active(); })) return true;
     return std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); }) &&
            (!r_->values_sharded || std::all_of(r_->buckets.begin(), r_->buckets.end(), [](const ddp_bucket& b) { return b.values != nullptr; }));
   }
@@ -143,6 +145,12 @@ class zero_shards {
     t.begin(phase::communication, cs);
     gather_into(bk);
     t.end(cs);
+  }
+  /// ZeRO-3: whether bucket b's whole values are held, and current.
+  [[nodiscard]] bool held(std::size_t b) const {
+    const ddp_bucket& bk = r_->buckets[b];
+    return bk.values && std::none_of(bk.layout.params.begin(), bk.layout.params.end(),
+                                     [&](std::size_t k) { return parts_[k]->stale(); });
   }
   /// ZeRO-3: bucket b's whole values freed in stream order on the context's stream (after the reads queued so far,
   /// and its gather); its parameters hold no values until it is gathered again.
