@@ -258,9 +258,7 @@ class graph {
     for (const int id : plan_.order) {
       node& v = nodes_[static_cast<std::size_t>(id)];
       if (v.kind != node_kind::layer) continue;
-      parameter_list ps;
-      v.impl.parameters(ps);
-      if (ps.size() > 0) units.push_back(ps.size());
+      if (const std::size_t n = parameters_of(v.impl).size(); n > 0) units.push_back(n);
     }
     return units;
   }

@@ -120,9 +120,7 @@ tensor_view forward_and_report(L& child, const tensor_view& x, context& ctx) {
     context::parameters_needed_fn hook;
     ~restore() { ctx.set_parameters_needed_hook(std::move(hook)); }
   } held{ctx, ctx.take_parameters_needed_hook()};
-  parameter_list ps;
-  child.parameters(ps);
-  const auto ptrs = ps.pointers();
+  const auto ptrs = parameters_of(child).pointers();
   if (!ptrs.empty()) held.hook(ptrs);
   return child.forward(x, ctx);
 }
@@ -132,9 +130,7 @@ template <layer L>
 tensor_view backward_and_report(L& child, const tensor_view& grad_y, context& ctx, input_grad need) {
   tensor_view gx = child.backward(grad_y, ctx, need);
   if (ctx.has_gradients_ready_hook()) {
-    parameter_list ps;
-    child.parameters(ps);
-    const auto ptrs = ps.pointers();
+    const auto ptrs = parameters_of(child).pointers();
     ctx.gradients_ready(ptrs);
   }
   return gx;

@@ -55,9 +55,7 @@ class sequential {
     std::vector<std::size_t> units;
     std::apply([&](auto&... l) {
       ((void)[&] {
-        parameter_list ps;
-        l.parameters(ps);
-        if (ps.size() > 0) units.push_back(ps.size());
+        if (const std::size_t n = parameters_of(l).size(); n > 0) units.push_back(n);
       }(), ...);
     }, layers_);
     return units;

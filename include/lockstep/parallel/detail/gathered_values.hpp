@@ -43,7 +43,6 @@ class gathered_values {
 
   /// At construction: the model reports its layers (graph, sequential), and the buckets keep them whole.
   void enable() noexcept { enabled_ = true; }
-  [[nodiscard]] bool enabled() const noexcept { return enabled_; }
 
   /// The bracket of computing time open around the model's forward when the collectives run on the compute
   /// stream (null otherwise): a gather queued inside it closes it and opens it again after.

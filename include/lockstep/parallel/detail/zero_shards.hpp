@@ -131,8 +131,13 @@ class zero_shards {
   /// consolidation (the parameters hold their own).
   [[nodiscard]] bool held_whole() const {
     if (std::any_of(parts_.begin(), parts_.end(), [](const auto& part) { return !part->active(); })) return true;
-    return std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); }) &&
-           (!r_->values_sharded || std::all_of(r_->buckets.begin(), r_->buckets.end(), [](const ddp_bucket& b) { return b.values != nullptr; }));
+    if (r_->values_sharded) {  // (every parameter is in a bucket)
+      for (std::size_t b = 0; b < r_->buckets.size(); ++b) {
+        if (!held(b)) return false;
+      }
+      return true;
+    }
+    return std::none_of(parts_.begin(), parts_.end(), [](const auto& part) { return part->stale(); });
   }
   /// ZeRO-3: bucket b's whole values all-gathered into a buffer allocated for them (on the context's stream), on the
   /// communication stream after the context's stream's work so far (a collective), timed on `t`; its parameters'
