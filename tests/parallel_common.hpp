@@ -249,7 +249,7 @@ inline recipe_result train_recipe_rank(communicator_ref comm, stream_ref s, stre
     if (r.deferred_masters) defer.emplace();
     return make_model(ctx, seed, r.variant);
   }();
-  if (r.deferred_masters && r.precision != dtype::f32 && !parameters_of(model)[0].param->masters_deferred()) {
+  if (r.deferred_masters && !parameters_of(model)[0].param->masters_deferred()) {
     throw std::logic_error("recipe.deferred_masters: the model was built with its master values");
   }
   distributed_data_parallel ddp(model, ctx, comm, comm_stream,

@@ -666,8 +666,9 @@ TEST_P(zero_test, stage_3_names_the_gather_a_model_needs_outside_the_wrapper) {
 }
 
 // A model built inside a deferred_master_values scope: its f16/bf16 parameters hold the working copy alone, with the
-// bits of a whole build; their masters come whole on demand, with the same bits; reading them before says what to
-// do; f32 parameters are not deferred; an optimizer on the bare model names the fix.
+// bits of a whole build, its f32 parameters nothing but the recipe (forward says what to do); their masters come
+// whole on demand, with the same bits; reading them before says what to do; an optimizer on the bare model names the
+// fix.
 TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name_what_needs_them) {
   if (!require_devices(1)) return;
   stream s(dev(0));
@@ -684,9 +685,15 @@ TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name
     for (std::size_t k = 0; k < a.size(); ++k) {
       parameter& p = *b[k].param;
       SCOPED_TRACE(b[k].name);
-      EXPECT_EQ(p.masters_deferred(), type != dtype::f32);
-      if (type == dtype::f32) continue;
-      EXPECT_EQ(to_vector(p.working().bytes(), s), to_vector(a[k].param->working().bytes(), s));
+      EXPECT_TRUE(p.masters_deferred());
+      if (type == dtype::f32) {
+        EXPECT_TRUE(p.working().empty());  // nothing on the device but the gradient
+        const std::string m = message_of<precondition_error>([&] { (void)p.compute_value(); });
+        EXPECT_CONTAINS(m, "forward (compute_value()) needs its fp32 master values, which are deferred");
+        EXPECT_CONTAINS(m, "zero_stage::parameters (an f32 model: forward reads them)");
+      } else {
+        EXPECT_EQ(to_vector(p.working().bytes(), s), to_vector(a[k].param->working().bytes(), s));
+      }
       // the recipe gives the same values in any split
       std::vector<float> parts(static_cast<std::size_t>(p.numel()));
       const std::int64_t mid = p.numel() / 2;
@@ -697,10 +704,13 @@ TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name
                       "needs its fp32 master values, which are deferred");
       const parameter copy = p.clone(s);  // deferred too: the recipe and the working copy
       EXPECT_TRUE(copy.masters_deferred());
-      EXPECT_EQ(to_vector(copy.working().bytes(), s), to_vector(a[k].param->working().bytes(), s));
+      if (type != dtype::f32) {
+        EXPECT_EQ(to_vector(copy.working().bytes(), s), to_vector(a[k].param->working().bytes(), s));
+      }
       p.materialize_masters(s);
       EXPECT_FALSE(p.masters_deferred());
       EXPECT_EQ(to_vector(p.value().span<const float>(), s), to_vector(a[k].param->value().span<const float>(), s));
+      EXPECT_EQ(to_vector(p.compute_value().bytes(), s), to_vector(a[k].param->compute_value().bytes(), s));
     }
   }
   // a parameter larger than one chunk of the working copy's writes (detail::initial_values_chunk elements), in f16:
@@ -735,10 +745,11 @@ TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name
 
 // As for a model built whole, every rank starts from rank 0's values: the ranks build under deferred_master_values
 // from other seeds, and the wrapper streams rank 0's recipe (in chunks of 16 values) into every rank's shard of the
-// master values and its whole working copy (ZeRO-3: its shard of it, gathered). A rank built whole among deferred ones is named.
+// master values and its whole working copy (ZeRO-3: its shard of it, gathered; f32 below ZeRO-3: whole masters
+// first, broadcast from rank 0). A rank built whole among deferred ones is named.
 TEST_P(zero_test, deferred_master_values_of_rank_0_reach_every_ranks_shards_and_working_copies) {
   if (!require_devices(3)) return;
-  for (const dtype type : {dtype::f16, dtype::bf16}) {
+  for (const dtype type : {dtype::f16, dtype::bf16, dtype::f32}) {
     for (const int zero : {1, 2, 3}) {
       SCOPED_TRACE(testing::Message() << name_of(type) << ", ZeRO-" << zero);
       std::vector<std::vector<float>> values(3);
@@ -753,7 +764,7 @@ TEST_P(zero_test, deferred_master_values_of_rank_0_reach_every_ranks_shards_and_
           graph whole = make_model(ctx, seed, model_variant::batch_norm);
           expected_values = parameter_values(whole, s);
           for (const auto& p : parameters_of(whole)) {
-            const auto bytes = to_vector(p.param->working().bytes(), s);
+            const auto bytes = to_vector(p.param->compute_value().bytes(), s);
             expected_working.insert(expected_working.end(), bytes.begin(), bytes.end());
           }
         }
@@ -812,8 +823,9 @@ TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_w
     g.add("out", linear(128, classes, ctx, init), previous);
     return g;
   };
-  for (const dtype type : {dtype::f16, dtype::bf16}) {
+  for (const dtype type : {dtype::f16, dtype::bf16, dtype::f32}) {
     for (const int zero : {1, 2, 3}) {
+      if (type == dtype::f32 && zero < 3) continue;  // (below ZeRO-3 an f32 model's values are its whole masters)
       std::vector<std::uint64_t> transient(2), deferred_transient(2), masters(2);
       std::vector<std::vector<float>> values(2), deferred_values(2);
       run_on_devices(devices(2), [&](rank_context& rc) {

@@ -636,7 +636,8 @@ run_result train_ddp_rank(const options& o, const model_recipe& m, const run_hoo
   const stream_ref compute = ctx.stream();
   if (o.deterministic) ctx.set_deterministic(deterministic_options{.chunk_rows = o.chunk_rows});
   graph model = [&] {
-    // under ZeRO, f16/bf16 masters are never whole on the device: the wrapper writes this rank's shard of them
+    // under ZeRO, f16/bf16 masters (ZeRO-3: also f32 ones) are never whole on the device: the wrapper writes this
+    // rank's shard of them
     std::optional<deferred_master_values> defer;
     if (o.zero > 0) defer.emplace();
     return m.build(data.inputs, ctx, o.seed);

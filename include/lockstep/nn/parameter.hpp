@@ -21,10 +21,11 @@
 // `grad_shard()` and `working_shard()` (the whole tensors when nothing shards the parameter). Under f16/bf16
 // the master values outside the shard are not kept at all (`value()` then refuses, naming the way to get them).
 //
-// Under a `deferred_master_values` scope (DeepSpeed's zero.Init), an f16/bf16 parameter keeps no fp32 master
-// values at first: its initializer becomes a recipe (`initial_values`, fp32 values by element) from which the
-// working copy is written in bounded chunks, and a ZeRO wrapper later writes only its shard's master values, so that
-// no device ever holds the whole model's masters, not even while the model is built.
+// Under a `deferred_master_values` scope (DeepSpeed's zero.Init), a parameter keeps no fp32 master values at first:
+// its initializer becomes a recipe (`initial_values`, fp32 values by element) from which an f16/bf16 working copy is
+// written in bounded chunks (an f32 parameter keeps nothing but the recipe: forward cannot read it yet), and a ZeRO
+// wrapper later writes only its shard's master values, so that no device ever holds the whole model's masters, not
+// even while the model is built.
 #pragma once
 
 #include <algorithm>
@@ -77,12 +78,14 @@ LOCKSTEP_DETAIL_END
 
 LOCKSTEP_ABI_BEGIN
 
-/// While it lives, the f16/bf16 parameters constructed on this thread defer their fp32 master values (see the file
-/// comment): build the model inside it when a ZeRO wrapper (distributed_data_parallel with zero_stage::
-/// optimizer_state, gradients or parameters) will shard it, and the whole model's masters never exist on the device. Outside
-/// ZeRO the wrappers (DDP on one rank or without ZeRO, data_parallel) give the parameters whole masters again;
-/// anything else that needs them (an optimizer on the bare model, value()) says so, or calls materialize_masters.
-/// f32 parameters are not deferred: forward reads their master values.
+/// While it lives, the parameters constructed on this thread defer their fp32 master values (see the file comment):
+/// build the model inside it when a ZeRO wrapper (distributed_data_parallel with zero_stage::optimizer_state,
+/// gradients or parameters) will shard it, and the whole model's masters never exist on the device. f16/bf16
+/// parameters keep their working copy, f32 ones nothing (their masters are the values forward reads): only ZeRO-3
+/// (zero_stage::parameters) keeps them sharded; the other wrappers (DDP without ZeRO-3 or on one rank,
+/// data_parallel) give the f32 parameters whole masters again, and without ZeRO the f16/bf16 ones too. Anything
+/// else that needs them (forward of an f32 model, an optimizer on the bare model, value()) says so, or calls
+/// materialize_masters.
 class deferred_master_values {
  public:
   deferred_master_values() noexcept { ++detail::deferred_masters_depth; }
@@ -170,10 +173,9 @@ class parameter {
 
   /// A parameter named `name` (local to its layer: "weight") of shape `dims` on the device of `s`, with
   /// uninitialized fp32 values and a gradient in `compute_type`, marked zero. Inside a deferred_master_values scope
-  /// an f16/bf16 parameter keeps no master values (masters_deferred()); its values are zeros until set.
+  /// it keeps no master values (masters_deferred()); its values are zeros until set.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
-      : parameter(std::move(name), dims, s, compute_type,
-                  compute_type != dtype::f32 && dims.numel() > 0 && detail::deferred_masters_depth > 0) {}
+      : parameter(std::move(name), dims, s, compute_type, dims.numel() > 0 && detail::deferred_masters_depth > 0) {}
 
   [[nodiscard]] const std::string& name() const noexcept { return name_; }
   [[nodiscard]] const shape& dims() const noexcept { return dims_; }
@@ -203,7 +205,9 @@ class parameter {
       sharding_->before_read(*this);
       if (is_sharded() && sharding_->shards_values()) return sharding_->values();
     }
-    return working_.empty() ? value_.view() : working_.view();
+    if (!working_.empty()) return working_.view();
+    expect_masters("forward (compute_value())");  // f32 built under deferred_master_values
+    return value_.view();
   }
   /// The gradient, in the compute precision.
   [[nodiscard]] tensor_view grad() const noexcept { return grad_.view(); }
@@ -455,7 +459,7 @@ class parameter {
                      name_of(type));
     LOCKSTEP_EXPECTS(!is_sharded() && !working_.borrowed() && !value_.borrowed(), "parameter ", name_,
                      ": its compute type cannot change while a wrapper shards or holds its values");
-    if (type == dtype::f32) materialize_masters(s);  // forward reads them
+    if (type == dtype::f32 && compute_type_ != dtype::f32) materialize_masters(s);  // forward reads them
     if (grad_.empty() || grad_.view().type() != type) grad_.own(tensor(dims_, type, s));
     compute_type_ = type;
     grad_zero_ = true;
@@ -506,7 +510,8 @@ class parameter {
       refresh_working_copy(s);
       return;
     }
-    write_initial_working_copy(values, s);  // (a failure may leave it partly written: refresh_working_copy redoes it)
+    // (f32: no working copy; a failure may leave it partly written: refresh_working_copy redoes it)
+    if (!working_.empty()) write_initial_working_copy(values, s);
     initial_ = std::move(values);
   }
   /// Whether the parameter keeps the recipe of its initial values (its master values deferred, or sharded by a
@@ -589,9 +594,9 @@ class parameter {
   /// A copy of this parameter on the device of `s` (values copied in stream order on `s`; the caller makes
   /// `s` wait for the work that produced the source values). The gradient starts zero.
   [[nodiscard]] parameter clone(stream_ref s) const {
-    if (masters_deferred()) {  // the recipe and the working copy
+    if (masters_deferred()) {  // the recipe and the working copy (f32: none)
       parameter p(name_, dims_, s, compute_type(), true);
-      copy(p.working_.view().bytes(), device_span<const std::uint8_t>(working_.view().bytes()), s);
+      if (!working_.empty()) copy(p.working_.view().bytes(), device_span<const std::uint8_t>(working_.view().bytes()), s);
       p.initial_ = initial_;
       return p;
     }
@@ -602,7 +607,8 @@ class parameter {
   }
 
  private:
-  // `deferred`: no master values, a working copy of zeros (the recipe of zeros) until set_initial_values.
+  // `deferred`: no master values, the recipe of zeros until set_initial_values, and under f16/bf16 a working copy
+  // of zeros.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type, bool deferred)
       : name_(std::move(name)), dims_(dims), device_(s.get_device()) {
     if (!deferred) {
@@ -610,12 +616,14 @@ class parameter {
       set_compute_type(compute_type, s);
       return;
     }
-    LOCKSTEP_EXPECTS(is_floating(compute_type) && compute_type != dtype::f32, "parameter ", name_,
-                     ": compute type must be f16 or bf16 to defer the master values, got ", name_of(compute_type));
+    LOCKSTEP_EXPECTS(is_floating(compute_type), "parameter ", name_, ": compute type must be f32, f16 or bf16, got ",
+                     name_of(compute_type));
     grad_.own(tensor(dims_, compute_type, s));
     compute_type_ = compute_type;
-    working_.own(tensor(dims_, compute_type, s));
-    fill_zero(working_.view().bytes(), s);
+    if (compute_type != dtype::f32) {
+      working_.own(tensor(dims_, compute_type, s));
+      fill_zero(working_.view().bytes(), s);
+    }
     initial_ = [](std::int64_t, std::span<float> out) { std::fill(out.begin(), out.end(), 0.0f); };
   }
 
@@ -632,8 +640,10 @@ class parameter {
     throw precondition_error(detail::concat(
         "parameter ", name_, ": ", what, " needs its fp32 master values, which are deferred (it was built inside a "
         "deferred_master_values scope, for a ZeRO wrapper to keep only its shard of them): wrap the model in "
-        "distributed_data_parallel with zero_stage::optimizer_state, gradients or parameters before building the optimizer, or "
-        "call materialize_masters(stream) to hold them whole"));
+        "distributed_data_parallel with zero_stage::",
+        compute_type_ == dtype::f32 ? "parameters (an f32 model: forward reads them)"
+                                    : "optimizer_state, gradients or parameters",
+        " before building the optimizer, or call materialize_masters(stream) to hold them whole"));
   }
 
   // The working copy from `initial` (a recipe of initial values), in chunks of detail::initial_values_chunk elements.

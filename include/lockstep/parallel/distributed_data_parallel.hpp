@@ -134,8 +134,11 @@ class distributed_data_parallel {
     replica_.values_sharded = replica_.sharded && options.zero == zero_stage::parameters;
     replica_.exact_collective = comm.supports(collective_kind::all_reduce_exact);
     detail::check_same_settings({options_line(options_, ctx)}, comm, replica_.comm_stream);  // they shape the collectives
-    if (!replica_.sharded) {  // a model built under deferred_master_values: whole masters without ZeRO
-      for (const auto& p : replica_.params) p.param->materialize_masters(ctx.stream());
+    // a model built under deferred_master_values: whole masters without ZeRO, and for f32 (forward reads them) below ZeRO-3
+    for (const auto& p : replica_.params) {
+      if (!replica_.sharded || (!replica_.values_sharded && p.param->compute_type() == dtype::f32)) {
+        p.param->materialize_masters(ctx.stream());
+      }
     }
     detail::check_same_parameters(replica_.params, comm, replica_.comm_stream);
     detail::broadcast_parameters(replica_.params, comm, replica_.comm_stream);

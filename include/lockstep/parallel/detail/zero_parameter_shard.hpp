@@ -96,7 +96,9 @@ class zero_parameter_shard final : public parameter_sharding {
     LOCKSTEP_EXPECTS(!active_ && range_.end <= p.numel(), "parameter ", p.name(), ": shard [", range_.begin, ", ",
                      range_.end, ") of ", p.numel(), " elements", active_ ? " (it is sharded already)" : "");
     const bool f32 = p.compute_type() == dtype::f32;
-    if (shards_values_ && !range_.empty()) {  // (deferred master values: the working copy holds the initial values)
+    // (deferred master values: the working copy holds the initial values; under f32 there is none, and
+    // detail::broadcast_deferred_parameters writes the range after this)
+    if (shards_values_ && !range_.empty() && !(f32 && p.masters_deferred())) {
       const tensor_view whole = f32 ? p.value() : p.working();
       copy(shard_values_.bytes(), device_span<const std::uint8_t>(flat_part(whole, range_).bytes()), s);
     }
