@@ -686,8 +686,12 @@ TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name
       parameter& p = *b[k].param;
       SCOPED_TRACE(b[k].name);
       EXPECT_TRUE(p.masters_deferred());
+      EXPECT_TRUE(p.grad().empty());  // its memory comes with the master values (or a wrapper's buckets)
+      EXPECT_CONTAINS(message_of<precondition_error>([&] { (void)p.begin_accumulate(); }),
+                      "backward (its gradient, whose memory comes with them) needs its fp32 master values, which are "
+                      "deferred");
       if (type == dtype::f32) {
-        EXPECT_TRUE(p.working().empty());  // nothing on the device but the gradient
+        EXPECT_TRUE(p.working().empty());  // nothing on the device
         const std::string m = message_of<precondition_error>([&] { (void)p.compute_value(); });
         EXPECT_CONTAINS(m, "forward (compute_value()) needs its fp32 master values, which are deferred");
         EXPECT_CONTAINS(m, "zero_stage::parameters (an f32 model: forward reads them)");
@@ -709,6 +713,8 @@ TEST_P(zero_test, deferred_master_values_give_the_bits_of_a_whole_build_and_name
       }
       p.materialize_masters(s);
       EXPECT_FALSE(p.masters_deferred());
+      EXPECT_EQ(p.grad().numel(), p.numel());
+      EXPECT_EQ(p.grad().type(), type);
       EXPECT_EQ(to_vector(p.value().span<const float>(), s), to_vector(a[k].param->value().span<const float>(), s));
       EXPECT_EQ(to_vector(p.compute_value().bytes(), s), to_vector(a[k].param->compute_value().bytes(), s));
     }
@@ -807,7 +813,8 @@ TEST_P(zero_test, deferred_master_values_of_rank_0_reach_every_ranks_shards_and_
 
 // A ZeRO wrapper around a model built under deferred_master_values writes only its shard of the fp32 master values:
 // while the model is built and wrapped, no device holds more than its steady state plus small chunks (a parameter's
-// fp32 staging, a bucket), where a whole build held every master value until the wrapper sharded them.
+// fp32 staging, a bucket), where a whole build held every master value until the wrapper sharded them. The model
+// built deferred holds its f16/bf16 working copy alone (f32: nothing), no gradient.
 TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_whole_masters_on_any_device) {
   if (!require_devices(2)) return;
   const auto build = [](context& ctx) {
@@ -826,7 +833,7 @@ TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_w
   for (const dtype type : {dtype::f16, dtype::bf16, dtype::f32}) {
     for (const int zero : {1, 2, 3}) {
       if (type == dtype::f32 && zero < 3) continue;  // (below ZeRO-3 an f32 model's values are its whole masters)
-      std::vector<std::uint64_t> transient(2), deferred_transient(2), masters(2);
+      std::vector<std::uint64_t> transient(2), deferred_transient(2), masters(2), deferred_built(2);
       std::vector<std::vector<float>> values(2), deferred_values(2);
       run_on_devices(devices(2), [&](rank_context& rc) {
         const auto r = static_cast<std::size_t>(rc.rank());
@@ -836,11 +843,14 @@ TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_w
           release_cached_memory(rc.get_device());
           reset_memory_stats(rc.get_device());
           context ctx(s, type);
+          const std::uint64_t before = get_memory_stats(rc.get_device()).bytes_in_use;
           graph model = [&] {
             std::optional<deferred_master_values> scope;
             if (deferred) scope.emplace();
             return build(ctx);
           }();
+          s.synchronize();
+          if (deferred) deferred_built[r] = get_memory_stats(rc.get_device()).bytes_in_use - before;
           distributed_data_parallel ddp(model, ctx, rc.comm(), rc.comm_stream(),
                                         ddp_options{.bucket_bytes = 32 << 10, .first_bucket_bytes = 16 << 10,
                                                     .zero = to_zero_stage(zero), .visit_chunk_bytes = 4096});
@@ -858,6 +868,9 @@ TEST_P(zero_test, a_model_built_with_deferred_master_values_is_sharded_without_w
         EXPECT_EQ(deferred_values[r], values[0]);
         EXPECT_GE(transient[r], masters[r] / 2) << "a whole build holds every master value until the wrapper shards them";
         EXPECT_LT(deferred_transient[r], masters[r] / 4);
+        const std::uint64_t working_copy = type == dtype::f32 ? 0 : masters[r] / 2;
+        EXPECT_GE(deferred_built[r], working_copy);
+        EXPECT_LT(deferred_built[r], working_copy + masters[r] / 8) << "a deferred build holds no whole gradient";
       }
     }
   }

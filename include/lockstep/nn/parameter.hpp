@@ -25,7 +25,8 @@
 // its initializer becomes a recipe (`initial_values`, fp32 values by element) from which an f16/bf16 working copy is
 // written in bounded chunks (an f32 parameter keeps nothing but the recipe: forward cannot read it yet), and a ZeRO
 // wrapper later writes only its shard's master values, so that no device ever holds the whole model's masters, not
-// even while the model is built.
+// even while the model is built. Nor its whole gradient: a deferred parameter has no gradient memory until a
+// wrapper's buckets give it some (or materialize_masters gives it its own).
 #pragma once
 
 #include <algorithm>
@@ -173,7 +174,8 @@ class parameter {
 
   /// A parameter named `name` (local to its layer: "weight") of shape `dims` on the device of `s`, with
   /// uninitialized fp32 values and a gradient in `compute_type`, marked zero. Inside a deferred_master_values scope
-  /// it keeps no master values (masters_deferred()); its values are zeros until set.
+  /// it keeps no master values (masters_deferred()) and no gradient memory (it comes with the master values, or with
+  /// a ZeRO wrapper's buckets); its values are zeros until set.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type = dtype::f32)
       : parameter(std::move(name), dims, s, compute_type, dims.numel() > 0 && detail::deferred_masters_depth > 0) {}
 
@@ -416,9 +418,11 @@ class parameter {
              values.subspan(static_cast<std::size_t>(r.begin), static_cast<std::size_t>(r.size())), s);
       }
     } else {
-      if (masters_deferred()) value_.own(tensor(dims_, dtype::f32, s));  // every value is written here
+      const bool deferred = masters_deferred();
+      if (deferred) value_.own(tensor(dims_, dtype::f32, s));  // every value is written here
       copy(value_.view().span<float>(), values, s);
       initial_ = nullptr;
+      if (deferred) restore_grad_memory(s);  // (it comes with the master values)
     }
     if (shards_values()) {  // (f32: the master values written above are the values)
       write_sharded_values(0, values, s);
@@ -460,7 +464,11 @@ class parameter {
     LOCKSTEP_EXPECTS(!is_sharded() && !working_.borrowed() && !value_.borrowed(), "parameter ", name_,
                      ": its compute type cannot change while a wrapper shards or holds its values");
     if (type == dtype::f32 && compute_type_ != dtype::f32) materialize_masters(s);  // forward reads them
-    if (grad_.empty() || grad_.view().type() != type) grad_.own(tensor(dims_, type, s));
+    if (masters_deferred()) {
+      grad_.reset(s);  // (its memory comes with the master values, or with a wrapper's buckets)
+    } else if (grad_.empty() || grad_.view().type() != type) {
+      grad_.own(tensor(dims_, type, s));
+    }
     compute_type_ = type;
     grad_zero_ = true;
     if (type == dtype::f32) {
@@ -568,8 +576,9 @@ class parameter {
     initial_(0, host);
     auto staged = to_device(host, s);
     copy(whole.span<float>(), device_span<const float>(staged.span()), s);
-    value_.own(std::move(whole));  // (last: a failure before leaves the parameter deferred)
+    value_.own(std::move(whole));  // (a failure before leaves the parameter deferred)
     initial_ = nullptr;
+    restore_grad_memory(s);
   }
 
   /// The working copy, for a fused optimizer that writes it directly; empty under f32, and under ZeRO-3 (which
@@ -607,8 +616,8 @@ class parameter {
   }
 
  private:
-  // `deferred`: no master values, the recipe of zeros until set_initial_values, and under f16/bf16 a working copy
-  // of zeros.
+  // `deferred`: no master values and no gradient memory (a ZeRO wrapper's buckets give it; materialize_masters
+  // too), the recipe of zeros until set_initial_values, and under f16/bf16 a working copy of zeros.
   parameter(std::string name, shape dims, stream_ref s, dtype compute_type, bool deferred)
       : name_(std::move(name)), dims_(dims), device_(s.get_device()) {
     if (!deferred) {
@@ -618,7 +627,6 @@ class parameter {
     }
     LOCKSTEP_EXPECTS(is_floating(compute_type), "parameter ", name_, ": compute type must be f32, f16 or bf16, got ",
                      name_of(compute_type));
-    grad_.own(tensor(dims_, compute_type, s));
     compute_type_ = compute_type;
     if (compute_type != dtype::f32) {
       working_.own(tensor(dims_, compute_type, s));
@@ -627,9 +635,11 @@ class parameter {
     initial_ = [](std::int64_t, std::span<float> out) { std::fill(out.begin(), out.end(), 0.0f); };
   }
 
-  // Accumulating into a gradient without memory (release_grad_memory, and a wrapper's construction failed out of
-  // memory before it gave the parameter storage or its memory back).
+  // Accumulating into a gradient without memory (deferred master values, whose gradient memory comes with them;
+  // release_grad_memory, and a wrapper's construction failed out of memory before it gave the parameter storage or
+  // its memory back).
   void expect_grad_memory() const {
+    if (grad_.empty()) expect_masters("backward (its gradient, whose memory comes with them)");
     LOCKSTEP_EXPECTS(!grad_.empty() || numel() == 0, "parameter ", name_, " ", dims_.str(),
                      " has no gradient memory: a data-parallel wrapper whose construction failed out of memory took "
                      "it; build the model again");
