@@ -24,7 +24,8 @@ Predicted state bytes per parameter (P parameters, N ranks, f16/bf16 AdamW), fro
 Predicted step peak: the state, plus the activations a step keeps (per device rows x (input, every hidden width
 twice: the linear's output and the activation's, the logits) in the compute type), plus under ZeRO-3 the whole values
 of the two adjacent buckets held at once (forward holds the child's bucket and gathers one ahead; backward frees a
-bucket once its gradients are launched and gathers the one two above).
+bucket once its gradients are launched and gathers the one two above). The report's gathered peak under ZeRO-3 (the most
+bytes of whole values held at once) is printed next to those two buckets' bytes.
 
 Usage: bench/zero.py [--mlp-train PATH] [--modes memory speed] [--stages 0 1 2 3] [--max-devices 4] [--speed-devices 1 2 3 4]
                      [--steps N] [--repeats R] [--json FILE]
@@ -94,13 +95,18 @@ def activation_bytes(hidden, precision, rows):
     return rows * (784 + 2 * sum(widths) + 10) * (4 if precision == "f32" else 2)
 
 
+def predicted_gathered(hidden, precision, zero, n):
+    """ZeRO-3: the predicted most bytes of whole values a step holds gathered at once (two adjacent buckets)."""
+    if zero != 3 or n < 2:
+        return 0
+    held = ddp_buckets(hidden, 4 if precision == "f32" else 2, by_layer=True)
+    return max((held[i] + held[i + 1] for i in range(len(held) - 1)), default=held[0])
+
+
 def predicted_peak(hidden, precision, zero, n, batch):
     """Predicted peak bytes of a training step per device (see the module docstring)."""
-    peak = predicted(hidden, precision, zero, n) + activation_bytes(hidden, precision, batch // n)
-    if zero == 3 and n > 1:
-        held = ddp_buckets(hidden, 4 if precision == "f32" else 2, by_layer=True)
-        peak += max((held[i] + held[i + 1] for i in range(len(held) - 1)), default=held[0])
-    return peak
+    return (predicted(hidden, precision, zero, n) + activation_bytes(hidden, precision, batch // n)
+            + predicted_gathered(hidden, precision, zero, n))
 
 
 def main():
@@ -139,6 +145,8 @@ def main():
                              "setup_peak_bytes": max(x["setup_peak_memory_bytes"] for x in j["per_device"]),
                              "parameter_bytes": d["parameter_bytes"], "gradient_bytes": d["gradient_bytes"],
                              "optimizer_bytes": d["optimizer_bytes"],
+                             "gathered_peak_bytes": max(x.get("gathered_peak_bytes", 0) for x in j["per_device"]),
+                             "predicted_gathered_bytes": predicted_gathered(a.memory_hidden, a.memory_precision, zero, n),
                              "predicted_state_bytes": predicted(a.memory_hidden, a.memory_precision, zero, n),
                              "predicted_peak_bytes": predicted_peak(a.memory_hidden, a.memory_precision, zero, n, batch)})
         for r in rows:
@@ -148,13 +156,14 @@ def main():
                             "batch": 128, "rows": rows}
         print(f"memory per device: 784-{a.memory_hidden.replace(',', '-')}-10, AdamW, {a.memory_precision}, batch 128, "
               f"{a.memory_steps} steps (MiB; the largest device)")
-        print("| devices | stage | peak | peak predicted | vs DDP | setup peak | parameters | gradients | optimizer | state measured | state predicted |")
-        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
+        print("| devices | stage | peak | peak predicted | vs DDP | setup peak | parameters | gradients | optimizer | state measured | state predicted | gathered peak | gathered predicted |")
+        print("| ---: | --- | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: | ---: |")
         for r in rows:
             state = r["parameter_bytes"] + r["gradient_bytes"] + r["optimizer_bytes"]
             print(f"| {r['devices']} | {'DDP' if r['zero'] == 0 else 'ZeRO-' + str(r['zero'])} | {mib(r['peak_bytes']):.1f} | "
                   f"{mib(r['predicted_peak_bytes']):.1f} | {r['peak_vs_ddp']:.2f} | {mib(r['setup_peak_bytes']):.1f} | {mib(r['parameter_bytes']):.1f} | {mib(r['gradient_bytes']):.1f} | "
-                  f"{mib(r['optimizer_bytes']):.1f} | {mib(state):.1f} | {mib(r['predicted_state_bytes']):.1f} |")
+                  f"{mib(r['optimizer_bytes']):.1f} | {mib(state):.1f} | {mib(r['predicted_state_bytes']):.1f} | "
+                  f"{mib(r['gathered_peak_bytes']):.1f} | {mib(r['predicted_gathered_bytes']):.1f} |")
 
     if "speed" in a.modes:
         speed = {"hidden": a.speed_hidden, "steps": a.steps, "repeats": a.repeats, "rows": []}

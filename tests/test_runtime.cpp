@@ -30,6 +30,7 @@
 #include "lockstep/runtime/memory.hpp"
 #include "lockstep/runtime/pinned_buffer.hpp"
 #include "lockstep/runtime/stream.hpp"
+#include "lockstep/runtime/tensor.hpp"
 #include "test_support.hpp"
 
 using namespace lockstep;
@@ -625,6 +626,18 @@ TEST_P(backend, fill_zero_clears_exactly_the_range) {
   auto d = to_device(std::vector<int>(9, 7), s);
   fill_zero(d.span().subspan(2, 5), s);
   EXPECT_EQ(to_vector(device_span<const int>(d.span()), s), (std::vector<int>{7, 7, 0, 0, 0, 0, 0, 7, 7}));
+}
+
+// An empty view (default-constructed: a scalar's shape, no memory; or a shape without memory) spans no bytes, so that
+// a copy or a read of it touches nothing instead of one element at a null pointer.
+TEST_P(backend, an_empty_view_spans_no_memory) {
+  stream s(dev(0));
+  for (const tensor_view& v : {tensor_view{}, tensor_view(nullptr, dtype::f32, shape{3, 4}, dev(0))}) {
+    EXPECT_TRUE(v.empty());
+    EXPECT_EQ(v.bytes().size(), 0U);
+    EXPECT_EQ(v.span<float>().size(), 0U);
+  }
+  EXPECT_TRUE(to_vector(tensor_view(nullptr, dtype::f32, shape{3, 4}, dev(0)).bytes(), s).empty());
 }
 
 TEST_P(backend, copy_preconditions_say_what_is_wrong) {

@@ -406,6 +406,9 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
     messages[2] = message_of<precondition_error>([&] { scaler.unscale_and_check(params, s); });
     messages[3] = message_of<precondition_error>([&] { (void)clip.clip_grad_norm(params, {}, s); });
     messages[4] = message_of<precondition_error>([&] { early.step(s); });
+    adamw late(params, adamw_options{});
+    stream other(s.get_device());
+    messages[5] = message_of<precondition_error>([&] { late.step(other); });  // (ZeRO orders on ctx.stream())
   });
   EXPECT_CONTAINS(messages[0], "ZeRO shards it over the ranks: this rank updates elements [");
   EXPECT_CONTAINS(messages[0], "and keeps only their fp32 master values");
@@ -415,6 +418,8 @@ TEST_P(zero_test, names_what_a_sharded_rank_cannot_do) {
   EXPECT_CONTAINS(messages[2], "pass the communicator so that every rank skips the same steps");
   EXPECT_CONTAINS(messages[3], "so that the norm covers every rank's shard");
   EXPECT_CONTAINS(messages[4], "before distributed_data_parallel sharded the parameters");
+  EXPECT_CONTAINS(messages[5], "an optimizer step on another stream of");
+  EXPECT_CONTAINS(messages[5], "step on the context's stream, ctx.stream()");
   for (const auto& [options, expected] :
        {std::pair{ddp_options{.zero = static_cast<zero_stage>(4)}, "ZeRO stage must be 0 (plain DDP), 1"},
         std::pair{ddp_options{.hook = comm_hook::fp16, .zero = zero_stage::optimizer_state}, "cannot be combined with a comm hook"}}) {
@@ -537,7 +542,7 @@ TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_s
   };
   enum form : std::uint8_t { stage_2, by_layer, whole, forms };
   std::vector<float> values[forms][3];
-  std::uint64_t peak[forms][3] = {}, held[forms][3] = {};
+  std::uint64_t peak[forms][3] = {}, held[forms][3] = {}, gathered[forms][3] = {};
   std::uint64_t value_bytes = 0;
   const auto train = [&]<class Model>(rank_context& rc, context& ctx, Model& model, form f) {
     const stream_ref s = ctx.stream();
@@ -562,6 +567,7 @@ TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_s
     const device_report report = ddp.report();
     peak[f][r] = report.peak_bytes;
     held[f][r] = report.parameter_bytes;
+    gathered[f][r] = report.gathered_peak_bytes;
     if (r == 0) value_bytes = static_cast<std::uint64_t>(params.numel()) * 4;  // (one writer: the ranks are threads)
     auto guard = ddp.consolidated(opt);
     values[f][r] = parameter_values(model, s);
@@ -597,6 +603,11 @@ TEST_P(zero_test, stage_3_gathers_layer_by_layer_and_holds_a_few_layers_at_the_s
     // the whole gather holds every value and the shard at once; layer by layer, about three layers of 37 KB
     EXPECT_LT(peak[by_layer][r] + value_bytes / 2, peak[whole][r]);
     EXPECT_LT(peak[by_layer][r] + value_bytes / 4, peak[stage_2][r]);
+    // the report's gathered peak (the buckets' whole values held at once): a few layers, every value, nothing
+    EXPECT_GE(gathered[by_layer][r], static_cast<std::uint64_t>(width * width) * 4);
+    EXPECT_LE(gathered[by_layer][r], value_bytes / 3);
+    EXPECT_GE(gathered[whole][r], value_bytes);
+    EXPECT_EQ(gathered[stage_2][r], 0U);
   }
 }
 

@@ -80,7 +80,7 @@ inline constexpr const char* common_usage =
     "                        the batch has few chunks) or accumulators (exact sums all-reduced); the same bits\n"
     "  --zero S              --mode ddp: 0 (default) keeps a whole copy of the training state per device; 1 shards\n"
     "                        the optimizer state and fp32 master weights over the ranks (ZeRO-1), 2 the gradients too,\n"
-    "                        3 the weights too (gathered whole for each step)\n"
+    "                        3 the weights too (gathered a few layers at a time in a step)\n"
     "  --host-collectives S  --mode ddp on host devices: the stream the collectives run on: auto (default: the\n"
     "                        compute stream when this process has fewer than two cores per rank), communication\n"
     "                        or compute (the same results either way)\n"

@@ -760,13 +760,14 @@ run_result train_ddp_mpi(const options& o, const model_recipe& m, const run_hook
   run_result r = train_ddp_rank(o, m, hooks, data, ctx, comm, comm_stream);
   // every rank's peak memory and times, to rank 0
   const device_report mine = r.devices.front();
-  constexpr std::size_t fields = 10;
+  constexpr std::size_t fields = 11;
   auto local = to_device(std::vector<double>{static_cast<double>(mine.peak_bytes), mine.compute_ms,
                                              mine.communication_ms, mine.wall_ms, mine.idle_ms, r.train_seconds,
                                              static_cast<double>(mine.parameter_bytes),
                                              static_cast<double>(mine.gradient_bytes),
                                              static_cast<double>(mine.optimizer_bytes),
-                                             static_cast<double>(mine.setup_peak_bytes)},
+                                             static_cast<double>(mine.setup_peak_bytes),
+                                             static_cast<double>(mine.gathered_peak_bytes)},
                          compute);
   device_buffer<double> all(fields * static_cast<std::size_t>(comm.size()), compute);
   comm.all_gather(local.data(), all.data(), fields, dtype::i64, compute);  // 8-byte elements, gathered as bytes
@@ -787,6 +788,7 @@ run_result train_ddp_mpi(const options& o, const model_recipe& m, const run_hook
     d.gradient_bytes = static_cast<std::uint64_t>(f[7]);
     d.optimizer_bytes = static_cast<std::uint64_t>(f[8]);
     d.setup_peak_bytes = static_cast<std::uint64_t>(f[9]);
+    d.gathered_peak_bytes = static_cast<std::uint64_t>(f[10]);
     r.devices.push_back(d);
   }
   return r;
@@ -912,13 +914,16 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
       std::printf("%-22s %12s %12s %12.0f %14.0f %10.0f\n", device_names[i].c_str(), format_bytes(d.peak_bytes).c_str(),
                   format_bytes(d.setup_peak_bytes).c_str(), d.compute_ms, d.communication_ms, d.idle_ms);
     }
-    if (o.mode == "ddp") {  // what the training state takes on each device (ZeRO shards it)
-      std::printf("%-22s %12s %12s %14s\n", o.zero > 0 ? ("state, ZeRO-" + std::to_string(o.zero)).c_str() : "state",
-                  "parameters", "gradients", "optimizer");
+    if (o.mode == "ddp") {  // what the training state takes on each device (ZeRO shards it; ZeRO-3 gathers values)
+      const bool gathers = o.zero == 3;
+      std::printf("%-22s %12s %12s %14s%s\n", o.zero > 0 ? ("state, ZeRO-" + std::to_string(o.zero)).c_str() : "state",
+                  "parameters", "gradients", "optimizer", gathers ? "  gathered peak" : "");
       for (std::size_t i = 0; i < r.devices.size(); ++i) {
         const auto& d = r.devices[i];
-        std::printf("%-22s %12s %12s %14s\n", device_names[i].c_str(), format_bytes(d.parameter_bytes).c_str(),
+        std::printf("%-22s %12s %12s %14s", device_names[i].c_str(), format_bytes(d.parameter_bytes).c_str(),
                     format_bytes(d.gradient_bytes).c_str(), format_bytes(d.optimizer_bytes).c_str());
+        if (gathers) std::printf(" %14s", format_bytes(d.gathered_peak_bytes).c_str());
+        std::printf("\n");
       }
     }
     return 0;
@@ -973,6 +978,7 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
       per_device.back()["parameter_bytes"] = d.parameter_bytes;
       per_device.back()["gradient_bytes"] = d.gradient_bytes;
       per_device.back()["optimizer_bytes"] = d.optimizer_bytes;
+      per_device.back()["gathered_peak_bytes"] = d.gathered_peak_bytes;  // (ZeRO-3; else 0)
     }
   }
   j["peak_memory_bytes"] = peak;

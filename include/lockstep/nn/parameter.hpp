@@ -147,10 +147,11 @@ class parameter_sharding {
   /// The values forward reads are about to be written on the context's stream (load_values, write_values_range,
   /// refresh_working_copy): orders it after a gather of them still in flight.
   virtual void before_write() = 0;
-  /// An optimizer is about to update range() of `p` on the context's stream: orders it after a gather still in
+  /// An optimizer is about to update range() of `p` in stream order on `s`: orders it after a gather still in
   /// flight, and the values held gathered are stale from then on (the next forward gathers again). Throws while a
-  /// consolidation holds `p` whole (only range()'s gradient was reduced on this rank).
-  virtual void before_update(const parameter& p) = 0;
+  /// consolidation holds `p` whole (only range()'s gradient was reduced on this rank), and when `s` is not the
+  /// stream the wrapper computes on (its gathers and backward are ordered on that stream only).
+  virtual void before_update(const parameter& p, stream_ref s) = 0;
   /// Whether the wrapper keeps the values forward reads too (ZeRO-3): the parameter then holds none of its own;
   /// keeps_masters() is true (under f32 the master values are the values) and the whole values exist only while
   /// the wrapper holds them gathered.
@@ -432,13 +433,14 @@ class parameter {
     dispatch_floating(working_.view().type(), "load_values", [&]<class T>() { cast<T, float>(values, working_.view().span<T>(), s); });
   }
 
-  /// An optimizer is about to update shard() (its master values and working copy) on the context's stream (the
-  /// stream the wrapper computes on): a wrapper that shards the parameter (ZeRO) orders it after a gather still in
-  /// flight, and gathers again before the next forward (also when the model was used, and the values gathered,
-  /// between backward and the step). An optimizer of the user's own that writes master_shard() or
-  /// working_shard() calls it first, for every parameter, on every rank.
-  void before_update() {
-    if (sharding_) sharding_->before_update(*this);
+  /// An optimizer is about to update shard() (its master values and working copy) in stream order on `s`, which
+  /// must be the context's stream (the stream the wrapper computes on): a wrapper that shards the parameter (ZeRO)
+  /// orders the update after a gather still in flight, and gathers again before the next forward (also when the
+  /// model was used, and the values gathered, between backward and the step); it refuses another stream. An
+  /// optimizer of the user's own that writes master_shard() or working_shard() calls it first, for every
+  /// parameter, on every rank.
+  void before_update(stream_ref s) {
+    if (sharding_) sharding_->before_update(*this, s);
   }
 
   /// The gradient's memory is about to be reused by the wrapper that owns it: the next write overwrites it.

@@ -44,7 +44,7 @@ class adamw : public detail::optimizer_core<adamw_options, 2> {
   void step(stream_ref s, step_inputs in = {}) {
     const auto& first = groups_.front().options;
     const auto* counters = prepare(s, in, first.beta1, first.beta2);
-    for_each_batch<5>([&](dtype t, std::span<const tensor_group<5>> groups, const adamw_options& o, std::size_t g) {
+    for_each_batch<5>(s, [&](dtype t, std::span<const tensor_group<5>> groups, const adamw_options& o, std::size_t g) {
       dispatch_floating(t, "adamw", [&]<class T>() {
         launch_multi_tensor<5>(groups,
                                kernels::adamw_update_op<T>{o.lr, o.beta1, o.beta2, o.eps, o.weight_decay, in, counters + g},

@@ -187,9 +187,10 @@ class optimizer_core {
   }
 
   /// Calls launch(T, tensor groups of dtype T, options, group index) for every parameter group and every
-  /// gradient dtype T present, with the tensor groups [value, grad, state..., working] built for T.
+  /// gradient dtype T present, with the tensor groups [value, grad, state..., working] built for T, to update them
+  /// in stream order on `s`.
   template <int K, class Launch>
-  void for_each_batch(Launch&& launch) {
+  void for_each_batch(stream_ref s, Launch&& launch) {
     static_assert(K == State + 3, "tensor groups are [value, grad, state..., working]");
     for (std::size_t gi = 0; gi < groups_.size(); ++gi) {
       auto& g = groups_[gi];
@@ -200,7 +201,7 @@ class optimizer_core {
           if (p->compute_type() != t) continue;
           // the parameter's shard (all of it without ZeRO); the state covers the same elements
           const auto n = static_cast<std::size_t>(p->shard().size());
-          p->before_update();  // (every rank, also for an empty shard: ZeRO then gathers on every rank alike)
+          p->before_update(s);  // (every rank, also for an empty shard: ZeRO then gathers on every rank alike)
           if (!g.state.empty()) {
             const auto held = static_cast<std::size_t>(g.state[i][0].numel());
             LOCKSTEP_EXPECTS(held == n, "optimizer state of ", p->name(), " covers ", held, " elements but this rank "

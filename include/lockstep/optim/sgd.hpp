@@ -49,7 +49,7 @@ class sgd : public detail::optimizer_core<sgd_options, 1> {
   /// group and gradient dtype, plus one for the step count. Never waits for the device.
   void step(stream_ref s, step_inputs in = {}) {
     const auto* counters = prepare(s, in, 0.0f, 0.0f);
-    for_each_batch<4>([&](dtype t, std::span<const tensor_group<4>> groups, const sgd_options& o, std::size_t g) {
+    for_each_batch<4>(s, [&](dtype t, std::span<const tensor_group<4>> groups, const sgd_options& o, std::size_t g) {
       dispatch_floating(t, "sgd", [&]<class T>() {
         launch_multi_tensor<4>(groups,
                                kernels::sgd_update_op<T>{o.lr, o.momentum, o.dampening, o.weight_decay,

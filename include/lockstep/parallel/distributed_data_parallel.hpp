@@ -375,7 +375,8 @@ class distributed_data_parallel {
     return timed(compute_timeline_, phase::compute, replica_.ctx->stream(), std::forward<F>(f));
   }
   /// Peak memory and time spent computing (forward, backward, compute()) and communicating (all-reduces: overlapped
-  /// with backward, or on a host device in its order, host_collectives.hpp) since construction or reset_report().
+  /// with backward, or on a host device in its order, host_collectives.hpp) since construction or reset_report();
+  /// the bytes of the training state; under ZeRO-3 the most bytes of whole values held gathered at once.
   [[nodiscard]] device_report report() {
     device_report r = compute_timeline_.report();
     const device_report c = comm_timeline_.report();
@@ -385,6 +386,7 @@ class distributed_data_parallel {
     r.idle_ms = std::max(0.0, r.wall_ms - r.compute_ms - (apart ? 0.0 : r.communication_ms));
     r.parameter_bytes = parameter_bytes();
     r.gradient_bytes = gradient_bytes();
+    r.gathered_peak_bytes = shards_.gathered_peak_bytes();
     return r;
   }
 
@@ -399,6 +401,7 @@ class distributed_data_parallel {
   void reset_report() {
     compute_timeline_.reset();  // (both timelines reset the device's memory peak: the first keeps the setup peak)
     comm_timeline_.reset();
+    shards_.reset_gathered_peak();
   }
 
  private:

@@ -39,6 +39,8 @@ struct device_report {
   std::uint64_t parameter_bytes = 0;
   std::uint64_t gradient_bytes = 0;
   std::uint64_t optimizer_bytes = 0;
+  // ZeRO-3: the most bytes of whole values held gathered at once (the buckets' buffers, part of peak_bytes).
+  std::uint64_t gathered_peak_bytes = 0;
 };
 
 class timeline {

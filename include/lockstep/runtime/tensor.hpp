@@ -54,15 +54,15 @@ class tensor_view {
                          : "");
     return static_cast<T*>(data_);
   }
-  /// The elements as a device_span<T>.
+  /// The elements as a device_span<T> (none for an empty view, whose default shape is a scalar's).
   template <class T>
   [[nodiscard]] device_span<T> span() const {
-    return device_span<T>(as<T>(), static_cast<std::size_t>(numel()), dev_);
+    return device_span<T>(as<T>(), empty() ? 0 : static_cast<std::size_t>(numel()), dev_);
   }
 
-  /// The memory as bytes, whatever the dtype (for copies).
+  /// The memory as bytes, whatever the dtype (for copies); none for an empty view.
   [[nodiscard]] device_span<std::uint8_t> bytes() const noexcept {
-    return device_span<std::uint8_t>(static_cast<std::uint8_t*>(data_), size_bytes(), dev_);
+    return device_span<std::uint8_t>(static_cast<std::uint8_t*>(data_), empty() ? 0 : size_bytes(), dev_);
   }
 
   /// Rows [begin, begin + count) along the outermost dimension (a batch slice); no copy.

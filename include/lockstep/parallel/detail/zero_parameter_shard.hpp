@@ -13,6 +13,7 @@
 #include "lockstep/nn/parameter.hpp"
 #include "lockstep/runtime/copy.hpp"
 #include "lockstep/runtime/memory.hpp"
+#include "lockstep/runtime/stream.hpp"
 #include "lockstep/runtime/tensor.hpp"
 
 LOCKSTEP_DETAIL_BEGIN
@@ -30,7 +31,9 @@ inline tensor_view flat_part(const tensor_view& t, element_range r) {
 /// values), and the whole values only in the bucket's gathered buffer, while the wrapper holds it.
 class zero_parameter_shard final : public parameter_sharding {
  public:
-  explicit zero_parameter_shard(element_range range) noexcept : range_(range.empty() ? element_range{} : range) {}
+  /// The shard of `range`, for a wrapper that computes (and orders its gathers) on `compute`.
+  zero_parameter_shard(element_range range, stream_ref compute) noexcept
+      : range_(range.empty() ? element_range{} : range), compute_(compute) {}
 
   [[nodiscard]] bool active() const noexcept override { return active_; }
   [[nodiscard]] element_range range() const noexcept override { return range_; }
@@ -67,11 +70,16 @@ class zero_parameter_shard final : public parameter_sharding {
   void before_write() override {
     if (read_hook_) std::exchange(read_hook_, nullptr)();  // the values' all-gather, if still pending
   }
-  void before_update(const parameter& p) override {
+  void before_update(const parameter& p, stream_ref s) override {
     // (inactive: a consolidation holds the parameter whole, yet only the range's gradient was reduced here, and
     // under ZeRO-2 the whole gradient is gone: a step would diverge the ranks)
     LOCKSTEP_EXPECTS(active_, "parameter ", p.name(), ": an optimizer step while distributed_data_parallel::",
                      "consolidated() holds the model whole; step after the consolidation's guard ends");
+    // (the gathers that read the shard, backward's gradient writes and the next forward's gathers are ordered on the
+    // wrapper's stream: an update on another one races them)
+    LOCKSTEP_EXPECTS(s == compute_, "parameter ", p.name(), ": an optimizer step on another stream of ",
+                     s.get_device().str(), " than the one distributed_data_parallel computes on (ZeRO orders the "
+                     "shard's gathers and gradients on that stream only): step on the context's stream, ctx.stream()");
     before_write();  // (the all-gather reads the range the update writes)
     stale_ = true;
   }
@@ -149,6 +157,7 @@ class zero_parameter_shard final : public parameter_sharding {
 
  private:
   element_range range_;
+  stream_ref compute_;  // the stream the wrapper computes on (an update is ordered there)
   bool active_ = false;
   bool keeps_masters_ = false;
   bool keeps_gradient_ = false;

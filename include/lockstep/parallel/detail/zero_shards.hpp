@@ -72,7 +72,7 @@ class zero_shards {
   void place(const ddp_bucket& b, std::size_t i) {
     parameter& p = r_->param(b, i);
     const element_range range = b.layout.shard_of(i, p.numel(), r_->comm.rank());
-    auto part = std::make_shared<zero_parameter_shard>(range);
+    auto part = std::make_shared<zero_parameter_shard>(range, r_->compute_stream());
     if (r_->values_sharded) {
       const bucket_layout& l = b.layout;
       const std::size_t at = range.empty() ? 0 : l.value_offsets[i] + static_cast<std::size_t>(range.begin) - l.rank_offset(r_->comm.rank());
@@ -118,7 +118,7 @@ class zero_shards {
     r_->check_communication();
     const stream_ref cs = r_->comm_stream;
     for (ddp_bucket& bk : r_->buckets) {  // ZeRO-3, where the values go (on the context's stream, as the reads)
-      if (r_->values_sharded && !bk.values) bk.values = whole_values(bk.layout);
+      if (r_->values_sharded) allocate_gathered(bk);
     }
     r_->after(cs, r_->compute_stream());  // the optimizer step that updated the shards
     t.begin(phase::communication, cs);
@@ -144,7 +144,7 @@ class zero_shards {
   /// first reads wait for it.
   void gather_bucket(std::size_t b, timeline& t) {
     ddp_bucket& bk = r_->buckets[b];
-    if (!bk.values) bk.values = whole_values(bk.layout);
+    allocate_gathered(bk);
     const stream_ref cs = r_->comm_stream;
     r_->after(cs, r_->compute_stream());  // the buffer's allocation, and the reads of the one it may reuse
     t.begin(phase::communication, cs);
@@ -167,9 +167,12 @@ class zero_shards {
       parts_[k]->set_gathered(tensor_view{});
       parts_[k]->set_read_hook(nullptr);
     }
-    bk.values->set_stream(r_->compute_stream());
-    bk.values.reset();
+    free_gathered(bk);
   }
+  /// ZeRO-3: the most bytes of whole values held gathered at once (the buckets' buffers) since construction or
+  /// reset_gathered_peak() (which starts again from those held now).
+  [[nodiscard]] std::uint64_t gathered_peak_bytes() const noexcept { return gathered_peak_bytes_; }
+  void reset_gathered_peak() noexcept { gathered_peak_bytes_ = gathered_bytes_; }
   /// Orders the context's stream after every all-gather of the last gather() (the read hooks ordered only the
   /// reads forward made): backward and the step after it come after every all-gather, which reads the shards.
   void wait_for_gathers() {
@@ -389,11 +392,21 @@ class zero_shards {
   void release_values() {
     wait_for_gathers();
     for (const auto& part : parts_) part->set_gathered(tensor_view{});
-    for (ddp_bucket& b : r_->buckets) {
-      if (!b.values) continue;
-      b.values->set_stream(r_->compute_stream());
-      b.values.reset();
-    }
+    for (ddp_bucket& b : r_->buckets) free_gathered(b);
+  }
+  // ZeRO-3: bucket bk's whole values, allocated unless held, and counted.
+  void allocate_gathered(ddp_bucket& bk) {
+    if (bk.values) return;
+    bk.values = whole_values(bk.layout);
+    gathered_bytes_ += bk.values->size_bytes();
+    gathered_peak_bytes_ = std::max(gathered_peak_bytes_, gathered_bytes_);
+  }
+  // ZeRO-3: bucket bk's whole values freed in stream order on the context's stream (after the reads queued so far).
+  void free_gathered(ddp_bucket& bk) {
+    if (!bk.values) return;
+    gathered_bytes_ -= bk.values->size_bytes();
+    bk.values->set_stream(r_->compute_stream());
+    bk.values.reset();
   }
   // Every parameter's values stale (after backward; a gather makes them current again).
   void mark_stale() {
@@ -465,6 +478,8 @@ class zero_shards {
   event gathered_;                         // the last gather's (or gather_whole's) collectives
   int consolidations_ = 0;                 // consolidate() calls not yet resharded
   bool pending_reads_ = false;             // gathered, and the context's stream not yet after every gather
+  std::uint64_t gathered_bytes_ = 0;       // ZeRO-3: the buckets' whole values held now (allocate_gathered)
+  std::uint64_t gathered_peak_bytes_ = 0;  // and the most held at once (reset_gathered_peak)
 };
 
 LOCKSTEP_DETAIL_END
