@@ -89,17 +89,22 @@ def predicted(hidden, precision, zero, n):
     return (2 * p if zero < 3 else 2 * p / n) + buffers + 2 * p / n + 12 * p / n
 
 
+def element_bytes(precision):
+    """Bytes of one value forward reads in `precision` (the compute type)."""
+    return 4 if precision == "f32" else 2
+
+
 def activation_bytes(hidden, precision, rows):
     """The activations a step keeps on a device (see the module docstring)."""
     widths = [int(w) for w in hidden.split(",")]
-    return rows * (784 + 2 * sum(widths) + 10) * (4 if precision == "f32" else 2)
+    return rows * (784 + 2 * sum(widths) + 10) * element_bytes(precision)
 
 
 def predicted_gathered(hidden, precision, zero, n):
     """ZeRO-3: the predicted most bytes of whole values a step holds gathered at once (two adjacent buckets)."""
     if zero != 3 or n < 2:
         return 0
-    held = ddp_buckets(hidden, 4 if precision == "f32" else 2, by_layer=True)
+    held = ddp_buckets(hidden, element_bytes(precision), by_layer=True)
     return max((held[i] + held[i + 1] for i in range(len(held) - 1)), default=held[0])
 
 
