@@ -17,10 +17,9 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "lockstep/blas/gemm_rate.hpp"
 #include "lockstep/blas/host_kernels.hpp"
+#include "lockstep/io/json.hpp"
 #include "lockstep/runtime/stream.hpp"
 
 using namespace lockstep;
@@ -126,10 +125,10 @@ int main(int argc, char** argv) {
     std::vector<blas_handle> handles;
     for (const auto& p : plans) handles.emplace_back(s, p);
 
-    nlohmann::json shapes = nlohmann::json::array();
+    json_value shapes = json_value::array();
     double flops_per_step = 0, best_seconds = 0, chosen_seconds = 0;
     for (const auto& g : step_gemms(widths, rows)) {
-      nlohmann::json rates = nlohmann::json::object();
+      json_value rates = json_value::object();
       double best = 0, chosen = 0;
       for (std::size_t i = 0; i < plans.size(); ++i) {
         const double r = gemm_rate(handles[i], precision, g.shape, seconds);
@@ -151,7 +150,7 @@ int main(int argc, char** argv) {
     }
     const double flops_per_sample = flops_per_step / static_cast<double>(rows);
     const double roofline_gflops = flops_per_step / best_seconds / 1e9;
-    nlohmann::json out{{"hidden", hidden},
+    json_value out{{"hidden", hidden},
                        {"batch", batch},
                        {"devices", devices},
                        {"rows_per_device", rows},

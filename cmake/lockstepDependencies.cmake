@@ -17,7 +17,6 @@ endmacro()
 
 lockstep_find_required(Threads)
 lockstep_find_required(ZLIB)
-lockstep_find_required(nlohmann_json 3)
 
 # OpenBLAS: Debian's libopenblas-dev ships an OpenBLASConfig.cmake that sets variables, not a target.
 if(NOT TARGET lockstep::openblas)
@@ -155,7 +154,7 @@ endif()
 # build-tree targets as $<BUILD_INTERFACE:...> (so they are not exported), and to the imported targets by the
 # installed package's config, on the consumer's machine, where CUDA may or may not exist.
 function(lockstep_attach_dependencies core mpi wrap)
-  set(libs Threads::Threads ZLIB::ZLIB nlohmann_json::nlohmann_json lockstep::openblas lockstep::xxhash ${CMAKE_DL_LIBS})
+  set(libs Threads::Threads ZLIB::ZLIB lockstep::openblas lockstep::xxhash ${CMAKE_DL_LIBS})
   if(LOCKSTEP_CUDA_FOUND)
     list(APPEND libs CUDA::cudart CUDA::cublas lockstep::nccl)
   endif()

@@ -9,7 +9,7 @@ set -euo pipefail
 packages=(
   cmake ninja-build g++ clang libclang-rt-14-dev ccache pkg-config
   libgtest-dev libbenchmark-dev
-  libopenblas-dev libdnnl-dev zlib1g-dev nlohmann-json3-dev libxxhash-dev
+  libopenblas-dev libdnnl-dev zlib1g-dev libxxhash-dev
   libopenmpi-dev openmpi-bin
   dataset-fashion-mnist
 )

@@ -68,6 +68,10 @@ std::vector<std::byte> file_bytes(const fs::path& p) {
   std::memcpy(out.data(), v.data(), v.size());
   return out;
 }
+json_value read_json(const fs::path& p) {
+  const auto b = file_bytes(p);
+  return json_value::parse(std::string_view(reinterpret_cast<const char*>(b.data()), b.size()));
+}
 void write_bytes(const fs::path& p, std::span<const std::byte> b) {
   std::ofstream out(p, std::ios::binary | std::ios::trunc);
   out.write(reinterpret_cast<const char*>(b.data()), static_cast<std::streamsize>(b.size()));
@@ -79,6 +83,116 @@ std::string sha_of(std::string_view text) {
   sha256 h;
   h.update(std::as_bytes(std::span(text.data(), text.size())));
   return h.hex_digest();
+}
+
+std::string json_error_of(std::string_view text) {
+  try {
+    (void)json_value::parse(text);
+  } catch (const json_error& e) {
+    return e.what();
+  }
+  return "(accepted)";
+}
+
+TEST(json, round_trips_every_kind_with_sorted_keys_and_exact_doubles) {
+  json_value m{{"z", 1}, {"a", "x"}};
+  m["position"]["step"] = std::int64_t{-100};
+  m["lrs"] = std::vector<float>{0.1f, 0.01f};
+  m["name"] = "quote \" backslash \\ newline \n tab \t \x01 \xc3\xa9";
+  m["big"] = std::uint64_t{18446744073709551615u};
+  m["whole"] = 100.0;
+  m["tiny"] = 1e-5;
+  m["list"].push_back(true);
+  m["list"].push_back(nullptr);
+  EXPECT_EQ(m.dump(),
+            R"({"a":"x","big":18446744073709551615,"list":[true,null],"lrs":[0.10000000149011612,0.009999999776482582],)"
+            R"("name":"quote \" backslash \\ newline \n tab \t \u0001 )" "\xc3\xa9" R"(","position":{"step":-100},"tiny":1e-05,)"
+            R"("whole":100.0,"z":1})");
+  for (const int indent : {-1, 1, 4}) {
+    const json_value back = json_value::parse(m.dump(indent));
+    EXPECT_EQ(back, m);
+    EXPECT_EQ(back.dump(indent), m.dump(indent));
+  }
+  EXPECT_EQ(json_value::parse(m.dump()).at("lrs").at(1).get<float>(), 0.01f);
+  EXPECT_EQ(json_value::parse(R"("\ud83d\ude00 \u00e9 \/")").get<std::string>(), "\xf0\x9f\x98\x80 \xc3\xa9 /");
+  // one number type: integers of either sign and doubles compare by value
+  EXPECT_EQ(json_value::parse("1"), json_value(1));
+  EXPECT_EQ(json_value::parse("1.0"), json_value(1));
+  EXPECT_NE(json_value::parse("-1"), json_value(std::uint64_t{18446744073709551615u}));
+  EXPECT_EQ(json_value::parse("18446744073709551616").dump(), "18446744073709551616.0");  // past 64 bits: a double
+}
+
+TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
+  EXPECT_CONTAINS(json_error_of(R"({"a":1,"a":2})"), "the key \"a\" appears twice in one object at byte 7");
+  EXPECT_CONTAINS(json_error_of(R"({"x":{"b":1,"b":1}})"), "appears twice");  // at any depth
+  EXPECT_CONTAINS(json_error_of("[1,]"), "at byte 3");
+  EXPECT_CONTAINS(json_error_of("{\"a\":1,}"), "expected a key string");
+  EXPECT_CONTAINS(json_error_of("01"), "text after the value");
+  EXPECT_CONTAINS(json_error_of("1."), "digits after its '.'");
+  EXPECT_CONTAINS(json_error_of("-"), "at byte 1");
+  EXPECT_CONTAINS(json_error_of("1e400"), "out of the range of a double");
+  EXPECT_CONTAINS(json_error_of("nul"), "unknown literal");
+  EXPECT_CONTAINS(json_error_of("NaN"), "at byte 0");
+  EXPECT_CONTAINS(json_error_of("\"\x01\""), "control character");
+  EXPECT_CONTAINS(json_error_of("\"\xc0\xaf\""), "not valid UTF-8");      // an overlong '/'
+  EXPECT_CONTAINS(json_error_of("\"\xed\xa0\x80\""), "not valid UTF-8");  // a surrogate, encoded
+  EXPECT_CONTAINS(json_error_of(R"("\ud800")"), "without its low surrogate");
+  EXPECT_CONTAINS(json_error_of(R"("\udc00")"), "lone low surrogate");
+  EXPECT_CONTAINS(json_error_of(R"("\x")"), "unknown escape");
+  EXPECT_CONTAINS(json_error_of("\"abc"), "closing quote");
+  EXPECT_CONTAINS(json_error_of("// comment\n1"), "at byte 0");
+  EXPECT_CONTAINS(json_error_of(""), "unexpected end");
+  EXPECT_CONTAINS(json_error_of(std::string(300, '[')), "nesting deeper than 256");
+  EXPECT_EQ(json_error_of(std::string(255, '[') + std::string(255, ']')), "(accepted)");
+  // reading a value as what it is not
+  const json_value v = json_value::parse(R"({"n":-5,"s":"x","f":0.5,"big":300})");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("missing"); }), "no member 'missing'");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("n").get<unsigned>(); }), "does not fit");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("big").get<std::uint8_t>(); }), "does not fit");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("f").get<int>(); }), "expected an integer, got number");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("s").get<float>(); }), "expected a number, got string");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value(std::nan("")).dump(); }), "no NaN or infinity");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value(std::string("\xff")).dump(); }), "not valid UTF-8");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value{{"a", 1}, {"a", 2}}; }), "given twice");
+  EXPECT_EQ(v.value("missing", 7), 7);
+  EXPECT_EQ(v.value("n", 7), -5);
+  static_assert(std::is_base_of_v<data_error, json_error>);
+}
+
+TEST(checkpoint, a_manifest_checksum_covers_the_text_as_written_without_its_own_member) {
+  // The bytes hashed: the compact text without the top-level "checksum" member, whatever the spelling of its
+  // numbers (an earlier lockstep's JSON writer spelled some doubles otherwise) and wherever the member sits.
+  const std::string rest = R"({"a":1,"lr":1.0E-2,"n":{"checksum":"inner"}})";
+  const std::string want = detail::checksum_of(std::as_bytes(std::span(rest)));
+  EXPECT_EQ(detail::manifest_checksum(rest), want);
+  EXPECT_EQ(detail::manifest_checksum(R"({"a":1,"checksum":"0123","lr":1.0E-2,"n":{"checksum":"inner"}})"), want);
+  EXPECT_EQ(detail::manifest_checksum(R"({"checksum":"0","a":1,"lr":1.0E-2,"n":{"checksum":"inner"}})"), want);
+  EXPECT_EQ(detail::manifest_checksum("{\n \"a\": 1,\n \"lr\": 1.0E-2,\n \"n\": {\n  \"checksum\": \"inner\"\n },"
+                                      "\n \"checksum\": \"0\"\n}\n"),
+            want);
+  EXPECT_NE(detail::manifest_checksum(R"({"a":1,"lr":0.01,"n":{"checksum":"inner"}})"), want);
+  EXPECT_NE(detail::manifest_checksum(R"({"a":2,"lr":1.0E-2,"n":{"checksum":"inner"}})"), want);
+  // spaces inside strings are content
+  EXPECT_NE(detail::manifest_checksum(R"({"a":"x y"})"), detail::manifest_checksum(R"({"a":"xy"})"));
+}
+
+TEST(checkpoint, a_manifest_written_by_earlier_lockstep_reads_and_its_checksum_holds) {
+  // tests/data/manifest_written_by_nlohmann: the manifest bench/compile_time/training_file.cpp saved with lockstep at
+  // df23007, whose JSON writer was nlohmann::json (f16 AdamW with a loss scaler on 2 host devices, step 3).
+  const fs::path kept = fs::path(LOCKSTEP_SOURCE_DIR) / "tests" / "data" / "manifest_written_by_nlohmann";
+  const json_value m = detail::read_manifest(kept);
+  EXPECT_EQ(m.at("position").at("step").get<int>(), 3);
+  EXPECT_EQ(m.at("optimizer").at("groups").at(0).at("lr").get<float>(), 0.01f);
+  // The same text with its step edited is refused.
+  scratch t;
+  const auto b = file_bytes(kept / "manifest.json");
+  std::string text(reinterpret_cast<const char*>(b.data()), b.size());
+  const auto at = text.find("\"step\": 3,");
+  ASSERT_NE(at, std::string::npos);
+  text.replace(at, 10, "\"step\": 4,");
+  write_bytes(t.path() / "manifest.json", std::as_bytes(std::span(text)));
+  EXPECT_CONTAINS(message_of<data_error>([&] { (void)detail::read_manifest(t.path()); }),
+                  "the manifest was changed after it was written");
 }
 
 TEST(sha256, matches_the_fips_180_vectors) {
@@ -146,7 +260,7 @@ TEST(safetensors, rejects_every_violation_with_the_file_the_tensor_and_the_rule)
 
   EXPECT_CONTAINS(parse_error(raw_file("{" + a + "}", 4)), "truncated");
   EXPECT_CONTAINS(parse_error(raw_file("{" + a + "}", 12)), "trailing bytes");
-  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "," + a + "}", 8)), "tensor 'a' appears twice");
+  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "," + a + "}", 8)), "the key \"a\" appears twice");
   EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", 8)),
                   "dtype 'F64', which lockstep does not read");
   EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8)),
@@ -525,11 +639,10 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
       std::memcpy(out.data(), header.data(), header.size());
       for (const auto& t : src) out.insert(out.end(), t.data, t.data + t.size_bytes());
       write_bytes(training(v), out);
-      std::ifstream in(v / "manifest.json");
-      auto m = nlohmann::json::parse(in);
+      auto m = read_json(v / "manifest.json");
       m["files"]["training.safetensors"]["bytes"] = out.size();
       m["files"]["training.safetensors"]["xxh3_64"] = detail::checksum_of(out);
-      m["checksum"] = detail::manifest_checksum(m);
+      m["checksum"] = detail::manifest_checksum(m.dump());
       std::ofstream(v / "manifest.json") << m.dump();
     });
   };
@@ -557,10 +670,9 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
                     auto b = file_bytes(training(v));
                     b[3] = std::byte{0x10};
                     write_bytes(training(v), b);
-                    std::ifstream in(v / "manifest.json");
-                    auto m = nlohmann::json::parse(in);
+                    auto m = read_json(v / "manifest.json");
                     m["files"]["training.safetensors"]["xxh3_64"] = detail::checksum_of(b);
-                    m["checksum"] = detail::manifest_checksum(m);
+                    m["checksum"] = detail::manifest_checksum(m.dump());
                     std::ofstream(v / "manifest.json") << m.dump();
                   })),
                   "over the limit of 100000000");
@@ -568,25 +680,24 @@ TEST(checkpoint, every_faulty_load_throws_and_changes_nothing) {
   // older lockstep wrote them), the step the tensors' files were saved at.
   const auto edit_manifest = [&](const std::string& name, auto&& edit) {
     return variant(name, [&](const fs::path& v) {
-      std::ifstream in(v / "manifest.json");
-      auto m = nlohmann::json::parse(in);
+      auto m = read_json(v / "manifest.json");
       edit(m);
       std::ofstream(v / "manifest.json") << m.dump(1);
     });
   };
   for (const char* field : {"step", "epoch", "epoch_samples"}) {
     EXPECT_CONTAINS(attempt(edit_manifest(std::string("edited_") + field,
-                                          [&](nlohmann::json& m) { m["position"][field] = 1000; })),
+                                          [&](json_value& m) { m["position"][field] = 1000; })),
                     "the manifest was changed after it was written");
   }
   EXPECT_CONTAINS(attempt(edit_manifest("rehashed_step",
-                                        [](nlohmann::json& m) {
+                                        [](json_value& m) {
                                           m["position"]["step"] = 1000;
-                                          m["checksum"] = detail::manifest_checksum(m);
+                                          m["checksum"] = detail::manifest_checksum(m.dump());
                                         })),
                   "manifest.json says step 1000 but model.safetensors was saved at step ");
   EXPECT_CONTAINS(attempt(edit_manifest("unhashed_step",
-                                        [](nlohmann::json& m) {
+                                        [](json_value& m) {
                                           m["position"]["step"] = 1000;
                                           m.erase("checksum");
                                         })),

@@ -110,7 +110,8 @@ inline sample::model_recipe recipe() {
   };
   r.build = [m](std::int64_t inputs, lockstep::context& ctx, std::uint64_t seed) { return build(*m, inputs, ctx, seed); };
   r.describe = [m] {
-    return nlohmann::json{{"channels", m->channels}, {"hidden", m->hidden}, {"dropout", m->dropout}, {"sync_bn", m->sync_bn}};
+    return lockstep::json_value{
+        {"channels", m->channels}, {"hidden", m->hidden}, {"dropout", m->dropout}, {"sync_bn", m->sync_bn}};
   };
   // the first convolution's product: one row per output pixel, 3x3 inputs per channel
   r.first_product = [m](std::int64_t rows, std::int64_t inputs) {

@@ -13,12 +13,12 @@
 #include <lockstep/comm/processes.hpp>
 #endif
 
-#include <nlohmann/json.hpp>
 
 #include <unistd.h>
 
 #include <algorithm>
 #include <chrono>
+#include <cmath>
 #include <csignal>
 #include <cstdio>
 #include <cstdlib>
@@ -319,7 +319,7 @@ bool step_limit_reached(const options& o, std::int64_t step) {
 class run_checkpoints {
  public:
   /// `model_options`: the model's (model_recipe::describe), saved with the common ones and checked on --resume.
-  run_checkpoints(const options& o, nlohmann::json model_options, graph& model, any_optimizer& optimizer, stream_ref s,
+  run_checkpoints(const options& o, json_value model_options, graph& model, any_optimizer& optimizer, stream_ref s,
                   std::optional<communicator_ref> comm, const preemption_guard* preemption)
       : o_(o), model_options_(std::move(model_options)), state_(parameters_of(model)), s_(s), comm_(comm),
         preemption_(preemption), optimizer_(&optimizer) {
@@ -359,14 +359,14 @@ class run_checkpoints {
     // What shapes the model, the data order or the learning rates must be as it was (the schedule's length
     // comes from --epochs and --max-steps).
     std::vector<std::string> keys = {"optimizer", "precision", "batch", "seed", "lr_schedule", "epochs", "max_steps"};
-    for (const auto& item : model_options_.items()) keys.push_back(item.key());
-    const nlohmann::json now = options_json();
+    for (const auto& item : model_options_.members()) keys.push_back(item.key);
+    const json_value now = options_json();
     for (const std::string& key : keys) {
-      if (state_.user.value(key, nlohmann::json()) != now[key]) {
+      if (state_.user.value(key, json_value()) != now[key]) {
         std::string flag = key;
         std::replace(flag.begin(), flag.end(), '_', '-');
         throw precondition_error(detail::concat("--resume ", dir.string(), ": the checkpoint was written with --", flag,
-                                                " ", state_.user.value(key, nlohmann::json()).dump(), ", this run has ",
+                                                " ", state_.user.value(key, json_value()).dump(), ", this run has ",
                                                 now[key].dump(), "; resume with the options of the run that saved it"));
       }
     }
@@ -422,8 +422,8 @@ class run_checkpoints {
   }
 
  private:
-  [[nodiscard]] nlohmann::json options_json() const {
-    nlohmann::json j = model_options_;
+  [[nodiscard]] json_value options_json() const {
+    json_value j = model_options_;
     j.update({{"optimizer", o_.optimizer}, {"precision", std::string(name_of(o_.precision))},
               {"batch", o_.batch},         {"seed", o_.seed},
               {"lr_schedule", o_.lr_schedule}, {"epochs", o_.epochs},
@@ -438,7 +438,7 @@ class run_checkpoints {
   }
 
   const options& o_;
-  nlohmann::json model_options_;
+  json_value model_options_;
   checkpoint_state state_;
   stream_ref s_;
   std::optional<communicator_ref> comm_;
@@ -800,6 +800,10 @@ std::string device_label(const device_report& d, std::size_t rank, bool processe
   return processes ? "rank " + std::to_string(rank) + " " + d.device.str() : d.device.str();
 }
 
+// A number for the --json report: JSON has no NaN or infinity, so a value that is not finite (a diverged loss, a
+// rate over no time) is null.
+json_value number_or_null(double v) { return std::isfinite(v) ? json_value(v) : json_value(nullptr); }
+
 // The number of processes of the mpirun job this process belongs to (1 when not started by mpirun).
 int mpirun_world_size() {
   for (const char* var : {"OMPI_COMM_WORLD_SIZE", "PMI_SIZE"}) {
@@ -928,7 +932,7 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
     }
     return 0;
   }
-  nlohmann::json j;
+  json_value j;
   j["test_accuracy"] = r.accuracy;
   j["test_correct"] = r.correct;
   j["test_samples"] = r.tested;
@@ -937,7 +941,7 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
   if (!r.stopped.empty()) j["stopped"] = r.stopped;
   if (r.resumed_at >= 0) j["resumed_at_step"] = r.resumed_at;
   j["train_seconds"] = r.train_seconds;
-  j["samples_per_second"] = throughput;
+  j["samples_per_second"] = number_or_null(throughput);
   j["epochs"] = o.epochs;
   j["steps"] = r.steps;
   j["batch"] = o.batch;
@@ -952,34 +956,35 @@ int run_program(const options& o, const model_recipe& m, const run_hooks& hooks)
   j["deterministic"] = o.deterministic;
   if (o.mode == "ddp") j["zero"] = o.zero;
   if (!r.collectives_on.empty()) j["collectives_on"] = r.collectives_on;
-  if (r.last_grad_norm) j["last_grad_norm"] = *r.last_grad_norm;
+  if (r.last_grad_norm) j["last_grad_norm"] = number_or_null(*r.last_grad_norm);
   j["precision"] = std::string(name_of(o.precision));
   j["host_gemm"] = host_gemm_plan::process().str();
   j["mode"] = processes ? "ddp-mpi" : o.mode;
   if (r.resumed_at >= 0 && r.steps == r.resumed_at) {
     j["final_loss"] = nullptr;  // nothing was left to train
   } else {
-    j["final_loss"] = r.final_loss;
+    j["final_loss"] = number_or_null(r.final_loss);  // null also when the loss was not finite
   }
   if (r.scaler) {
-    j["loss_scale"] = r.scaler->scale;
+    j["loss_scale"] = number_or_null(r.scaler->scale);
     j["skipped_steps"] = r.scaler->skipped_steps;
     j["last_overflow_step"] = r.scaler->last_overflow_step;
   }
   j["devices"] = device_names;
-  nlohmann::json peak = nlohmann::json::object(), per_device = nlohmann::json::array();
+  json_value peak = json_value::object(), per_device = json_value::array();
   for (std::size_t i = 0; i < r.devices.size(); ++i) {
     const auto& d = r.devices[i];
     peak[device_names[i]] = d.peak_bytes;
-    per_device.push_back({{"device", device_names[i]}, {"peak_memory_bytes", d.peak_bytes},
-                          {"setup_peak_memory_bytes", d.setup_peak_bytes}, {"compute_ms", d.compute_ms},
-                          {"communication_ms", d.communication_ms}, {"idle_ms", d.idle_ms}, {"wall_ms", d.wall_ms}});
+    json_value entry{{"device", device_names[i]}, {"peak_memory_bytes", d.peak_bytes},
+                     {"setup_peak_memory_bytes", d.setup_peak_bytes}, {"compute_ms", d.compute_ms},
+                     {"communication_ms", d.communication_ms}, {"idle_ms", d.idle_ms}, {"wall_ms", d.wall_ms}};
     if (o.mode == "ddp") {
-      per_device.back()["parameter_bytes"] = d.parameter_bytes;
-      per_device.back()["gradient_bytes"] = d.gradient_bytes;
-      per_device.back()["optimizer_bytes"] = d.optimizer_bytes;
-      per_device.back()["gathered_peak_bytes"] = d.gathered_peak_bytes;  // (ZeRO-3; else 0)
+      entry["parameter_bytes"] = d.parameter_bytes;
+      entry["gradient_bytes"] = d.gradient_bytes;
+      entry["optimizer_bytes"] = d.optimizer_bytes;
+      entry["gathered_peak_bytes"] = d.gathered_peak_bytes;  // (ZeRO-3; else 0)
     }
+    per_device.push_back(std::move(entry));
   }
   j["peak_memory_bytes"] = peak;
   j["per_device"] = per_device;

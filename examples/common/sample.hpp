@@ -10,10 +10,9 @@
 
 #include <lockstep/blas/gemm_rate.hpp>
 #include <lockstep/nn/context.hpp>
+#include <lockstep/io/json.hpp>
 #include <lockstep/nn/graph.hpp>
 #include <lockstep/runtime/stream.hpp>
-
-#include <nlohmann/json.hpp>
 
 #include <cstdint>
 #include <functional>
@@ -34,7 +33,7 @@ struct model_recipe {
   /// The model for images of `inputs` values (a row each), its parameters initialized from `seed`, for `ctx`.
   std::function<lockstep::graph(std::int64_t inputs, lockstep::context& ctx, std::uint64_t seed)> build;
   /// The model's options as JSON: in --json's line, and in every checkpoint, which a --resume must match.
-  std::function<nlohmann::json()> describe;
+  std::function<lockstep::json_value()> describe;
   /// The product the host GEMM rate is measured on before training (the first layer's, for `rows` rows).
   std::function<lockstep::gemm_shape(std::int64_t rows, std::int64_t inputs)> first_product;
 };

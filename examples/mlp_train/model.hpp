@@ -47,7 +47,7 @@ inline sample::model_recipe recipe() {
     return true;
   };
   r.build = [m](std::int64_t inputs, lockstep::context& ctx, std::uint64_t seed) { return build(*m, inputs, ctx, seed); };
-  r.describe = [m] { return nlohmann::json{{"hidden", m->hidden}}; };
+  r.describe = [m] { return lockstep::json_value{{"hidden", m->hidden}}; };
   r.first_product = [m](std::int64_t rows, std::int64_t inputs) {
     return lockstep::gemm_shape{lockstep::transpose::no, lockstep::transpose::yes, rows, m->hidden.front(), inputs};
   };

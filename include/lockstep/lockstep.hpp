@@ -73,6 +73,7 @@
 #include "lockstep/amp/precision.hpp"
 
 #include "lockstep/io/checkpoint.hpp"
+#include "lockstep/io/json.hpp"
 #include "lockstep/io/preemption.hpp"
 #include "lockstep/io/safetensors.hpp"
 #include "lockstep/io/sha256.hpp"

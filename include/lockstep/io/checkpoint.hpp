@@ -67,13 +67,12 @@
 #include <utility>
 #include <vector>
 
-#include <nlohmann/json.hpp>
-
 #include "lockstep/amp/loss_scaler.hpp"
 #include "lockstep/comm/communicator.hpp"
 #include "lockstep/config.hpp"
 #include "lockstep/core/thread_name.hpp"
 #include "lockstep/io/file.hpp"
+#include "lockstep/io/json.hpp"
 #include "lockstep/io/safetensors.hpp"
 #include "lockstep/io/sha256.hpp"
 #include "lockstep/nn/parameter.hpp"
@@ -203,12 +202,45 @@ class content_hash {
   XXH3_state_t state_;
 };
 
-/// The checksum a manifest keeps of itself ("checksum"): XXH3-64 of its compact JSON without that entry (keys in
-/// nlohmann's order, sorted), so that an edited position (step, epoch, epoch_samples) or file entry is found on load.
-inline std::string manifest_checksum(const nlohmann::json& manifest) {
-  nlohmann::json rest = manifest;
-  rest.erase("checksum");
-  const std::string text = rest.dump();
+/// The checksum a manifest keeps of itself ("checksum"): XXH3-64 of its compact JSON text without that member
+/// (keys sorted), so that an edited position (step, epoch, epoch_samples) or file entry is found on load. It is
+/// computed from the text as written (`manifest_text`: the file, or any dump of it; the whitespace between tokens
+/// and the top-level "checksum" member are left out), never from a new dump of the parsed values: manifests written
+/// by earlier lockstep versions (with nlohmann::json, whose shortest spelling of a double differs from
+/// std::to_chars' in rare cases) keep checking against the checksum they were written with.
+inline std::string manifest_checksum(std::string_view manifest_text) {
+  std::string text, member;  // the compact text without "checksum"; the top-level member being read
+  bool in_string = false, escaped = false;
+  int depth = 0;
+  const auto end_member = [&] {
+    if (!member.empty() && !member.starts_with("\"checksum\":")) {
+      if (text.size() > 1) text += ',';
+      text += member;
+    }
+    member.clear();
+  };
+  for (const char ch : manifest_text) {
+    if (in_string) {
+      if (escaped) escaped = false;
+      else if (ch == '\\') escaped = true;
+      else if (ch == '"') in_string = false;
+    } else if (ch == ' ' || ch == '\t' || ch == '\n' || ch == '\r') {
+      continue;
+    } else if (ch == '"') {
+      in_string = true;
+    } else if ((ch == '{' || ch == '[') && depth++ == 0) {
+      text += ch;
+      continue;
+    } else if ((ch == '}' || ch == ']') && --depth == 0) {
+      end_member();
+      text += ch;
+      continue;
+    } else if (ch == ',' && depth == 1) {
+      end_member();
+      continue;
+    }
+    (depth > 0 ? member : text) += ch;
+  }
   content_hash h;
   h.update(std::as_bytes(std::span(text)));
   return h.hex();
@@ -342,7 +374,7 @@ struct loaded_file {
 
 /// Maps `path`; when `expected` has a size and checksum (from a manifest), checks both before parsing. Throws
 /// io_error (cannot read) or data_error (corrupt).
-inline loaded_file read_safetensors_file(const std::filesystem::path& path, const nlohmann::json* expected) {
+inline loaded_file read_safetensors_file(const std::filesystem::path& path, const json_value* expected) {
   loaded_file f;
   f.path = path;
   f.map = mapped_file(path);
@@ -533,26 +565,26 @@ inline std::vector<std::uint8_t> read_device(device_span<std::uint8_t> span, str
 /// One part of a checkpoint besides the model: what it adds on save, checks and restores on load.
 struct checkpoint_part {
   /// `whole`: where the optimizer state comes from when the state is sharded (checkpoint_state::sharded), or null
-  std::function<void(file_writer& training, nlohmann::json& manifest, stream_ref s, whole_tensors* whole)> save;
-  std::function<void(loaded_file& training, const nlohmann::json& manifest)> validate;
-  std::function<void(loaded_file& training, const nlohmann::json& manifest, stream_ref s)> apply;
+  std::function<void(file_writer& training, json_value& manifest, stream_ref s, whole_tensors* whole)> save;
+  std::function<void(loaded_file& training, const json_value& manifest)> validate;
+  std::function<void(loaded_file& training, const json_value& manifest, stream_ref s)> apply;
 };
 
-inline nlohmann::json options_json(const sgd_options& o) {
+inline json_value options_json(const sgd_options& o) {
   return {{"lr", o.lr}, {"momentum", o.momentum}, {"dampening", o.dampening}, {"weight_decay", o.weight_decay},
           {"nesterov", o.nesterov == nesterov::yes}};
 }
-inline nlohmann::json options_json(const adamw_options& o) {
+inline json_value options_json(const adamw_options& o) {
   return {{"lr", o.lr}, {"beta1", o.beta1}, {"beta2", o.beta2}, {"eps", o.eps}, {"weight_decay", o.weight_decay}};
 }
-inline void restore_options(sgd_options& o, const nlohmann::json& j) {
+inline void restore_options(sgd_options& o, const json_value& j) {
   o.lr = j.at("lr").get<float>();
   o.momentum = j.at("momentum").get<float>();
   o.dampening = j.at("dampening").get<float>();
   o.weight_decay = j.at("weight_decay").get<float>();
   o.nesterov = j.at("nesterov").get<bool>() ? nesterov::yes : nesterov::no;
 }
-inline void restore_options(adamw_options& o, const nlohmann::json& j) {
+inline void restore_options(adamw_options& o, const json_value& j) {
   o.lr = j.at("lr").get<float>();
   o.beta1 = j.at("beta1").get<float>();
   o.beta2 = j.at("beta2").get<float>();
@@ -619,7 +651,7 @@ class checkpoint_state {
     };
     const auto groups = [&opt] { return static_cast<std::int64_t>(opt.group_count()); };
     detail::checkpoint_part part;
-    part.save = [&opt, each_state, group_names, groups, kind](detail::file_writer& w, nlohmann::json& m, stream_ref s,
+    part.save = [&opt, each_state, group_names, groups, kind](detail::file_writer& w, json_value& m, stream_ref s,
                                                               detail::whole_tensors* whole) {
       opt.materialize_state(s);  // zeroes before the first step: the same updates, and a uniform layout
       each_state([&](std::size_t g, std::size_t i, int k, std::string name) {
@@ -648,15 +680,15 @@ class checkpoint_state {
       w.add_host("optimizer.step", dtype::i64, std::vector<std::int64_t>{groups()}, detail::host_bytes(std::span<const std::int64_t>(steps)));
       w.add_host("optimizer.bias_correction1", dtype::f32, std::vector<std::int64_t>{groups()}, detail::host_bytes(std::span<const float>(bc1)));
       w.add_host("optimizer.bias_correction2", dtype::f32, std::vector<std::int64_t>{groups()}, detail::host_bytes(std::span<const float>(bc2)));
-      nlohmann::json gs = nlohmann::json::array();
+      json_value gs = json_value::array();
       for (std::size_t g = 0; g < opt.group_count(); ++g) {
-        nlohmann::json j = detail::options_json(opt.options(g));
+        json_value j = detail::options_json(opt.options(g));
         j["params"] = group_names(g);
         gs.push_back(std::move(j));
       }
       m["optimizer"] = {{"kind", kind}, {"groups", std::move(gs)}};
     };
-    part.validate = [&opt, each_state, group_names, groups, kind](detail::loaded_file& f, const nlohmann::json& m) {
+    part.validate = [&opt, each_state, group_names, groups, kind](detail::loaded_file& f, const json_value& m) {
       if (!m.contains("optimizer")) throw data_error("the checkpoint holds no optimizer, but one was given to load");
       const auto& o = m.at("optimizer");
       const std::string saved = o.at("kind").get<std::string>();
@@ -690,7 +722,7 @@ class checkpoint_state {
       detail::expect_tensor(f, "optimizer.bias_correction1", dtype::f32, std::vector<std::int64_t>{groups()}, false);
       detail::expect_tensor(f, "optimizer.bias_correction2", dtype::f32, std::vector<std::int64_t>{groups()}, false);
     };
-    part.apply = [&opt, each_state](detail::loaded_file& f, const nlohmann::json& m, stream_ref s) {
+    part.apply = [&opt, each_state](detail::loaded_file& f, const json_value& m, stream_ref s) {
       opt.materialize_state(s);
       // every rank its own range (ZeRO: the parameter's shard; the state tensor is that range, flat)
       each_state([&](std::size_t g, std::size_t i, int k, const std::string& name) {
@@ -729,7 +761,7 @@ class checkpoint_state {
         {"scaler.last_overflow_step", dtype::i64, offsetof(kernels::scaler_state, last_overflow_step)},
         {"scaler.consecutive_skips", dtype::i64, offsetof(kernels::scaler_state, consecutive_skips), false}};
     detail::checkpoint_part part;
-    part.save = [&sc](detail::file_writer& w, nlohmann::json& m, stream_ref s, detail::whole_tensors*) {
+    part.save = [&sc](detail::file_writer& w, json_value& m, stream_ref s, detail::whole_tensors*) {
       const auto raw = detail::read_device(sc.state_bytes(), s);
       for (const field& x : fields) {
         std::vector<std::byte> b(size_of(x.type));
@@ -738,7 +770,7 @@ class checkpoint_state {
       }
       m["scaler"] = {{"dynamic", sc.options().dynamic}, {"growth_interval", sc.options().growth_interval}};
     };
-    part.validate = [](detail::loaded_file& f, const nlohmann::json& m) {
+    part.validate = [](detail::loaded_file& f, const json_value& m) {
       if (!m.contains("scaler")) {
         throw data_error("the checkpoint holds no loss scaler, but one was given to load (an f32 checkpoint into an "
                          "f16/bf16 run?)");
@@ -749,7 +781,7 @@ class checkpoint_state {
         }
       }
     };
-    part.apply = [&sc](detail::loaded_file& f, const nlohmann::json&, stream_ref s) {
+    part.apply = [&sc](detail::loaded_file& f, const json_value&, stream_ref s) {
       kernels::scaler_state st{};  // found_inf and the per-step count start at zero
       for (const field& x : fields) {
         const safetensors_tensor* t = f.header.find(x.name);
@@ -766,10 +798,10 @@ class checkpoint_state {
   template <class Optimizer, class Schedule>
   checkpoint_state& schedule(lr_scheduler<Optimizer, Schedule>& sched) {
     detail::checkpoint_part part;
-    part.save = [&sched](detail::file_writer&, nlohmann::json& m, stream_ref, detail::whole_tensors*) {
+    part.save = [&sched](detail::file_writer&, json_value& m, stream_ref, detail::whole_tensors*) {
       m["schedule"] = {{"step", sched.last_step()}, {"base_lrs", sched.base_lrs()}};
     };
-    part.validate = [&sched](detail::loaded_file&, const nlohmann::json& m) {
+    part.validate = [&sched](detail::loaded_file&, const json_value& m) {
       if (!m.contains("schedule")) throw data_error("the checkpoint holds no learning-rate schedule, but one was given to load");
       const auto step = m.at("schedule").at("step").get<std::int64_t>();
       const auto bases = m.at("schedule").at("base_lrs").get<std::vector<float>>();
@@ -778,7 +810,7 @@ class checkpoint_state {
                                         " base rates; this run's optimizer has ", sched.group_count(), " groups"));
       }
     };
-    part.apply = [&sched](detail::loaded_file&, const nlohmann::json& m, stream_ref) {
+    part.apply = [&sched](detail::loaded_file&, const json_value& m, stream_ref) {
       sched.restore(m.at("schedule").at("step").get<std::int64_t>(),
                     m.at("schedule").at("base_lrs").get<std::vector<float>>());
     };
@@ -806,7 +838,7 @@ class checkpoint_state {
   /// one process. Each process of a distributed save has its own until they resume: rank 0's is written.
   std::string run_id = detail::process_run_id();
   /// The program's own entries, saved in the manifest and restored by load_checkpoint.
-  nlohmann::json user = nlohmann::json::object();
+  json_value user = json_value::object();
 
   [[nodiscard]] const parameter_list& model() const noexcept { return model_; }
   [[nodiscard]] const std::map<std::string, detail::checkpoint_part>& parts() const noexcept { return parts_; }
@@ -821,7 +853,7 @@ LOCKSTEP_ABI_END
 
 LOCKSTEP_DETAIL_BEGIN
 
-inline nlohmann::json position_json(const run_position& p) {
+inline json_value position_json(const run_position& p) {
   return {{"step", p.step},
           {"epoch", p.epoch},
           {"epoch_samples", p.epoch_samples},
@@ -832,7 +864,7 @@ inline nlohmann::json position_json(const run_position& p) {
           {"precision", std::string(name_of(p.precision))}};
 }
 
-inline run_position position_from_json(const nlohmann::json& j) {
+inline run_position position_from_json(const json_value& j) {
   run_position p;
   p.step = j.at("step").get<std::int64_t>();
   p.epoch = j.at("epoch").get<std::uint64_t>();
@@ -861,7 +893,7 @@ struct staged_checkpoint {
   file_writer model;
   file_writer training;
   std::set<std::string> parameters;  // the names of the model file's parameters (its buffers may hold what they like)
-  nlohmann::json manifest;
+  json_value manifest;
   std::optional<event> copied;       // recorded after the staging copies
 };
 
@@ -892,7 +924,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   out->step = st.position.step;
   add_model_tensors(out->model, st.model(), whole);
   for (const auto& p : st.model()) out->parameters.insert(p.name);
-  nlohmann::json manifest;
+  json_value manifest;
   for (const auto& [name, part] : st.parts()) part.save(out->training, manifest, s, whole);
   const bool direct = how == staging::direct && s.get_device().is_host();
   const std::size_t snapshot = direct ? 0 : out->model.device_bytes() + out->training.device_bytes();
@@ -917,7 +949,7 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
 }
 
 /// Writes one staged file; returns its manifest entry (size and XXH3-64 checksum).
-inline nlohmann::json write_staged_file(const std::filesystem::path& path, const file_writer& f, durability d) {
+inline json_value write_staged_file(const std::filesystem::path& path, const file_writer& f, durability d) {
   posix_file out(path, O_WRONLY | O_CREAT | O_TRUNC);
   content_hash hash;
   const auto header = std::as_bytes(std::span(f.header()));
@@ -973,10 +1005,10 @@ inline std::optional<std::string> manifest_run(const std::filesystem::path& dir)
     posix_file in(dir / manifest_file_name, O_RDONLY);
     std::string text(in.size(), '\0');
     in.read_all(std::as_writable_bytes(std::span(text)));
-    const auto manifest = nlohmann::json::parse(text);
+    const auto manifest = json_value::parse(text);
     if (!manifest.is_object()) return std::nullopt;
     const auto run = manifest.find("run");
-    return run != manifest.end() && run->is_string() ? run->get<std::string>() : std::string();
+    return run != nullptr && run->is_string() ? run->get<std::string>() : std::string();
   } catch (...) {
     return std::nullopt;
   }
@@ -1047,9 +1079,9 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
                        : concat("The checkpoints saved before are kept; the newest is ", kept.back().second.string()),
           " (lower the learning rate, or train in f16/bf16 with loss scaling, which skips such steps)"));
     }
-    nlohmann::json manifest = c.manifest;
+    json_value manifest = c.manifest;
     // The two files at once: writing to the page cache and hashing are both bound by one core's copy speed.
-    nlohmann::json training_entry;
+    json_value training_entry;
     std::exception_ptr training_failure;
     std::thread training_writer([&] {
       detail::name_this_thread("ckpt training");
@@ -1068,7 +1100,8 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     training_writer.join();
     if (training_failure) std::rethrow_exception(training_failure);
     manifest["files"][training_file_name] = std::move(training_entry);
-    manifest["checksum"] = manifest_checksum(manifest);  // last: it covers everything above
+    manifest.erase("checksum");
+    manifest["checksum"] = manifest_checksum(manifest.dump());  // last: it covers everything above
     {
       const std::string text = manifest.dump(1) + "\n";
       posix_file out(tmp / manifest_file_name, O_WRONLY | O_CREAT | O_TRUNC);
@@ -1372,14 +1405,14 @@ LOCKSTEP_DETAIL_BEGIN
 
 /// Reads and checks `dir`/manifest.json: its format, version and its checksum of itself. Throws data_error or
 /// io_error.
-inline nlohmann::json read_manifest(const std::filesystem::path& dir) {
+inline json_value read_manifest(const std::filesystem::path& dir) {
   const auto path = dir / manifest_file_name;
   posix_file in(path, O_RDONLY);
   std::string text(in.size(), '\0');
   in.read_all(std::as_writable_bytes(std::span(text)));
-  nlohmann::json manifest;
+  json_value manifest;
   try {
-    manifest = nlohmann::json::parse(text);
+    manifest = json_value::parse(text);
     if (!manifest.is_object() || manifest.value("format", "") != "lockstep-checkpoint") {
       throw data_error(concat(path.string(), ": not a lockstep checkpoint manifest"));
     }
@@ -1391,7 +1424,7 @@ inline nlohmann::json read_manifest(const std::filesystem::path& dir) {
     // compared with the position's on load.
     if (manifest.contains("checksum")) {
       const std::string kept = manifest.at("checksum").get<std::string>();
-      const std::string now = manifest_checksum(manifest);
+      const std::string now = manifest_checksum(text);
       if (kept != now) {
         throw data_error(concat(
             path.string(), ": the manifest was changed after it was written (it hashes to ", now,
@@ -1399,7 +1432,7 @@ inline nlohmann::json read_manifest(const std::filesystem::path& dir) {
             "at the wrong place. Restore the file, or resume from another checkpoint"));
       }
     }
-  } catch (const nlohmann::json::exception& e) {
+  } catch (const json_error& e) {
     throw data_error(concat(path.string(), ": not a valid manifest (", e.what(), ")"));
   }
   return manifest;
@@ -1409,7 +1442,7 @@ inline nlohmann::json read_manifest(const std::filesystem::path& dir) {
 /// checks before it looks at the content).
 inline bool checkpoint_intact(const std::filesystem::path& dir) noexcept {
   try {
-    const nlohmann::json manifest = read_manifest(dir);
+    const json_value manifest = read_manifest(dir);
     const auto& files = manifest.at("files");
     for (const char* file : {model_file_name, training_file_name}) (void)read_safetensors_file(dir / file, &files.at(file));
     return true;
@@ -1469,7 +1502,7 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     dir = *latest;
   }
   try {
-    const nlohmann::json manifest = detail::read_manifest(dir);
+    const json_value manifest = detail::read_manifest(dir);
     const auto& files = manifest.at("files");
     detail::loaded_file model = detail::read_safetensors_file(dir / detail::model_file_name, &files.at(detail::model_file_name));
     detail::loaded_file training =
@@ -1479,7 +1512,7 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     for (const auto& [name, part] : state.parts()) {
       try {
         part.validate(training, manifest);
-      } catch (const nlohmann::json::exception& e) {
+      } catch (const json_error& e) {
         throw data_error(detail::concat("the manifest's ", name, " entry is malformed (", e.what(), ")"));
       }
     }
@@ -1508,10 +1541,10 @@ inline std::filesystem::path load_checkpoint(const std::filesystem::path& where,
     for (const auto& [name, part] : state.parts()) part.apply(training, manifest, s);
     s.synchronize();
     state.position = position;
-    state.user = manifest.value("user", nlohmann::json::object());
+    state.user = manifest.value("user", json_value::object());
     state.run_id = manifest.value("run", std::string());  // the resumed run goes on as itself,
     detail::adopt_process_run_id(state.run_id);            // in every state this process makes from now on
-  } catch (const nlohmann::json::exception& e) {
+  } catch (const json_error& e) {
     throw data_error(detail::concat(dir.string(), "/", detail::manifest_file_name, ": malformed (", e.what(), ")",
                                     detail::newest_intact_hint(dir)));
   } catch (const data_error& e) {

@@ -26,7 +26,7 @@
 #include <string_view>
 #include <vector>
 
-#include <nlohmann/json.hpp>
+#include "lockstep/io/json.hpp"
 
 #include "lockstep/core/dtype.hpp"
 #include "lockstep/core/error.hpp"
@@ -108,12 +108,14 @@ inline std::uint64_t read_le64(const std::byte* p) noexcept {
 
 // A value for a message: scalars as written, arrays and objects by their kind (dumping a deeply nested value
 // would recurse as deep as the nesting).
-inline std::string brief(const nlohmann::json& v) { return v.is_structured() ? std::string(v.type_name()) : v.dump(); }
+inline std::string brief(const json_value& v) {
+  return v.is_array() || v.is_object() ? std::string(v.type_name()) : v.dump();
+}
 
 // An unsigned integer that fits in 64 bits, or fails naming `what`.
-inline std::uint64_t json_u64(const nlohmann::json& v, std::string_view file, const std::string& what) {
-  if (v.is_number_unsigned()) return v.get<std::uint64_t>();
-  if (v.is_number_integer() && v.get<std::int64_t>() >= 0) return static_cast<std::uint64_t>(v.get<std::int64_t>());
+inline std::uint64_t json_u64(const json_value& v, std::string_view file, const std::string& what) {
+  if (v.type() == json_value::kind::unsigned_integer) return v.get<std::uint64_t>();
+  if (v.type() == json_value::kind::integer && v.get<std::int64_t>() >= 0) return static_cast<std::uint64_t>(v.get<std::int64_t>());
   safetensors_fail(file, concat(what, " must be a non-negative integer, got ", brief(v)));
 }
 
@@ -143,48 +145,35 @@ inline safetensors_header parse_safetensors_header(std::span<const std::byte> pr
   const auto* text = reinterpret_cast<const char*>(prefix.data() + 8);
   if (n < 2 || text[0] != '{') safetensors_fail(file, "the header does not start with '{'");
 
-  // Duplicate keys: nlohmann keeps the last silently, so keys of the outer object are counted as parsed.
-  std::set<std::string> keys;
-  std::string duplicate;
-  nlohmann::json header;
+  // A key twice in one object (a tensor named twice, say) is refused by the parser, naming the key.
+  json_value header;
   try {
-    header = nlohmann::json::parse(
-        text, text + n,
-        [&](int depth, nlohmann::json::parse_event_t event, nlohmann::json& parsed) {
-          if (depth == 1 && event == nlohmann::json::parse_event_t::key && duplicate.empty()) {
-            auto name = parsed.get<std::string>();
-            if (!keys.insert(name).second) duplicate = std::move(name);
-          }
-          return true;
-        });
-  } catch (const nlohmann::json::exception& e) {
+    header = json_value::parse(std::string_view(text, n));
+  } catch (const json_error& e) {
     safetensors_fail(file, detail::concat("the header is not valid JSON (", e.what(), ")"));
   }
-  if (!duplicate.empty()) safetensors_fail(file, detail::concat("tensor '", duplicate, "' appears twice in the header"));
   if (!header.is_object()) safetensors_fail(file, "the header is not a JSON object");
 
   safetensors_header out;
   out.data_offset = 8 + n;
   const std::uint64_t data_size = file_size - out.data_offset;
-  for (auto it = header.begin(); it != header.end(); ++it) {
-    const std::string& name = it.key();
-    const nlohmann::json& v = it.value();
+  for (const auto& [name, v] : header.members()) {
     if (name == "__metadata__") {
       if (!v.is_object()) safetensors_fail(file, "__metadata__ must be an object of strings");
-      for (auto m = v.begin(); m != v.end(); ++m) {
-        if (!m.value().is_string()) {
-          safetensors_fail(file, detail::concat("__metadata__ entry '", m.key(), "' must be a string, got ",
-                                                detail::brief(m.value())));
+      for (const auto& m : v.members()) {
+        if (!m.value.is_string()) {
+          safetensors_fail(file, detail::concat("__metadata__ entry '", m.key, "' must be a string, got ",
+                                                detail::brief(m.value)));
         }
-        out.metadata[m.key()] = m.value().get<std::string>();
+        out.metadata[m.key] = m.value.get<std::string>();
       }
       continue;
     }
     const std::string where = "tensor '" + name + "'";
     if (!v.is_object()) safetensors_fail(file, where + " must map to an object");
-    for (auto f = v.begin(); f != v.end(); ++f) {
-      if (f.key() != "dtype" && f.key() != "shape" && f.key() != "data_offsets") {
-        safetensors_fail(file, detail::concat(where, " has an unknown field '", f.key(), "'"));
+    for (const auto& f : v.members()) {
+      if (f.key != "dtype" && f.key != "shape" && f.key != "data_offsets") {
+        safetensors_fail(file, detail::concat(where, " has an unknown field '", f.key, "'"));
       }
     }
     if (!v.contains("dtype") || !v["dtype"].is_string()) safetensors_fail(file, where + " has no dtype string");
@@ -273,9 +262,9 @@ struct safetensors_source {
 inline std::string safetensors_header_bytes(std::span<const safetensors_source> tensors,
                                             std::map<std::string, std::string> metadata = {}) {
   metadata.emplace("format", "pt");
-  // Written by hand, in the order given (nlohmann's object sorts keys): the data offsets then follow the
+  // Written by hand, in the order given (a json_value object sorts its keys): the data offsets then follow the
   // header order, which is what a reader scanning the file expects.
-  std::string json = "{\"__metadata__\":" + nlohmann::json(metadata).dump();
+  std::string json = "{\"__metadata__\":" + json_value(metadata).dump();
   std::set<std::string_view> names;
   std::uint64_t offset = 0;
   for (const auto& t : tensors) {
@@ -284,11 +273,11 @@ inline std::string safetensors_header_bytes(std::span<const safetensors_source> 
     const std::uint64_t bytes = t.size_bytes();
     // appended piece by piece: g++ 12 warns (-Wrestrict, a false positive) on `"," + std::string&&` here
     json += ',';
-    json += nlohmann::json(t.name).dump();
+    json += json_value(t.name).dump();
     json += ":{\"dtype\":\"";
     json += safetensors_dtype_name(t.type);
     json += "\",\"shape\":";
-    json += nlohmann::json(t.shape).dump();
+    json += json_value(t.shape).dump();
     json += ",\"data_offsets\":[";
     json += std::to_string(offset);
     json += ',';
