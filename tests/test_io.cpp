@@ -119,7 +119,36 @@ TEST(json, round_trips_every_kind_with_sorted_keys_and_exact_doubles) {
   EXPECT_EQ(json_value::parse("1"), json_value(1));
   EXPECT_EQ(json_value::parse("1.0"), json_value(1));
   EXPECT_NE(json_value::parse("-1"), json_value(std::uint64_t{18446744073709551615u}));
-  EXPECT_EQ(json_value::parse("18446744073709551616").dump(), "18446744073709551616.0");  // past 64 bits: a double
+  EXPECT_EQ(json_value::parse("18446744073709551616").dump(), "1.8446744073709552e+19");  // past 64 bits: a double
+  // doubles laid out as nlohmann::json lays them out (manifests of earlier versions hash alike)
+  for (const auto& [v, text] : {std::pair{1e-4, "0.0001"}, std::pair{1e-5, "1e-05"}, std::pair{12.5, "12.5"},
+                                std::pair{1e14, "100000000000000.0"}, std::pair{1e15, "1e+15"},
+                                std::pair{-1.5e300, "-1.5e+300"}, std::pair{-0.0, "-0.0"}, std::pair{0.0, "0.0"},
+                                std::pair{5e-324, "5e-324"}, std::pair{0.001234, "0.001234"}}) {
+    EXPECT_EQ(json_value(v).dump(), text);
+    EXPECT_EQ(json_value::parse(text).get<double>(), v);
+  }
+  EXPECT_EQ(json_value::parse("1e-400").get<double>(), 0.0);    // below a double's range: zero, as strtod reads it
+  EXPECT_EQ(json_value::parse("-0.0000e-999").dump(), "-0.0");
+  static_assert(sizeof(json_value) == 16);                      // a kind and a word: containers live on the heap
+}
+
+TEST(json, references_stay_valid_while_members_are_added_and_values_copy_from_themselves) {
+  json_value j{{"y", 2}, {"sub", json_value{{"k", "v"}}}};
+  j["x"] = j["y"];  // the right side is evaluated first: adding "x" must not move "y"
+  j["a"] = j["sub"];
+  j.update(j["sub"]);
+  EXPECT_EQ(j.dump(), R"({"a":{"k":"v"},"k":"v","sub":{"k":"v"},"x":2,"y":2})");
+  j = j["sub"];
+  EXPECT_EQ(j.dump(), R"({"k":"v"})");
+  json_value list = json_value::array();
+  list.push_back(1);
+  list.push_back(list[0]);
+  EXPECT_EQ(list.dump(), "[1,1]");
+  // changing a value as what it is not is a programming error
+  json_value text("x");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { text.push_back(1); }), "cannot append to a string");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { list["k"] = 1; }), "cannot set a member of an array");
 }
 
 TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
@@ -130,7 +159,8 @@ TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
   EXPECT_CONTAINS(json_error_of("01"), "text after the value");
   EXPECT_CONTAINS(json_error_of("1."), "digits after its '.'");
   EXPECT_CONTAINS(json_error_of("-"), "at byte 1");
-  EXPECT_CONTAINS(json_error_of("1e400"), "out of the range of a double");
+  EXPECT_CONTAINS(json_error_of("1e400"), "beyond the range of a double");
+  EXPECT_CONTAINS(json_error_of("-123456.7e99999999999999999999"), "beyond the range of a double");
   EXPECT_CONTAINS(json_error_of("nul"), "unknown literal");
   EXPECT_CONTAINS(json_error_of("NaN"), "at byte 0");
   EXPECT_CONTAINS(json_error_of("\"\x01\""), "control character");
@@ -151,6 +181,7 @@ TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("big").get<std::uint8_t>(); }), "does not fit");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("f").get<int>(); }), "expected an integer, got number");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("s").get<float>(); }), "expected a number, got string");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value::parse("1e300").get<float>(); }), "does not fit");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value(std::nan("")).dump(); }), "no NaN or infinity");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value(std::string("\xff")).dump(); }), "not valid UTF-8");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value{{"a", 1}, {"a", 2}}; }), "given twice");
@@ -260,7 +291,8 @@ TEST(safetensors, rejects_every_violation_with_the_file_the_tensor_and_the_rule)
 
   EXPECT_CONTAINS(parse_error(raw_file("{" + a + "}", 4)), "truncated");
   EXPECT_CONTAINS(parse_error(raw_file("{" + a + "}", 12)), "trailing bytes");
-  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "," + a + "}", 8)), "the key \"a\" appears twice");
+  EXPECT_CONTAINS(parse_error(raw_file("{" + a + "," + a + "}", 8)),
+                  "the key \"a\" appears twice in one object at byte 54 of the header");
   EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F64","shape":[1],"data_offsets":[0,8]}})", 8)),
                   "dtype 'F64', which lockstep does not read");
   EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[3],"data_offsets":[0,8]}})", 8)),
@@ -277,7 +309,7 @@ TEST(safetensors, rejects_every_violation_with_the_file_the_tensor_and_the_rule)
   EXPECT_CONTAINS(parse_error(raw_file(R"({"a":{"dtype":"F32","shape":[2],"data_offsets":[0,8]},"__metadata__":{"k":1}})", 8)),
                   "__metadata__ entry 'k' must be a string");
   EXPECT_CONTAINS(parse_error(raw_file(" {}", 0)), "does not start with '{'");
-  EXPECT_CONTAINS(parse_error(raw_file("{\"a\":", 0)), "not valid JSON");
+  EXPECT_CONTAINS(parse_error(raw_file("{\"a\":", 0)), "its JSON header is refused (JSON: unexpected end");
   EXPECT_CONTAINS(parse_error(raw_file(R"({"a":1})", 0)), "x.safetensors: not a valid safetensors file: tensor 'a' must map to an object");
   const auto empty = raw_file("{}", 0);  // no tensors at all is a valid file
   EXPECT_TRUE(parse_safetensors_header(empty, empty.size(), "e").tensors.empty());
@@ -482,6 +514,23 @@ TEST(checkpoint, a_save_before_the_first_step_resumes_as_a_first_step) {
   load_checkpoint(dir.path(), rs, resumed.s);
   resumed.train(3);
   EXPECT_EQ(resumed.fingerprint(), straight.fingerprint());
+}
+
+TEST(checkpoint, a_user_entry_that_json_cannot_hold_is_refused_before_anything_is_written) {
+  scratch dir;
+  run r(device{device_kind::host, 0}, dtype::f32, false);
+  r.train(1);
+  checkpointer saver(dir.path());
+  auto st = r.state();
+  st.user["loss"] = std::nan("");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { saver.save(st, r.s); }),
+                  "state.user must hold finite numbers");
+  for (const auto& e : fs::directory_iterator(dir.path())) {
+    const std::string name = e.path().filename().string();
+    EXPECT_FALSE(name.starts_with("step-") || name.starts_with(".step-")) << name;  // a checkpoint, or a staging one
+  }
+  st.user["loss"] = 0.5;
+  EXPECT_EQ(saver.save(st, r.s), dir.path() / "step-000000000001");
 }
 
 TEST(checkpoint, a_file_given_for_a_checkpoint_and_a_directory_given_for_a_model_are_named_with_the_fix) {

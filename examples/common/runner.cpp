@@ -359,7 +359,7 @@ class run_checkpoints {
     // What shapes the model, the data order or the learning rates must be as it was (the schedule's length
     // comes from --epochs and --max-steps).
     std::vector<std::string> keys = {"optimizer", "precision", "batch", "seed", "lr_schedule", "epochs", "max_steps"};
-    for (const auto& item : model_options_.members()) keys.push_back(item.key);
+    for (const auto& [key, ignored] : model_options_.members()) keys.push_back(key);
     const json_value now = options_json();
     for (const std::string& key : keys) {
       if (state_.user.value(key, json_value()) != now[key]) {

@@ -206,8 +206,8 @@ class content_hash {
 /// (keys sorted), so that an edited position (step, epoch, epoch_samples) or file entry is found on load. It is
 /// computed from the text as written (`manifest_text`: the file, or any dump of it; the whitespace between tokens
 /// and the top-level "checksum" member are left out), never from a new dump of the parsed values: manifests written
-/// by earlier lockstep versions (with nlohmann::json, whose shortest spelling of a double differs from
-/// std::to_chars' in rare cases) keep checking against the checksum they were written with.
+/// by earlier lockstep versions (with nlohmann::json, whose Grisu2 digits are in rare cases one longer than
+/// std::to_chars' shortest) keep checking against the checksum they were written with, and the reverse.
 inline std::string manifest_checksum(std::string_view manifest_text) {
   std::string text, member;  // the compact text without "checksum"; the top-level member being read
   bool in_string = false, escaped = false;
@@ -942,6 +942,12 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
   manifest["run"] = st.run_id;
   manifest["tensors"] = {{model_file_name, out->model.names()}, {training_file_name, out->training.names()}};
   manifest["user"] = st.user;
+  try {
+    (void)manifest.dump();  // now, not after the tensor files are written: JSON has no NaN, and text must be UTF-8
+  } catch (const json_error& e) {
+    throw precondition_error(concat("checkpoint: the manifest cannot be written (", e.what(),
+                                    "): state.user must hold finite numbers, and every name valid UTF-8"));
+  }
   out->manifest = std::move(manifest);
   out->copied.emplace(s.get_device());
   out->copied->record(s);
@@ -1100,7 +1106,6 @@ inline std::filesystem::path write_checkpoint(const std::filesystem::path& root,
     training_writer.join();
     if (training_failure) std::rethrow_exception(training_failure);
     manifest["files"][training_file_name] = std::move(training_entry);
-    manifest.erase("checksum");
     manifest["checksum"] = manifest_checksum(manifest.dump());  // last: it covers everything above
     {
       const std::string text = manifest.dump(1) + "\n";

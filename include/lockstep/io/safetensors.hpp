@@ -150,7 +150,7 @@ inline safetensors_header parse_safetensors_header(std::span<const std::byte> pr
   try {
     header = json_value::parse(std::string_view(text, n));
   } catch (const json_error& e) {
-    safetensors_fail(file, detail::concat("the header is not valid JSON (", e.what(), ")"));
+    safetensors_fail(file, detail::concat("its JSON header is refused (", e.what(), " of the header)"));
   }
   if (!header.is_object()) safetensors_fail(file, "the header is not a JSON object");
 
@@ -160,20 +160,20 @@ inline safetensors_header parse_safetensors_header(std::span<const std::byte> pr
   for (const auto& [name, v] : header.members()) {
     if (name == "__metadata__") {
       if (!v.is_object()) safetensors_fail(file, "__metadata__ must be an object of strings");
-      for (const auto& m : v.members()) {
-        if (!m.value.is_string()) {
-          safetensors_fail(file, detail::concat("__metadata__ entry '", m.key, "' must be a string, got ",
-                                                detail::brief(m.value)));
+      for (const auto& [key, entry] : v.members()) {
+        if (!entry.is_string()) {
+          safetensors_fail(file, detail::concat("__metadata__ entry '", key, "' must be a string, got ",
+                                                detail::brief(entry)));
         }
-        out.metadata[m.key] = m.value.get<std::string>();
+        out.metadata[key] = entry.get<std::string>();
       }
       continue;
     }
     const std::string where = "tensor '" + name + "'";
     if (!v.is_object()) safetensors_fail(file, where + " must map to an object");
-    for (const auto& f : v.members()) {
-      if (f.key != "dtype" && f.key != "shape" && f.key != "data_offsets") {
-        safetensors_fail(file, detail::concat(where, " has an unknown field '", f.key, "'"));
+    for (const auto& [field, ignored] : v.members()) {
+      if (field != "dtype" && field != "shape" && field != "data_offsets") {
+        safetensors_fail(file, detail::concat(where, " has an unknown field '", field, "'"));
       }
     }
     if (!v.contains("dtype") || !v["dtype"].is_string()) safetensors_fail(file, where + " has no dtype string");
