@@ -149,6 +149,11 @@ TEST(json, references_stay_valid_while_members_are_added_and_values_copy_from_th
   json_value text("x");
   EXPECT_CONTAINS(message_of<precondition_error>([&] { text.push_back(1); }), "cannot append to a string");
   EXPECT_CONTAINS(message_of<precondition_error>([&] { list["k"] = 1; }), "cannot set a member of an array");
+  EXPECT_CONTAINS(message_of<precondition_error>([&] { text.update(json_value::object()); }), "cannot update a string");
+  json_value none;
+  none.update(json_value::object());
+  EXPECT_TRUE(none.is_object());
+  EXPECT_EQ(json_value(j.members()), j);
 }
 
 TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
@@ -161,6 +166,8 @@ TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
   EXPECT_CONTAINS(json_error_of("-"), "at byte 1");
   EXPECT_CONTAINS(json_error_of("1e400"), "beyond the range of a double");
   EXPECT_CONTAINS(json_error_of("-123456.7e99999999999999999999"), "beyond the range of a double");
+  EXPECT_CONTAINS(json_error_of("1e9223372036854775807"), "beyond the range of a double");
+  EXPECT_EQ(json_value::parse("0.01e-9223372036854775808").get<double>(), 0.0);
   EXPECT_CONTAINS(json_error_of("nul"), "unknown literal");
   EXPECT_CONTAINS(json_error_of("NaN"), "at byte 0");
   EXPECT_CONTAINS(json_error_of("\"\x01\""), "control character");
@@ -173,7 +180,8 @@ TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
   EXPECT_CONTAINS(json_error_of("// comment\n1"), "at byte 0");
   EXPECT_CONTAINS(json_error_of(""), "unexpected end");
   EXPECT_CONTAINS(json_error_of(std::string(300, '[')), "nesting deeper than 256");
-  EXPECT_EQ(json_error_of(std::string(255, '[') + std::string(255, ']')), "(accepted)");
+  EXPECT_EQ(json_error_of(std::string(256, '[') + "1" + std::string(256, ']')), "(accepted)");  // 256 levels
+  EXPECT_CONTAINS(json_error_of(std::string(257, '[') + std::string(257, ']')), "nesting deeper than 256");
   // reading a value as what it is not
   const json_value v = json_value::parse(R"({"n":-5,"s":"x","f":0.5,"big":300})");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("missing"); }), "no member 'missing'");
@@ -181,7 +189,9 @@ TEST(json, refuses_what_rfc_8259_refuses_naming_the_byte) {
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("big").get<std::uint8_t>(); }), "does not fit");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("f").get<int>(); }), "expected an integer, got number");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)v.at("s").get<float>(); }), "expected a number, got string");
-  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value::parse("1e300").get<float>(); }), "does not fit");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value::parse("1e300").get<float>(); }), "beyond the range");
+  EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value::parse("3.5e38").get<float>(); }), "beyond the range");
+  EXPECT_EQ(json_value::parse("3.4028235e+38").get<float>(), std::numeric_limits<float>::max());  // rounds to it
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value(std::nan("")).dump(); }), "no NaN or infinity");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value(std::string("\xff")).dump(); }), "not valid UTF-8");
   EXPECT_CONTAINS(message_of<json_error>([&] { (void)json_value{{"a", 1}, {"a", 2}}; }), "given twice");
@@ -524,7 +534,7 @@ TEST(checkpoint, a_user_entry_that_json_cannot_hold_is_refused_before_anything_i
   auto st = r.state();
   st.user["loss"] = std::nan("");
   EXPECT_CONTAINS(message_of<precondition_error>([&] { saver.save(st, r.s); }),
-                  "state.user must hold finite numbers");
+                  "state.user and the optimizer's options must hold finite numbers");
   for (const auto& e : fs::directory_iterator(dir.path())) {
     const std::string name = e.path().filename().string();
     EXPECT_FALSE(name.starts_with("step-") || name.starts_with(".step-")) << name;  // a checkpoint, or a staging one

@@ -207,7 +207,8 @@ class content_hash {
 /// computed from the text as written (`manifest_text`: the file, or any dump of it; the whitespace between tokens
 /// and the top-level "checksum" member are left out), never from a new dump of the parsed values: manifests written
 /// by earlier lockstep versions (with nlohmann::json, whose Grisu2 digits are in rare cases one longer than
-/// std::to_chars' shortest) keep checking against the checksum they were written with, and the reverse.
+/// std::to_chars' shortest) keep checking against the checksum they were written with; those versions re-dumped
+/// the values they read, so they verify this version's manifests except in those rare cases.
 inline std::string manifest_checksum(std::string_view manifest_text) {
   std::string text, member;  // the compact text without "checksum"; the top-level member being read
   bool in_string = false, escaped = false;
@@ -946,7 +947,8 @@ inline std::unique_ptr<staged_checkpoint> stage_checkpoint(checkpoint_state& st,
     (void)manifest.dump();  // now, not after the tensor files are written: JSON has no NaN, and text must be UTF-8
   } catch (const json_error& e) {
     throw precondition_error(concat("checkpoint: the manifest cannot be written (", e.what(),
-                                    "): state.user must hold finite numbers, and every name valid UTF-8"));
+                                    "): state.user and the optimizer's options must hold finite numbers, and every name "
+                                    "must be valid UTF-8"));
   }
   out->manifest = std::move(manifest);
   out->copied.emplace(s.get_device());

@@ -9,7 +9,7 @@
 //   float lr = back.at("lrs").at(1).get<float>();
 //
 // Strict RFC 8259: one value, no comments, no trailing commas, strings of valid UTF-8 (escapes decoded, lone
-// surrogates refused), no key twice in one object, nesting at most json_value::max_depth deep. Numbers without a
+// surrogates refused), no key twice in one object, arrays and objects nested at most json_value::max_depth deep. Numbers without a
 // fraction or exponent that fit 64 bits stay integers (signed or unsigned, as written); others are doubles.
 // Objects keep their keys sorted by bytes, so a dump does not depend on the order in which keys were added, and a
 // reference to a member stays valid while others are added. Doubles are written with the fewest digits that read
@@ -76,9 +76,9 @@ class json_value {
   /// An array of the elements' values.
   template <class T>
   json_value(const std::vector<T>& items);
-  /// An object of the map's members.
-  template <class T>
-  json_value(const std::map<std::string, T>& members);
+  /// An object of the map's members (members() of another value too).
+  template <class T, class Less>
+  json_value(const std::map<std::string, T, Less>& members);
   /// An object: json_value{{"lr", 0.1f}, {"nesterov", true}}. Throws json_error when a key is given twice.
   json_value(std::initializer_list<std::pair<const std::string, json_value>> members);
 
@@ -155,8 +155,9 @@ class json_value {
   /// json_error when `other` is not an object, precondition_error when this is neither null nor an object.
   void update(const json_value& other);
 
-  /// The value as T: bool; an arithmetic type (integers must be integers in T's range; a floating-point T takes
-  /// any number in its range); std::string; json_value; or a std::vector of those. Throws json_error otherwise.
+  /// The value as T: bool; an arithmetic type (integers must be integers in T's range; a float or double takes any
+  /// number in its range, rounded to nearest); std::string; json_value; or a std::vector of those. Throws json_error
+  /// otherwise.
   template <class T>
   [[nodiscard]] T get() const;
   /// get<T>() of the member `key`, or `fallback` when this has no such member (or is not an object).

@@ -165,10 +165,13 @@ inline bool read_json_double(std::string_view text, double& out) noexcept {
   if (e != std::string_view::npos) {
     long exponent = 0;
     const char* first = text.data() + e + 1 + (text[e + 1] == '+' ? 1 : 0);
-    if (std::from_chars(first, text.data() + text.size(), exponent).ec != std::errc()) {
-      exponent = text[e + 1] == '-' ? -1000000 : 1000000;  // beyond long: far out either way
+    const bool read = std::from_chars(first, text.data() + text.size(), exponent).ec == std::errc();
+    const long limit = static_cast<long>(text.size());  // |magnitude| before the exponent is at most this
+    if (!read || exponent > limit || exponent < -limit) {
+      magnitude = text[e + 1] == '-' ? -1 : 1;  // an exponent this far out decides alone
+    } else {
+      magnitude += exponent;
     }
-    magnitude += exponent;
   }
   if (magnitude > 0) return false;
   out = text.front() == '-' ? -0.0 : 0.0;

@@ -33,8 +33,8 @@ json_value::json_value(const std::vector<T>& items) : kind_(kind::array) {
   u_.a = new std::vector<json_value>(items.begin(), items.end());
 }
 
-template <class T>
-json_value::json_value(const std::map<std::string, T>& members) : kind_(kind::object) {
+template <class T, class Less>
+json_value::json_value(const std::map<std::string, T, Less>& members) : kind_(kind::object) {
   u_.o = new object_map(members.begin(), members.end());
 }
 
@@ -183,6 +183,8 @@ inline std::size_t json_value::erase(std::string_view key) {
 
 inline void json_value::update(const json_value& other) {
   const object_map copy = other.members();  // `other` may be a member of this
+  if (kind_ == kind::null) *this = object();
+  if (kind_ != kind::object) fail_change("update");
   for (const auto& [key, v] : copy) (*this)[key] = v;
 }
 
@@ -200,8 +202,11 @@ T json_value::get() const {
   } else if constexpr (std::is_floating_point_v<T>) {
     if (!is_number()) fail_read("a number");
     const double d = number();
-    if (std::abs(d) > static_cast<double>(std::numeric_limits<T>::max())) {
-      throw json_error(detail::concat("JSON: the number ", dump(), " does not fit the type read"));
+    if constexpr (std::is_same_v<T, float>) {
+      // past FLT_MAX by half an ulp or more: rounding would give infinity (JSON's numbers are finite)
+      if (std::isfinite(d) && std::abs(d) >= 0x1.ffffffp+127) {
+        throw json_error(detail::concat("JSON: the number ", d, " is beyond the range of a float"));
+      }
     }
     return static_cast<T>(d);
   } else if constexpr (std::is_integral_v<T>) {
@@ -348,8 +353,10 @@ class json_parser {
   }
 
   json_value value(int depth) {
-    if (depth >= json_value::max_depth) fail(concat("nesting deeper than ", json_value::max_depth));
     if (i_ >= s_.size()) fail("unexpected end of the text");
+    if ((s_[i_] == '{' || s_[i_] == '[') && depth >= json_value::max_depth) {
+      fail(concat("nesting deeper than ", json_value::max_depth));
+    }
     switch (s_[i_]) {
       case '{': return object(depth);
       case '[': return array(depth);
@@ -378,7 +385,9 @@ class json_parser {
       json_value member = value(depth + 1);
       if (!v.u_.o->emplace(std::move(key), std::move(member)).second) {
         i_ = key_at;
-        fail(concat("the key ", spelled.size() <= 80 ? spelled : spelled.substr(0, 80), spelled.size() <= 80 ? "" : "...",
+        std::size_t shown = spelled.size() <= 80 ? spelled.size() : 80;
+        while (shown < spelled.size() && (static_cast<unsigned char>(spelled[shown]) & 0xc0) == 0x80) --shown;
+        fail(concat("the key ", spelled.substr(0, shown), shown < spelled.size() ? "..." : "",
                     " appears twice in one object"));
       }
       skip_space();
