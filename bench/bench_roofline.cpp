@@ -151,17 +151,17 @@ int main(int argc, char** argv) {
     const double flops_per_sample = flops_per_step / static_cast<double>(rows);
     const double roofline_gflops = flops_per_step / best_seconds / 1e9;
     json_value out{{"hidden", hidden},
-                       {"batch", batch},
-                       {"devices", devices},
-                       {"rows_per_device", rows},
-                       {"precision", std::string(name_of(precision))},
-                       {"kernels", host_gemm_plan::process().str()},
-                       {"gemm_flops_per_sample", flops_per_sample},
-                       {"roofline_gflops_per_device", roofline_gflops},
-                       {"chosen_gflops_per_device", flops_per_step / chosen_seconds / 1e9},
-                       {"roofline_samples_per_second", static_cast<double>(devices) * roofline_gflops * 1e9 /
-                                                           flops_per_sample},
-                       {"shapes", shapes}};
+                 {"batch", batch},
+                 {"devices", devices},
+                 {"rows_per_device", rows},
+                 {"precision", std::string(name_of(precision))},
+                 {"kernels", host_gemm_plan::process().str()},
+                 {"gemm_flops_per_sample", flops_per_sample},
+                 {"roofline_gflops_per_device", roofline_gflops},
+                 {"chosen_gflops_per_device", flops_per_step / chosen_seconds / 1e9},
+                 {"roofline_samples_per_second", static_cast<double>(devices) * roofline_gflops * 1e9 /
+                                                     flops_per_sample},
+                 {"shapes", shapes}};
     if (json) {
       std::printf("%s\n", out.dump().c_str());
     } else {

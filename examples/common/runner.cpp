@@ -13,7 +13,6 @@
 #include <lockstep/comm/processes.hpp>
 #endif
 
-
 #include <unistd.h>
 
 #include <algorithm>
