@@ -160,7 +160,8 @@ class idx_plain_source {
 /// Reads a gzip-compressed file through zlib. Its decompressed length is unknown until it has been read.
 class idx_gzip_source {
  public:
-  explicit idx_gzip_source(const std::filesystem::path& path) : path_(path) {
+  /// `file_size`: the compressed file's length (it bounds what the stream can decompress to, see `size_bound`).
+  idx_gzip_source(const std::filesystem::path& path, std::uint64_t file_size) : path_(path), file_size_(file_size) {
     file_ = unique_handle<gz_file_traits>(gzopen(path.c_str(), "rb"));
     if (!file_) {
       LOCKSTEP_THROW(data_error, "cannot read IDX file '", path_.string(), "': gzopen failed: ", errno_text(errno));
@@ -199,6 +200,13 @@ class idx_gzip_source {
   }
   /// Unknown for a gzip stream.
   [[nodiscard]] std::optional<std::uint64_t> remaining() const noexcept { return std::nullopt; }
+  /// The most a valid stream of this file can decompress to: deflate expands its input at most 1032 times (a
+  /// 258-byte match costs at least 2 bits), and the gzip framing only adds to the input.
+  [[nodiscard]] std::uint64_t size_bound() const noexcept {
+    constexpr std::uint64_t ratio = 1032;
+    return file_size_ > std::numeric_limits<std::uint64_t>::max() / ratio ? std::numeric_limits<std::uint64_t>::max()
+                                                                          : file_size_ * ratio;
+  }
   /// " (the gzip stream itself is cut off: ...)" when the compressed data ended before the gzip trailer.
   [[nodiscard]] std::string end_note() const {
     if (ended_early_.empty()) return {};
@@ -212,6 +220,7 @@ class idx_gzip_source {
  private:
   std::filesystem::path path_;
   unique_handle<gz_file_traits> file_;
+  std::uint64_t file_size_ = 0;
   std::string ended_early_;
 };
 
@@ -327,14 +336,26 @@ idx_array parse_idx(Source& src, const std::filesystem::path& path) {
     }
   }
 
-  // Grow with the data actually read (doubling from 1 MiB) unless the length is known to be right, so that a
+  // A plain file's payload is read at once: its length was checked above. A gzip stream's length is known only
+  // once it has been read, so its buffer is reserved once, for the header's size if the file can decompress to
+  // that much (`size_bound`: deflate's largest expansion of the compressed bytes), and filled in 4 MiB steps (each
+  // zeroed by the resize just before zlib writes it, while it is in cache). A header that claims more than the
+  // file can hold is corrupt: its buffer grows with the data actually read instead (doubling from 1 MiB), so a
   // small corrupt gzip file cannot make us allocate what its header claims.
-  constexpr std::size_t first_chunk = std::size_t{1} << 20;
   const bool length_known = src.remaining().has_value();
+  bool reserved = length_known;
+  if constexpr (requires { src.size_bound(); }) {
+    if (!length_known && src.size_bound() >= expected) {
+      out.data.reserve(expected);
+      reserved = true;
+    }
+  }
+  constexpr std::size_t first_chunk = std::size_t{1} << 20, step = std::size_t{4} << 20;
   std::size_t have = 0;
   while (have < expected) {
-    const std::size_t target = length_known ? expected : std::min(expected, std::max(2 * have, first_chunk));
-    out.data.reserve(target);
+    const std::size_t target = length_known ? expected
+                               : reserved   ? std::min(expected, have + step)
+                                            : std::min(expected, std::max(2 * have, first_chunk));
     out.data.resize(target);
     const std::size_t n = src.read(std::span(out.data.data() + have, target - have));
     have += n;
@@ -373,7 +394,8 @@ idx_array parse_idx(Source& src, const std::filesystem::path& path) {
 /// unreadable, empty, has a wrong magic number, an unsupported type code, a rank outside 1..4, a zero
 /// dimension, dimensions describing an absurd size, a truncated header or payload (saying how many bytes were
 /// expected and found), bytes after the payload ("oversized"), or a corrupt gzip stream. Never allocates more
-/// than twice the bytes actually present.
+/// than the header claims, nor more than twice the bytes actually present unless a gzip file's compressed length
+/// allows the header's claim (deflate expands at most 1032 times); memory is touched only as data arrives.
 inline idx_array read_idx(const std::filesystem::path& path) {
   std::error_code ec;
   const std::filesystem::file_status status = std::filesystem::status(path, ec);
@@ -398,7 +420,7 @@ inline idx_array read_idx(const std::filesystem::path& path) {
     gzip = peek.read(head) == 2 && head[0] == std::byte{0x1f} && head[1] == std::byte{0x8b};
   }
   if (gzip) {
-    detail::idx_gzip_source source(path);
+    detail::idx_gzip_source source(path, size);
     return detail::parse_idx(source, path);
   }
   detail::idx_plain_source source(path, size);
