@@ -809,6 +809,31 @@ TEST_P(exact_kernel_test, accumulate_round_and_one_pass_sum_match_the_term_by_te
     }
     const auto ranged = to_floats(to_vector(device_span<const T>(range.span()), s));
     for (std::size_t i = from; i < to; ++i) ASSERT_EQ(ranged[i - from], expected[i]) << "range, element " << i;
+    // one pass over the first k chunks, k = 1 .. 9 (the host loop takes terms four at a time: every remainder, one
+    // and more groups), bit for bit: elements whose terms are all -0 sum to +0, as the exact sum
+    constexpr std::size_t more = 9;
+    std::vector<float> terms(n * more);
+    for (std::size_t c = 0; c < more; ++c) {
+      for (std::size_t i = 0; i < n; ++i) {
+        float v = i % 7 == 3 ? random_term(c * n + i + 7, -30, 14) : random_term(c * n + i + 7, -8, -2);
+        if (i % 13 == 6) v = -0.0f;
+        terms[c * n + i] = to_float(convert<T>(v));
+      }
+    }
+    auto terms_on_device = to_device(from_floats<T>(terms), s);
+    for (std::size_t k = 1; k <= more; ++k) {
+      fill_zero(outside.span(), s);
+      launch_elementwise(n, kernels::exact_sum_op<T>{terms_on_device.data(), k, n, one_pass.data(), outside.data()}, s,
+                         "sum of k chunks");
+      const auto got = to_floats(to_vector(device_span<const T>(one_pass.span()), s));
+      for (std::size_t i = 0; i < n; ++i) {
+        limbs l;
+        for (std::size_t c = 0; c < k; ++c) l.add(terms[c * n + i]);
+        const float want = to_float(convert<T>(l.round()));
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(got[i]), std::bit_cast<std::uint32_t>(want))
+            << k << " chunks, element " << i << ": " << got[i] << " against " << want;
+      }
+    }
     // one term outside the window: every element of the tensor is NaN, on both paths
     std::vector<float> with_inf(partial);
     with_inf[3 * n + 17] = std::numeric_limits<float>::infinity();

@@ -231,31 +231,56 @@ LOCKSTEP_HD inline void sum_terms(const T* partials, std::size_t chunks, std::si
 }
 
 /// The host loops' block: the double sums of elements [b0, b0 + len) and whether each is exact, vectorized
-/// (term after term over the block). Term c's element i is term(c)[i].
+/// (element after element, four terms at a time: each element's running state is stored once per four terms,
+/// and the first four write it). Term c's element i is term(c)[i]; a last group of fewer than four is padded with
+/// zeros, which change neither a sum (the running sum starts from +0, as the exact sum of zeros is) nor the
+/// exponents. The double sums' order does not matter: where the fast path applies they are exact in any order,
+/// and elsewhere they are not used.
 template <class T, std::size_t Block, class Term>
 inline void block_double_sums(Term term, std::size_t terms, std::size_t b0, std::size_t len, double* sums,
                               std::uint8_t* fast, bool& all_fast) noexcept {
-  alignas(64) float v[Block];
+  constexpr std::size_t group = 4;
+  static constexpr float zeros[Block] = {};
+  alignas(64) float v[group][Block];
   alignas(64) std::int32_t emax[Block], emin[Block];
-  for (std::size_t j = 0; j < len; ++j) {
-    sums[j] = 0.0;
-    emax[j] = 0;
-    emin[j] = 255;
-  }
-  for (std::size_t c = 0; c < terms; ++c) {
-    const float* __restrict x = v;
+  const auto terms_of = [&](std::size_t c, std::size_t k) -> const float* {
+    if (c >= terms) return zeros;
     if constexpr (std::is_same_v<T, float>) {
-      x = term(c) + b0;  // read in place: a copy would cost as much as the loop
+      static_cast<void>(k);
+      return term(c) + b0;  // read in place: a copy would cost as much as the loop
     } else {
-      detail::widen_run(term(c) + b0, v, static_cast<std::int64_t>(len));
+      detail::widen_run(term(c) + b0, v[k], static_cast<std::int64_t>(len));
+      return v[k];
     }
+  };
+  const auto add_group = [&]<bool First>(std::size_t c) {
+    const float* __restrict x0 = terms_of(c, 0);
+    const float* __restrict x1 = terms_of(c + 1, 1);
+    const float* __restrict x2 = terms_of(c + 2, 2);
+    const float* __restrict x3 = terms_of(c + 3, 3);
     for (std::size_t j = 0; j < len; ++j) {
-      const std::int32_t e = exponent_field(x[j]), ez = nonzero_exponent_field(x[j]);
-      emax[j] = emax[j] > e ? emax[j] : e;
-      emin[j] = emin[j] < ez ? emin[j] : ez;
-      sums[j] += static_cast<double>(x[j]);
+      const std::int32_t e0 = exponent_field(x0[j]), e1 = exponent_field(x1[j]), e2 = exponent_field(x2[j]),
+                         e3 = exponent_field(x3[j]);
+      const std::int32_t z0 = nonzero_exponent_field(x0[j]), z1 = nonzero_exponent_field(x1[j]),
+                         z2 = nonzero_exponent_field(x2[j]), z3 = nonzero_exponent_field(x3[j]);
+      const std::int32_t hi01 = e0 > e1 ? e0 : e1, hi23 = e2 > e3 ? e2 : e3, lo01 = z0 < z1 ? z0 : z1,
+                         lo23 = z2 < z3 ? z2 : z3;
+      const std::int32_t hi = hi01 > hi23 ? hi01 : hi23, lo = lo01 < lo23 ? lo01 : lo23;
+      const double sum = (static_cast<double>(x0[j]) + static_cast<double>(x1[j])) +
+                         (static_cast<double>(x2[j]) + static_cast<double>(x3[j]));
+      if constexpr (First) {
+        emax[j] = hi;
+        emin[j] = lo;
+        sums[j] = sum + 0.0;  // +0 for a sum of zeros of either sign, as the exact sum (and the other groups add)
+      } else {
+        emax[j] = emax[j] > hi ? emax[j] : hi;
+        emin[j] = emin[j] < lo ? emin[j] : lo;
+        sums[j] += sum;
+      }
     }
-  }
+  };
+  add_group.template operator()<true>(0);
+  for (std::size_t c = group; c < terms; c += group) add_group.template operator()<false>(c);
   const int log2_terms = ceil_log2(terms);
   std::uint8_t every = 1;  // bytes, not bools: the loops vectorize
   for (std::size_t j = 0; j < len; ++j) {
