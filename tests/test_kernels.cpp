@@ -752,6 +752,69 @@ TEST(exact_sum, the_double_path_and_the_integer_path_agree) {
   EXPECT_GT(fast, 10000u) << "the double path must be taken for ordinary limbs";
 }
 
+TEST(host_block_loops, exact_sums_give_the_same_bits_in_every_loop_this_cpu_runs) {
+  // The float exact sums have a third host copy, AVX-512 with 8 doubles a vector (host_loop.hpp): the baseline, AVX2
+  // and AVX-512 loops (each this CPU runs) against the term-by-term limbs, bit for bit, for 1 to 9 chunks of terms
+  // that take the double path, terms that need the integer path, zeros and negative zeros.
+  constexpr std::size_t n = 1031, most = 9;
+  std::vector<float> terms(n * most);
+  for (std::size_t c = 0; c < most; ++c) {
+    for (std::size_t i = 0; i < n; ++i) {
+      float v = i % 5 == 2 ? random_term(c * n + i + 3, -40, 20) : random_term(c * n + i + 3, -9, -1);
+      if (i % 17 == 4) v = -0.0f;
+      if (i % 19 == 7 && c % 2 == 0) v = 0.0f;
+      terms[c * n + i] = v;
+    }
+  }
+  using sum_op = kernels::exact_sum_op<float>;
+  using accumulate_op = kernels::exact_accumulate_op<float>;
+  using round_op = kernels::exact_round_op<float>;
+  static_assert(detail::wants_host_avx512<sum_op> && !detail::wants_host_avx512<kernels::exact_sum_op<lockstep::half>>);
+  // (a CPU without AVX-512, or AVX2, checks the loops it has)
+  const auto bits = [](float v) { return std::bit_cast<std::uint32_t>(v); };
+  // each loop that runs here: f(loop) calls loop(count, functor)
+  const auto each_loop = [&](auto&& f) {
+    f("baseline", [](std::size_t count, const auto& k) { detail::host_loop_body(count, k); });
+#if LOCKSTEP_HOST_AVX2_CLONES
+    if (detail::cpu_has_avx2()) f("AVX2", [](std::size_t count, const auto& k) { detail::host_loop_avx2(count, k); });
+#endif
+#if LOCKSTEP_HOST_AVX512_CLONES
+    if (detail::cpu_has_avx512()) {
+      f("AVX-512", [](std::size_t count, const auto& k) { detail::host_loop_avx512(count, k); });
+    }
+#endif
+  };
+  for (std::size_t k = 1; k <= most; ++k) {
+    std::vector<float> want(n);
+    for (std::size_t i = 0; i < n; ++i) {
+      limbs l;
+      for (std::size_t c = 0; c < k; ++c) l.add(terms[c * n + i]);
+      want[i] = l.round();
+    }
+    each_loop([&](const char* loop, auto&& run) {
+      SCOPED_TRACE(::testing::Message() << loop << ", " << k << " chunks");
+      std::vector<float> one_pass(n, 7.0f), rounded(n, 7.0f);
+      std::vector<std::int64_t> acc(kernels::exact_words(n), 0);
+      std::int64_t outside = 0;
+      run(n, sum_op{terms.data(), k, n, one_pass.data(), &outside});
+      run(n, accumulate_op{terms.data(), k, n, acc.data(), acc.data() + n, acc.data() + 2 * n, true});
+      run(n, round_op{acc.data(), acc.data() + n, acc.data() + 2 * n, rounded.data()});
+      // the communicators' sums, into two outputs
+      std::vector<float> first(n, 7.0f), second(n, 7.0f);
+      float* const outs[2] = {first.data(), second.data()};
+      const auto term = [&](std::size_t c) -> const float* { return terms.data() + c * n; };
+      run(n, kernels::exact_sums_host_op<float, decltype(term)>{term, k, outs, 2, &outside});
+      EXPECT_EQ(outside, 0);
+      for (std::size_t i = 0; i < n; ++i) {
+        ASSERT_EQ(bits(one_pass[i]), bits(want[i])) << "one pass, element " << i;
+        ASSERT_EQ(bits(rounded[i]), bits(want[i])) << "accumulated, element " << i;
+        ASSERT_EQ(bits(first[i]), bits(want[i])) << "communicators' sum, element " << i;
+        ASSERT_EQ(bits(second[i]), bits(want[i])) << "communicators' sum, second output, element " << i;
+      }
+    });
+  }
+}
+
 namespace {
 class exact_kernel_test : public backend_and_dtype {};
 }  // namespace

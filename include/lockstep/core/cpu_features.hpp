@@ -16,4 +16,16 @@ inline bool cpu_has_avx2() noexcept {
 #endif
 }
 
+/// True when the CPU (and the OS) runs AVX-512 F, BW, DQ and VL (the host loops' AVX-512 copies); false off x86
+/// and under other compilers.
+inline bool cpu_has_avx512() noexcept {
+#if (defined(__x86_64__) || defined(__i386__)) && defined(__GNUC__)
+  static const bool yes = __builtin_cpu_supports("avx512f") != 0 && __builtin_cpu_supports("avx512bw") != 0 &&
+                          __builtin_cpu_supports("avx512dq") != 0 && __builtin_cpu_supports("avx512vl") != 0;
+  return yes;
+#else
+  return false;
+#endif
+}
+
 LOCKSTEP_DETAIL_END

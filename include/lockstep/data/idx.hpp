@@ -20,6 +20,7 @@
 #include <cstring>
 #include <filesystem>
 #include <limits>
+#include <new>
 #include <optional>
 #include <span>
 #include <string>
@@ -346,8 +347,13 @@ idx_array parse_idx(Source& src, const std::filesystem::path& path) {
   bool reserved = length_known;
   if constexpr (requires { src.size_bound(); }) {
     if (!length_known && src.size_bound() >= expected) {
-      out.data.reserve(expected);
-      reserved = true;
+      try {
+        out.data.reserve(expected);  // address space only: pages are touched as data arrives
+        reserved = true;
+      } catch (const std::bad_alloc&) {
+        // a claim larger than the address space the system grants (a corrupt header, or overcommit refused):
+        // grow with the data instead, and say what is wrong once the data ends
+      }
     }
   }
   constexpr std::size_t first_chunk = std::size_t{1} << 20, step = std::size_t{4} << 20;
@@ -356,6 +362,7 @@ idx_array parse_idx(Source& src, const std::filesystem::path& path) {
     const std::size_t target = length_known ? expected
                                : reserved   ? std::min(expected, have + step)
                                             : std::min(expected, std::max(2 * have, first_chunk));
+    out.data.reserve(target);  // exactly: a resize past the capacity could allocate twice what is there
     out.data.resize(target);
     const std::size_t n = src.read(std::span(out.data.data() + have, target - have));
     have += n;

@@ -334,6 +334,9 @@ inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t co
 /// lo = acc + n, outside = acc + 2n; for elements [a, b) of it, hi = acc + a and lo = acc + n + a.
 template <class T>
 struct exact_accumulate_op {
+  /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
+  /// contraction cannot change a bit.
+  static constexpr bool host_avx512 = std::is_same_v<T, float>;
   const T* partials;
   std::size_t chunks;
   std::size_t stride;
@@ -391,6 +394,9 @@ struct exact_accumulate_op {
 /// words): hi = acc, lo = acc + n, outside = acc + 2n; for elements [a, b) of it, hi = acc + a and lo = acc + n + a.
 template <class T>
 struct exact_round_op {
+  /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
+  /// contraction cannot change a bit.
+  static constexpr bool host_avx512 = std::is_same_v<T, float>;
   const std::int64_t* hi;
   const std::int64_t* lo;
   const std::int64_t* outside;
@@ -432,6 +438,9 @@ struct exact_round_op {
 /// Terms outside the window are counted in *outside (zeroed before); exact_poison_op then makes the tensor NaN.
 template <class T>
 struct exact_sum_op {
+  /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
+  /// contraction cannot change a bit.
+  static constexpr bool host_avx512 = std::is_same_v<T, float>;
   const T* partials;
   std::size_t chunks;
   std::size_t n;
@@ -460,6 +469,9 @@ struct exact_sum_op {
 /// window added to *outside.
 template <class T, class Term>
 struct exact_sums_host_op {
+  /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
+  /// contraction cannot change a bit.
+  static constexpr bool host_avx512 = std::is_same_v<T, float>;
   Term term;
   std::size_t terms;
   T* const* outs;
