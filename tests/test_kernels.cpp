@@ -753,9 +753,10 @@ TEST(exact_sum, the_double_path_and_the_integer_path_agree) {
 }
 
 TEST(host_block_loops, exact_sums_give_the_same_bits_in_every_loop_this_cpu_runs) {
-  // The float exact sums have a third host copy, AVX-512 with 8 doubles a vector (host_loop.hpp): the baseline, AVX2
-  // and AVX-512 loops (each this CPU runs) against the term-by-term limbs, bit for bit, for 1 to 9 chunks of terms
-  // that take the double path, terms that need the integer path, zeros and negative zeros.
+  // The float exact sums have a third host copy, AVX-512 with 8 doubles a vector (host_loop.hpp), on their default
+  // paths (one pass, the communicators' sums; accumulated and rounded have two): the baseline, AVX2 and AVX-512 loops
+  // (each this CPU runs) against the term-by-term limbs, bit for bit, for 1 to 9 chunks of terms that take the double
+  // path, terms that need the integer path, zeros and negative zeros.
   constexpr std::size_t n = 1031, most = 9;
   std::vector<float> terms(n * most);
   for (std::size_t c = 0; c < most; ++c) {

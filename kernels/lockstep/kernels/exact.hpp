@@ -230,57 +230,65 @@ LOCKSTEP_HD inline void sum_terms(const T* partials, std::size_t chunks, std::si
   }
 }
 
-/// The host loops' block: the double sums of elements [b0, b0 + len) and whether each is exact, vectorized
-/// (element after element, four terms at a time: each element's running state is stored once per four terms,
-/// and the first four write it). Term c's element i is term(c)[i]; a last group of fewer than four is padded with
-/// zeros, which change neither a sum (the running sum starts from +0, as the exact sum of zeros is) nor the
-/// exponents. The double sums' order does not matter: where the fast path applies they are exact in any order,
-/// and elsewhere they are not used.
+/// The host loops' block: the double sums of elements [b0, b0 + len) and whether each is exact, vectorized.
+/// Float terms are read in place four at a time: each element's running state is stored once per four terms, the
+/// first four write it, and a last group of fewer than four is padded with zeros, which change neither a sum (the
+/// running sum starts from +0, as the exact sum of zeros is) nor the exponents. f16 and bf16 terms are widened one
+/// term at a time (their code is compiled three times as often; four terms at a time made every file that includes
+/// lockstep 10% slower to compile). The double sums' order does not matter: where the fast path applies they are
+/// exact in any order, and elsewhere they are not used. Term c's element i is term(c)[i].
 template <class T, std::size_t Block, class Term>
 inline void block_double_sums(Term term, std::size_t terms, std::size_t b0, std::size_t len, double* sums,
                               std::uint8_t* fast, bool& all_fast) noexcept {
-  constexpr std::size_t group = 4;
-  static constexpr float zeros[Block] = {};
-  alignas(64) float v[group][Block];
   alignas(64) std::int32_t emax[Block], emin[Block];
-  const auto terms_of = [&](std::size_t c, std::size_t k) -> const float* {
-    if (c >= terms) return zeros;
-    if constexpr (std::is_same_v<T, float>) {
-      static_cast<void>(k);
-      return term(c) + b0;  // read in place: a copy would cost as much as the loop
-    } else {
-      detail::widen_run(term(c) + b0, v[k], static_cast<std::int64_t>(len));
-      return v[k];
-    }
-  };
-  const auto add_group = [&]<bool First>(std::size_t c) {
-    const float* __restrict x0 = terms_of(c, 0);
-    const float* __restrict x1 = terms_of(c + 1, 1);
-    const float* __restrict x2 = terms_of(c + 2, 2);
-    const float* __restrict x3 = terms_of(c + 3, 3);
+  if constexpr (std::is_same_v<T, float>) {
+    static constexpr float zeros[Block] = {};
+    const auto terms_of = [&](std::size_t c) -> const float* { return c < terms ? term(c) + b0 : zeros; };
+    const auto add_group = [&]<bool First>(std::size_t c) {
+      const float* __restrict x0 = terms_of(c);
+      const float* __restrict x1 = terms_of(c + 1);
+      const float* __restrict x2 = terms_of(c + 2);
+      const float* __restrict x3 = terms_of(c + 3);
+      for (std::size_t j = 0; j < len; ++j) {
+        const std::int32_t e0 = exponent_field(x0[j]), e1 = exponent_field(x1[j]), e2 = exponent_field(x2[j]),
+                           e3 = exponent_field(x3[j]);
+        const std::int32_t z0 = nonzero_exponent_field(x0[j]), z1 = nonzero_exponent_field(x1[j]),
+                           z2 = nonzero_exponent_field(x2[j]), z3 = nonzero_exponent_field(x3[j]);
+        const std::int32_t hi01 = e0 > e1 ? e0 : e1, hi23 = e2 > e3 ? e2 : e3, lo01 = z0 < z1 ? z0 : z1,
+                           lo23 = z2 < z3 ? z2 : z3;
+        const std::int32_t hi = hi01 > hi23 ? hi01 : hi23, lo = lo01 < lo23 ? lo01 : lo23;
+        const double sum = (static_cast<double>(x0[j]) + static_cast<double>(x1[j])) +
+                           (static_cast<double>(x2[j]) + static_cast<double>(x3[j]));
+        if constexpr (First) {
+          emax[j] = hi;
+          emin[j] = lo;
+          sums[j] = sum + 0.0;  // +0 for a sum of zeros of either sign, as the exact sum (the other groups add)
+        } else {
+          emax[j] = emax[j] > hi ? emax[j] : hi;
+          emin[j] = emin[j] < lo ? emin[j] : lo;
+          sums[j] += sum;
+        }
+      }
+    };
+    add_group.template operator()<true>(0);
+    for (std::size_t c = 4; c < terms; c += 4) add_group.template operator()<false>(c);
+  } else {
+    alignas(64) float v[Block];
     for (std::size_t j = 0; j < len; ++j) {
-      const std::int32_t e0 = exponent_field(x0[j]), e1 = exponent_field(x1[j]), e2 = exponent_field(x2[j]),
-                         e3 = exponent_field(x3[j]);
-      const std::int32_t z0 = nonzero_exponent_field(x0[j]), z1 = nonzero_exponent_field(x1[j]),
-                         z2 = nonzero_exponent_field(x2[j]), z3 = nonzero_exponent_field(x3[j]);
-      const std::int32_t hi01 = e0 > e1 ? e0 : e1, hi23 = e2 > e3 ? e2 : e3, lo01 = z0 < z1 ? z0 : z1,
-                         lo23 = z2 < z3 ? z2 : z3;
-      const std::int32_t hi = hi01 > hi23 ? hi01 : hi23, lo = lo01 < lo23 ? lo01 : lo23;
-      const double sum = (static_cast<double>(x0[j]) + static_cast<double>(x1[j])) +
-                         (static_cast<double>(x2[j]) + static_cast<double>(x3[j]));
-      if constexpr (First) {
-        emax[j] = hi;
-        emin[j] = lo;
-        sums[j] = sum + 0.0;  // +0 for a sum of zeros of either sign, as the exact sum (and the other groups add)
-      } else {
-        emax[j] = emax[j] > hi ? emax[j] : hi;
-        emin[j] = emin[j] < lo ? emin[j] : lo;
-        sums[j] += sum;
+      sums[j] = 0.0;
+      emax[j] = 0;
+      emin[j] = 255;
+    }
+    for (std::size_t c = 0; c < terms; ++c) {
+      detail::widen_run(term(c) + b0, v, static_cast<std::int64_t>(len));
+      for (std::size_t j = 0; j < len; ++j) {
+        const std::int32_t e = exponent_field(v[j]), ez = nonzero_exponent_field(v[j]);
+        emax[j] = emax[j] > e ? emax[j] : e;
+        emin[j] = emin[j] < ez ? emin[j] : ez;
+        sums[j] += static_cast<double>(v[j]);
       }
     }
-  };
-  add_group.template operator()<true>(0);
-  for (std::size_t c = group; c < terms; c += group) add_group.template operator()<false>(c);
+  }
   const int log2_terms = ceil_log2(terms);
   std::uint8_t every = 1;  // bytes, not bools: the loops vectorize
   for (std::size_t j = 0; j < len; ++j) {
@@ -288,6 +296,54 @@ inline void block_double_sums(Term term, std::size_t terms, std::size_t b0, std:
     every &= fast[j];
   }
   all_fast = every != 0;
+}
+
+// The term-by-term paths of the host loops, for the elements the double path left (rare). Out of line, so that
+// they are compiled once, for the baseline, and not again in each of the loops' AVX2 and AVX-512 copies.
+
+/// r[j] = the exact sum over c < terms of term(c)[b0 + j], rounded once, for each j < len with fast[j] == 0;
+/// returns the number of terms outside the window.
+template <class T, class Term>
+[[gnu::noinline]] std::int64_t slow_sums(const Term& term, std::size_t terms, std::size_t b0, std::size_t len,
+                                         const std::uint8_t* fast, float* r) {
+  std::int64_t outside = 0;
+  for (std::size_t j = 0; j < len; ++j) {
+    if (fast[j]) continue;
+    std::int64_t hi = 0, lo = 0;
+    for (std::size_t c = 0; c < terms; ++c) exact_add(to_float(term(c)[b0 + j]), hi, lo, outside);
+    r[j] = exact_round(hi, lo, 0);
+  }
+  return outside;
+}
+
+/// hp[j] += hi, lp[j] += lo of the exact sum over c < chunks of partials[c * stride + b0 + j], for each j < len
+/// with fast[j] == 0; returns the number of terms outside the window.
+template <class T>
+[[gnu::noinline]] std::int64_t slow_accumulate(const T* partials, std::size_t chunks, std::size_t stride,
+                                               std::size_t b0, std::size_t len, const std::uint8_t* fast,
+                                               std::int64_t* hp, std::int64_t* lp) {
+  std::int64_t outside = 0;
+  for (std::size_t j = 0; j < len; ++j) {
+    if (fast[j]) continue;
+    std::int64_t hs = 0, ls = 0;
+    for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * stride + b0 + j]), hs, ls, outside);
+    hp[j] += hs;
+    lp[j] += ls;
+  }
+  return outside;
+}
+
+/// r[j] = NaN for every j < len when outside_terms is not 0, else the integer rounding of the limbs for each j
+/// with done[j] == 0.
+[[gnu::noinline]] inline void slow_rounds(const std::int64_t* hp, const std::int64_t* lp, std::int64_t outside_terms,
+                                          std::size_t len, const std::uint8_t* done, float* r) {
+  for (std::size_t j = 0; j < len; ++j) {
+    if (outside_terms != 0) {
+      r[j] = detail::bits_as_float(0x7fc00000u);
+    } else if (!done[j]) {
+      r[j] = round_limbs_integer(hp[j], lp[j]);
+    }
+  }
 }
 
 /// The host loop of exact sums: outs[k][i] = the exact sum over c < terms of term(c)[i], rounded once to float,
@@ -308,14 +364,7 @@ inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t co
     float* __restrict r = f;
     if constexpr (std::is_same_v<T, float>) r = outs[0] + b0;  // floats straight out (into the first output)
     for (std::size_t j = 0; j < len; ++j) r[j] = static_cast<float>(sums[j]);
-    if (!all_fast) {  // rare: scalar
-      for (std::size_t j = 0; j < len; ++j) {
-        if (fast[j]) continue;
-        std::int64_t hi = 0, lo = 0;
-        for (std::size_t c = 0; c < terms; ++c) exact_add(to_float(term(c)[b0 + j]), hi, lo, total_outside);
-        r[j] = exact_round(hi, lo, 0);
-      }
-    }
+    if (!all_fast) total_outside += slow_sums<T>(term, terms, b0, len, fast, r);  // rare
     for (int k = 0; k < outputs; ++k) {
       if constexpr (std::is_same_v<T, float>) {
         if (k > 0) std::copy_n(r, len, outs[k] + b0);
@@ -334,9 +383,6 @@ inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t co
 /// lo = acc + n, outside = acc + 2n; for elements [a, b) of it, hi = acc + a and lo = acc + n + a.
 template <class T>
 struct exact_accumulate_op {
-  /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
-  /// contraction cannot change a bit.
-  static constexpr bool host_avx512 = std::is_same_v<T, float>;
   const T* partials;
   std::size_t chunks;
   std::size_t stride;
@@ -375,15 +421,7 @@ struct exact_accumulate_op {
         hp[j] = (overwrite ? 0 : hp[j]) + (h & keep);
         lp[j] = (overwrite ? 0 : lp[j]) + (l & keep);
       }
-      if (!all_fast) {  // rare, scalar: the term-by-term sum
-        for (std::size_t j = 0; j < len; ++j) {
-          if (fast[j]) continue;
-          std::int64_t hs = 0, ls = 0;
-          for (std::size_t c = 0; c < chunks; ++c) exact_add(to_float(partials[c * stride + b0 + j]), hs, ls, terms_outside);
-          hp[j] += hs;
-          lp[j] += ls;
-        }
-      }
+      if (!all_fast) terms_outside += exact_detail::slow_accumulate(partials, chunks, stride, b0, len, fast, hp, lp);
     }
     if (terms_outside != 0) exact_detail::add_outside(outside, terms_outside);
   }
@@ -394,9 +432,6 @@ struct exact_accumulate_op {
 /// words): hi = acc, lo = acc + n, outside = acc + 2n; for elements [a, b) of it, hi = acc + a and lo = acc + n + a.
 template <class T>
 struct exact_round_op {
-  /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
-  /// contraction cannot change a bit.
-  static constexpr bool host_avx512 = std::is_same_v<T, float>;
   const std::int64_t* hi;
   const std::int64_t* lo;
   const std::int64_t* outside;
@@ -419,15 +454,7 @@ struct exact_round_op {
         done[j] = static_cast<std::uint8_t>(exact_detail::round_limbs_double(hp[j], lp[j], r[j]));
         all_done &= done[j];
       }
-      if (all_done == 0 || outside_terms != 0) {  // rare: scalar
-        for (std::size_t j = 0; j < len; ++j) {
-          if (outside_terms != 0) {
-            r[j] = detail::bits_as_float(0x7fc00000u);
-          } else if (!done[j]) {
-            r[j] = exact_detail::round_limbs_integer(hp[j], lp[j]);
-          }
-        }
-      }
+      if (all_done == 0 || outside_terms != 0) exact_detail::slow_rounds(hp, lp, outside_terms, len, done, r);  // rare
       if constexpr (!std::is_same_v<T, float>) detail::narrow_run(f, out + b0, static_cast<std::int64_t>(len));
     }
   }
