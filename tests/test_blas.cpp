@@ -480,14 +480,26 @@ TEST(host_blocking, the_scratch_stays_within_6_MiB_and_the_depth_takes_what_it_l
 
 TEST(host_blocking, blocks_of_every_dimension_and_their_remainders_give_the_exact_product) {
   // The blocked loop with small blocks (7 rows, 9 columns, 5 of depth; the problem sizes leave remainders),
-  // every transpose, small integer values (exact sums): C must be the correctly rounded exact product.
-  auto check = [&]<class T>() {
-    const detail::host_blocking small{7, 9, 5};
-    std::vector<float> scratch(small.scratch_floats());
+  // every transpose, small integer values (exact sums): C must be the correctly rounded exact product. With
+  // oneDNN, twice: the whole blocks on oneDNN matmuls (first and further depth blocks), then all on sgemm.
+  const detail::host_blocking small{7, 9, 5};
+  auto check = [&]<class T>(bool matmuls) {
     std::uint32_t seed = 500;
     for (transpose ta : {transpose::no, transpose::yes})
       for (transpose tb : {transpose::no, transpose::yes})
         for (float beta : {0.0f, 0.5f}) {
+          detail::host_block_matmuls mms;
+#if LOCKSTEP_HAS_ONEDNN
+          detail::onednn_matmuls cache;
+          if (matmuls) {
+            mms = detail::host_block_matmuls::make(cache, ta, tb, small, 17);
+            ASSERT_TRUE(mms.first && mms.more) << "oneDNN has no f32 matmul for the blocks";
+          }
+#else
+          (void)matmuls;
+#endif
+          std::vector<float> scratch(small.scratch_floats() + mms.scratchpad_floats);
+          mms.scratchpad = mms.scratchpad_floats > 0 ? scratch.data() + small.scratch_floats() : nullptr;
           const gemm_case g{ta, tb, 23, 20, 17, -0.5f, beta, 1, 2, 3};
           SCOPED_TRACE(g.str());
           const bool tra = ta == transpose::yes, trb = tb == transpose::yes;
@@ -502,7 +514,7 @@ TEST(host_blocking, blocks_of_every_dimension_and_their_remainders_give_the_exac
           auto hc = from_floats<T>(c.values);
           const detail::gemm_problem<T> p{ta,     tb,     g.m,  g.n,       g.k,  g.alpha, ha.data(), a.ld,
                                           hb.data(), b.ld, g.beta, hc.data(), c.ld};
-          detail::gemm_host_blocked(p, small, scratch.data(), host_gemm_plan::process().f32);
+          detail::gemm_host_blocked(p, small, scratch.data(), host_gemm_plan::process().f32, mms);
           const reference ref(g, a, b, c);
           for (std::int64_t i = 0; i < g.m; ++i)
             for (std::int64_t j = 0; j < c.ld; ++j) {
@@ -512,8 +524,11 @@ TEST(host_blocking, blocks_of_every_dimension_and_their_remainders_give_the_exac
             }
         }
   };
-  check.template operator()<lockstep::half>();
-  check.template operator()<bfloat16>();
+  for (bool matmuls : {false, bool{LOCKSTEP_HAS_ONEDNN}}) {
+    SCOPED_TRACE(matmuls ? "whole blocks on oneDNN matmuls" : "every block on sgemm");
+    check.template operator()<lockstep::half>(matmuls);
+    check.template operator()<bfloat16>(matmuls);
+  }
 }
 
 TEST_P(blas_test, k_zero_or_alpha_zero_scales_c_without_reading_a_or_b) {
