@@ -344,7 +344,7 @@ idx_array parse_idx(Source& src, const std::filesystem::path& path) {
   // file can hold is corrupt: its buffer grows with the data actually read instead (doubling from 1 MiB), so a
   // small corrupt gzip file cannot make us allocate what its header claims.
   const bool length_known = src.remaining().has_value();
-  bool reserved = length_known;
+  bool reserved = false;  // reserved for the whole payload (a gzip stream that can decompress to it)
   if constexpr (requires { src.size_bound(); }) {
     if (!length_known && src.size_bound() >= expected) {
       try {

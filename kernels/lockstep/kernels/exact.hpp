@@ -303,7 +303,7 @@ inline void block_double_sums(Term term, std::size_t terms, std::size_t b0, std:
 
 /// r[j] = the exact sum over c < terms of term(c)[b0 + j], rounded once, for each j < len with fast[j] == 0;
 /// returns the number of terms outside the window.
-template <class T, class Term>
+template <class Term>
 [[gnu::noinline]] std::int64_t slow_sums(const Term& term, std::size_t terms, std::size_t b0, std::size_t len,
                                          const std::uint8_t* fast, float* r) {
   std::int64_t outside = 0;
@@ -364,7 +364,7 @@ inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t co
     float* __restrict r = f;
     if constexpr (std::is_same_v<T, float>) r = outs[0] + b0;  // floats straight out (into the first output)
     for (std::size_t j = 0; j < len; ++j) r[j] = static_cast<float>(sums[j]);
-    if (!all_fast) total_outside += slow_sums<T>(term, terms, b0, len, fast, r);  // rare
+    if (!all_fast) total_outside += slow_sums(term, terms, b0, len, fast, r);  // rare
     for (int k = 0; k < outputs; ++k) {
       if constexpr (std::is_same_v<T, float>) {
         if (k > 0) std::copy_n(r, len, outs[k] + b0);
