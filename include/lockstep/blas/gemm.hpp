@@ -196,16 +196,17 @@ struct host_block_matmuls {
       return mm;
     };
     mms.first = block_matmul(0.0f);
-    if (k > bl.depth) mms.more = block_matmul(1.0f);
+    if (k >= 2 * bl.depth) mms.more = block_matmul(1.0f);  // a further whole depth block exists
     return mms;
   }
 #endif
 };
 
 /// The fp16/bf16 GEMM on the host, in blocks of C: for each block of columns and each block of rows, the
-/// products over the whole depth are accumulated in an fp32 block `acc` (one or more sgemm calls) before
-/// the block is rounded into C, once. Operand blocks are converted in their stored layout (rows of the
-/// stored matrix stay contiguous) and sgemm transposes them as the caller asked. `scratch` holds
+/// products over the whole depth are accumulated in an fp32 block `acc` (one or more f32 products: a matmul of
+/// `mms` for a whole block, sgemm_host otherwise) before the block is rounded into C, once. Operand blocks are
+/// converted in their stored layout (rows of the stored matrix stay contiguous) and the f32 product transposes
+/// them as the caller asked. `scratch` holds
 /// `bl.scratch_floats()` floats; `f32` is the kernel of the fp32 products, `mms` the matmuls that replace it for
 /// whole blocks. Runs on the stream's worker.
 template <class T>
