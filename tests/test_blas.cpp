@@ -480,8 +480,9 @@ TEST(host_blocking, the_scratch_stays_within_6_MiB_and_the_depth_takes_what_it_l
 
 TEST(host_blocking, blocks_of_every_dimension_and_their_remainders_give_the_exact_product) {
   // The blocked loop with small blocks (7 rows, 9 columns, 5 of depth; the problem sizes leave remainders),
-  // every transpose, small integer values (exact sums): C must be the correctly rounded exact product. With
-  // oneDNN, twice: the whole blocks on oneDNN matmuls (first and further depth blocks), then all on sgemm.
+  // every transpose, small integer values (exact sums): C must be the correctly rounded exact product. Where the
+  // plan takes oneDNN for f32, twice: the whole blocks on oneDNN matmuls (first and further depth blocks; the
+  // remainders on sgemm), then all on sgemm.
   const detail::host_blocking small{7, 9, 5};
   auto check = [&]<class T>(bool matmuls) {
     std::uint32_t seed = 500;

@@ -206,9 +206,8 @@ struct host_block_matmuls {
 /// products over the whole depth are accumulated in an fp32 block `acc` (one or more f32 products: a matmul of
 /// `mms` for a whole block, sgemm_host otherwise) before the block is rounded into C, once. Operand blocks are
 /// converted in their stored layout (rows of the stored matrix stay contiguous) and the f32 product transposes
-/// them as the caller asked. `scratch` holds
-/// `bl.scratch_floats()` floats; `f32` is the kernel of the fp32 products, `mms` the matmuls that replace it for
-/// whole blocks. Runs on the stream's worker.
+/// them as the caller asked. `scratch` holds `bl.scratch_floats()` floats; `f32` is the kernel of the fp32
+/// products, `mms` the matmuls that replace it for whole blocks. Runs on the stream's worker.
 template <class T>
 void gemm_host_blocked(const gemm_problem<T>& p, const host_blocking& bl, float* scratch, host_gemm_kernel f32,
                        const host_block_matmuls& mms = {}) {
