@@ -499,8 +499,8 @@ TEST(host_blocking, blocks_of_every_dimension_and_their_remainders_give_the_exac
 #else
           (void)matmuls;
 #endif
-          std::vector<float> scratch(small.scratch_floats() + mms.scratchpad_floats);
-          mms.scratchpad = mms.scratchpad_floats > 0 ? scratch.data() + small.scratch_floats() : nullptr;
+          std::vector<float> scratch(mms.scratch_floats(small));
+          mms.use_scratch(scratch.data(), small);
           const gemm_case g{ta, tb, 23, 20, 17, -0.5f, beta, 1, 2, 3};
           SCOPED_TRACE(g.str());
           const bool tra = ta == transpose::yes, trb = tb == transpose::yes;

@@ -160,7 +160,7 @@ bool gemm_host_onednn(blas_handle& h, const gemm_problem<T>& p) {
                                            p.k, p.lda, p.ldb, p.ldc, p.alpha, p.beta);
   std::shared_ptr<const onednn_matmul> mm = h.onednn_cache().get(key);
   if (!mm->usable()) return false;
-  void* scratchpad = mm->scratchpad_bytes() == 0 ? nullptr : h.scratch((mm->scratchpad_bytes() + 3) / 4);
+  void* scratchpad = mm->scratchpad_floats() == 0 ? nullptr : h.scratch(mm->scratchpad_floats());
   detail::enqueue_host(h.stream(), [p, mm, scratchpad] { mm->run(p.a, p.b, p.c, scratchpad); },
                        std::is_same_v<T, float> ? "gemm (f32, oneDNN)" : "gemm (bf16, oneDNN)");
   return true;
@@ -176,8 +176,17 @@ struct host_block_matmuls {
 #if LOCKSTEP_HAS_ONEDNN
   std::shared_ptr<const onednn_matmul> first, more;
 #endif
-  float* scratchpad = nullptr;        ///< their scratchpad, of scratchpad_floats floats: set by the caller
+  float* scratchpad = nullptr;        ///< their scratchpad, of scratchpad_floats floats: set by use_scratch
   std::size_t scratchpad_floats = 0;
+
+  /// Floats of scratch gemm_host_blocked needs for `bl` with these matmuls: the blocks, then the scratchpad.
+  [[nodiscard]] std::size_t scratch_floats(const host_blocking& bl) const noexcept {
+    return bl.scratch_floats() + scratchpad_floats;
+  }
+  /// Places the scratchpad in `scratch` (scratch_floats(bl) floats), after the blocks.
+  void use_scratch(float* scratch, const host_blocking& bl) noexcept {
+    scratchpad = scratchpad_floats > 0 ? scratch + bl.scratch_floats() : nullptr;
+  }
 
 #if LOCKSTEP_HAS_ONEDNN
   /// The matmuls of `bl`'s whole blocks for op(A) op(B) of depth k, created or found in `cache`.
@@ -192,7 +201,7 @@ struct host_block_matmuls {
                                                   tra ? bl.rows : bl.depth, trb ? bl.depth : bl.cols, bl.cols, 1.0f,
                                                   beta));
       if (!mm->usable()) return nullptr;
-      mms.scratchpad_floats = std::max(mms.scratchpad_floats, (mm->scratchpad_bytes() + 3) / 4);
+      mms.scratchpad_floats = std::max(mms.scratchpad_floats, mm->scratchpad_floats());
       return mm;
     };
     mms.first = block_matmul(0.0f);
@@ -303,8 +312,8 @@ void gemm_host(blas_handle& h, const gemm_problem<T>& p) {
     if (f32 == host_gemm_kernel::onednn) mms = host_block_matmuls::make(h.onednn_cache(), p.ta, p.tb, bl, p.k);
 #endif
     // in stream order, before the work that uses it
-    float* scratch = h.scratch(bl.scratch_floats() + mms.scratchpad_floats);
-    if (mms.scratchpad_floats > 0) mms.scratchpad = scratch + bl.scratch_floats();
+    float* scratch = h.scratch(mms.scratch_floats(bl));
+    mms.use_scratch(scratch, bl);
     detail::enqueue_host(s, [p, bl, scratch, f32, mms] { gemm_host_blocked(p, bl, scratch, f32, mms); },
                          std::is_same_v<T, half> ? "gemm (f16 via f32 blocks)" : "gemm (bf16 via f32 blocks)");
   }

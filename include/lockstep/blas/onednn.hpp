@@ -326,6 +326,8 @@ class onednn_matmul {
   [[nodiscard]] bool usable() const noexcept { return primitive_ && onednn_usable(implementation_); }
   /// Bytes of scratchpad memory a run needs (given to run()).
   [[nodiscard]] std::size_t scratchpad_bytes() const noexcept { return scratchpad_bytes_; }
+  /// The scratchpad in floats, rounded up: what to take from a handle's scratch memory (blas_handle::scratch).
+  [[nodiscard]] std::size_t scratchpad_floats() const noexcept { return (scratchpad_bytes_ + 3) / 4; }
 
   /// Runs the matmul on the calling thread (a stream's worker): C = alpha op(A) op(B) + beta C.
   void run(const void* a, const void* b, void* c, void* scratchpad) const {
