@@ -81,8 +81,8 @@ struct im2col_op {
     col[r * g.patch() + k] = v;
   }
   /// The host loop: the same values, written image by image and pixel by pixel without a division per element;
-  /// a window row wholly inside the image is copied without a test per element, a 3 x 3 window wholly inside it
-  /// as nine moves a channel.
+  /// a window wholly inside the image is copied without a test per row, a window row wholly inside it without a
+  /// test per element.
   void for_rows(std::size_t, std::size_t) const {
     if (g.kw == 3) {
       host_loop<3>();
@@ -106,12 +106,11 @@ struct im2col_op {
         for (std::size_t ox = 0; ox < g.ow; ++ox) {
           const std::size_t x0 = ox * stride;  // the window's first column, in padded coordinates
           const bool columns_in = x0 >= pad && x0 - pad + kw <= w;
-          if (KW == 3 && kh == 3 && rows_in && columns_in) {
-            // a 3 x 3 window wholly inside the image (most of them): nine moves a channel, no test
+          if (rows_in && columns_in) {  // the window wholly inside the image (most of them): no test per row
             const T* in = image + (y0 - pad) * w + (x0 - pad);
-            for (std::size_t ic = 0; ic < c; ++ic, in += h * w, out += 9) {
-              for (std::size_t i = 0; i < 3; ++i) {
-                for (std::size_t j = 0; j < 3; ++j) out[i * 3 + j] = in[i * w + j];
+            for (std::size_t ic = 0; ic < c; ++ic, in += h * w) {
+              for (std::size_t i = 0; i < kh; ++i) {
+                for (std::size_t j = 0; j < kw; ++j) *out++ = in[i * w + j];
               }
             }
             continue;
@@ -119,7 +118,7 @@ struct im2col_op {
           const T* plane = image;
           for (std::size_t ic = 0; ic < c; ++ic, plane += h * w) {
             for (std::size_t i = 0; i < kh; ++i) {
-              const std::size_t y = oy * stride + i;
+              const std::size_t y = y0 + i;
               if (y < pad || y - pad >= h) {
                 for (std::size_t j = 0; j < kw; ++j) *out++ = zero;
               } else if (columns_in) {
