@@ -486,12 +486,13 @@ TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
   check.template operator()<bfloat16>();
 }
 
-// 2x2 max pooling's host loop (eight windows at a time on an AVX2 CPU, tails masked) gives the per-window code's
-// values and indices bit for bit: the first of equal maxima, the last NaN of a window; on widths with and without a
-// tail, odd ones (the last column unused), ReLU-like inputs (many zeros: ties), NaNs and negative zeros.
+// 2x2 max pooling's host loop (eight windows at a time on an AVX2 CPU, four in rows of 4 to 7, the last step
+// overlapping the one before; masked in rows of 1 to 3) gives the per-window code's values and indices bit for bit:
+// the first of equal maxima, the last NaN of a window; on widths with and without a tail, odd ones (the last column
+// unused), ReLU-like inputs (many zeros: ties), NaNs and negative zeros. Its backward gives the per-pixel gather's.
 TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {
   auto check = [&]<class T>() {
-    for (const std::size_t w : {2u, 3u, 8u, 9u, 10u, 11u, 14u, 15u, 16u, 17u, 28u, 33u}) {
+    for (const std::size_t w : {2u, 3u, 4u, 6u, 8u, 9u, 10u, 11u, 14u, 15u, 16u, 17u, 18u, 28u, 33u}) {
       for (const std::size_t h : {2u, 5u}) {
         SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << " " << h << "x" << w);
         const std::size_t planes = 3, plane = h * w;
@@ -514,6 +515,22 @@ TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {
         for (std::size_t i = 0; i < y.size(); ++i) {
           EXPECT_EQ(std::bit_cast<std::uint32_t>(to_float(y[i])), std::bit_cast<std::uint32_t>(to_float(y_ref[i])))
               << "output " << i;
+        }
+        // the backward's host loop (windows that do not overlap: each gradient written straight to its maximum)
+        // against the per-pixel gather, with -0 gradients (+0 from both) and NaNs
+        std::vector<T> gy(y.size()), dx(x.size(), convert<T>(7.0f)), dx_ref(x.size());
+        for (std::size_t i = 0; i < gy.size(); ++i) {
+          const float u = philox_uniform(6, w * 16 + h, i);
+          gy[i] = convert<T>(u < 0.2f ? -0.0f : u < 0.25f ? std::nanf("") : 2.0f * u - 1.0f);
+        }
+        kernels::max_pool_backward_op<T>{gy.data(), at.data(), dx.data(), g}.for_rows(planes, plane);
+        const kernels::max_pool_backward_op<T> back{gy.data(), at.data(), dx_ref.data(), g};
+        for (std::size_t r = 0; r < planes; ++r) {
+          for (std::size_t p = 0; p < plane; ++p) back(r, p);
+        }
+        for (std::size_t i = 0; i < dx.size(); ++i) {
+          EXPECT_EQ(std::bit_cast<std::uint32_t>(to_float(dx[i])), std::bit_cast<std::uint32_t>(to_float(dx_ref[i])))
+              << "input gradient " << i;
         }
       }
     }

@@ -75,34 +75,82 @@ __attribute__((target("avx2"))) inline void take_larger_or_nan(__m256 v, __m256i
   index = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(index), _mm256_castsi256_ps(candidate), take));
 }
 
+/// take_larger_or_nan for four windows.
+__attribute__((target("avx2"))) inline void take_larger_or_nan(__m128 v, __m128i candidate, __m128& best,
+                                                               __m128i& index) {
+  const __m128 take = _mm_or_ps(_mm_cmp_ps(v, best, _CMP_GT_OQ), _mm_cmp_ps(v, v, _CMP_UNORD_Q));
+  best = _mm_blendv_ps(best, v, take);
+  index = _mm_castps_si128(_mm_blendv_ps(_mm_castsi128_ps(index), _mm_castsi128_ps(candidate), take));
+}
+
+/// The windows of max_pool_2x2_row_avx2 from ox on, `Lanes` (8 or 4) of them: each row's 2 x Lanes floats loaded
+/// whole, the results stored whole.
+template <int Lanes>
+__attribute__((target("avx2"))) inline void max_pool_2x2_windows(const float* r0, const float* r1, std::size_t ox,
+                                                                 std::int32_t top, std::int32_t w, float* y,
+                                                                 std::int32_t* at) {
+  const float* p0 = r0 + 2 * ox;
+  const float* p1 = r1 + 2 * ox;
+  const auto first = top + 2 * static_cast<std::int32_t>(ox);  // the plane index of window ox's first value
+  if constexpr (Lanes == 8) {
+    __m256 a, b, c, d;
+    split_even_odd(_mm256_loadu_ps(p0), _mm256_loadu_ps(p0 + 8), a, b);
+    split_even_odd(_mm256_loadu_ps(p1), _mm256_loadu_ps(p1 + 8), c, d);
+    const __m256i index0 = _mm256_add_epi32(_mm256_set1_epi32(first), _mm256_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14));
+    __m256 best = a;
+    __m256i index = index0;
+    take_larger_or_nan(b, _mm256_add_epi32(index0, _mm256_set1_epi32(1)), best, index);
+    take_larger_or_nan(c, _mm256_add_epi32(index0, _mm256_set1_epi32(w)), best, index);
+    take_larger_or_nan(d, _mm256_add_epi32(index0, _mm256_set1_epi32(w + 1)), best, index);
+    _mm256_storeu_ps(y + ox, best);
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(at + ox), index);
+  } else {
+    static_assert(Lanes == 4);
+    const __m128 lo0 = _mm_loadu_ps(p0), hi0 = _mm_loadu_ps(p0 + 4), lo1 = _mm_loadu_ps(p1), hi1 = _mm_loadu_ps(p1 + 4);
+    const __m128i index0 = _mm_add_epi32(_mm_set1_epi32(first), _mm_setr_epi32(0, 2, 4, 6));
+    __m128 best = _mm_shuffle_ps(lo0, hi0, 0x88);
+    __m128i index = index0;
+    take_larger_or_nan(_mm_shuffle_ps(lo0, hi0, 0xdd), _mm_add_epi32(index0, _mm_set1_epi32(1)), best, index);
+    take_larger_or_nan(_mm_shuffle_ps(lo1, hi1, 0x88), _mm_add_epi32(index0, _mm_set1_epi32(w)), best, index);
+    take_larger_or_nan(_mm_shuffle_ps(lo1, hi1, 0xdd), _mm_add_epi32(index0, _mm_set1_epi32(w + 1)), best, index);
+    _mm_storeu_ps(y + ox, best);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(at + ox), index);
+  }
+}
+
 /// 2x2 max pooling of stride 2 without padding, one output row: for ox < ow, the window r0[2ox], r0[2ox + 1],
 /// r1[2ox], r1[2ox + 1] (in that order; plane indices top + 2ox, + 1, + w, + w + 1) gives y[ox] = its first maximum,
-/// or its last NaN, and at[ox] that value's plane index. Eight windows a step, the tail masked: the comparisons of
-/// the scalar loop (kernels::max_pool_forward_op), so the same values and indices.
+/// or its last NaN, and at[ox] that value's plane index: the comparisons of the scalar loop
+/// (kernels::max_pool_forward_op), so the same values and indices. Eight windows a step (four when the row has
+/// fewer than eight), with whole loads and stores: the last step ends at the row's end, computing again (the same
+/// values) the windows it shares with the one before. Masked loads and stores, which AMD's Zen runs in microcode,
+/// made this loop twice as slow there; rows of fewer than four windows still take them.
 __attribute__((target("avx2"))) inline void max_pool_2x2_row_avx2(const float* r0, const float* r1, std::size_t ow,
                                                                   std::int32_t top, std::int32_t w, float* y,
                                                                   std::int32_t* at) {
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  for (std::size_t ox = 0; ox < ow; ox += 8) {
-    const auto n = static_cast<std::int32_t>(ow - ox < 8 ? ow - ox : 8);  // windows this step
-    const __m256i out_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-    const __m256i lo_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
-    const __m256i hi_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n - 8), lane);
-    const float* p0 = r0 + 2 * ox;
-    const float* p1 = r1 + 2 * ox;
-    __m256 a, b, c, d;
-    split_even_odd(_mm256_maskload_ps(p0, lo_mask), _mm256_maskload_ps(p0 + 8, hi_mask), a, b);
-    split_even_odd(_mm256_maskload_ps(p1, lo_mask), _mm256_maskload_ps(p1 + 8, hi_mask), c, d);
-    const __m256i first = _mm256_add_epi32(_mm256_set1_epi32(top + 2 * static_cast<std::int32_t>(ox)),
-                                           _mm256_add_epi32(lane, lane));
-    __m256 best = a;
-    __m256i index = first;
-    take_larger_or_nan(b, _mm256_add_epi32(first, _mm256_set1_epi32(1)), best, index);
-    take_larger_or_nan(c, _mm256_add_epi32(first, _mm256_set1_epi32(w)), best, index);
-    take_larger_or_nan(d, _mm256_add_epi32(first, _mm256_set1_epi32(w + 1)), best, index);
-    _mm256_maskstore_ps(y + ox, out_mask, best);
-    _mm256_maskstore_epi32(at + ox, out_mask, index);
+  if (ow >= 8) {
+    for (std::size_t ox = 0; ox < ow; ox += 8) max_pool_2x2_windows<8>(r0, r1, ox + 8 <= ow ? ox : ow - 8, top, w, y, at);
+    return;
   }
+  if (ow >= 4) {
+    for (std::size_t ox = 0; ox < ow; ox += 4) max_pool_2x2_windows<4>(r0, r1, ox + 4 <= ow ? ox : ow - 4, top, w, y, at);
+    return;
+  }
+  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
+  const auto n = static_cast<std::int32_t>(ow);  // 1 to 3 windows
+  const __m256i out_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
+  const __m256i in_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
+  __m256 a, b, c, d;
+  split_even_odd(_mm256_maskload_ps(r0, in_mask), _mm256_setzero_ps(), a, b);
+  split_even_odd(_mm256_maskload_ps(r1, in_mask), _mm256_setzero_ps(), c, d);
+  const __m256i first = _mm256_add_epi32(_mm256_set1_epi32(top), _mm256_add_epi32(lane, lane));
+  __m256 best = a;
+  __m256i index = first;
+  take_larger_or_nan(b, _mm256_add_epi32(first, _mm256_set1_epi32(1)), best, index);
+  take_larger_or_nan(c, _mm256_add_epi32(first, _mm256_set1_epi32(w)), best, index);
+  take_larger_or_nan(d, _mm256_add_epi32(first, _mm256_set1_epi32(w + 1)), best, index);
+  _mm256_maskstore_ps(y, out_mask, best);
+  _mm256_maskstore_epi32(at, out_mask, index);
 }
 #endif
 

@@ -7,6 +7,7 @@
 // pixel sums the patch elements that read it, in a fixed order): no atomics, the same bits on every run.
 #pragma once
 
+#include <algorithm>
 #include <cstddef>
 #include <cstdint>
 #include <type_traits>
@@ -381,8 +382,22 @@ struct max_pool_backward_op {
   }
   /// The host loop: each window's gradient sent to its maximum, plane by plane, in window order, added in f32 and
   /// rounded once (a fixed order: the same bits every run; without overlapping windows, the gather's bits).
+  /// Windows that do not overlap (stride >= kernel, the usual pooling) send at most one gradient to a pixel: it is
+  /// written straight into the zeroed plane, as 0 + g (a -0 gradient gives +0, as the sum does).
   void for_rows(std::size_t rows, std::size_t) const {
     const std::size_t plane = g.h * g.w;
+    if (g.stride >= g.kh && g.stride >= g.kw) {
+      for (std::size_t row = 0; row < rows; ++row) {
+        T* out = dx + row * plane;
+        std::fill(out, out + plane, convert<T>(0.0f));
+        const std::size_t o0 = row * g.pixels();
+        for (std::size_t o = 0; o < g.pixels(); ++o) {
+          const std::int32_t at = argmax[o0 + o];
+          if (at >= 0) out[at] = convert<T>(0.0f + to_float(gy[o0 + o]));
+        }
+      }
+      return;
+    }
     std::vector<float> buffer(plane);
     float* acc = buffer.data();
     for (std::size_t row = 0; row < rows; ++row) {
