@@ -149,27 +149,35 @@ class batch_norm {
     float* sg = batch_dx || local_sums ? grad_sums_.as<float>() : nullptr;
     float* sgx = sg == nullptr ? nullptr : sg + channels_;
     dispatch_floating(gy.type(), "batch_norm", [&]<class T>() {
-      auto sums_op = [&](std::size_t first_row, std::size_t rows, float* a, float* b, T* dbeta, T* dgamma) {
+      auto sums_op = [&](std::size_t first_row, std::size_t rows, float* a, float* b) {
         const std::size_t first = first_row * c * g.inner;
         return kernels::batch_norm_grad_sums_op<T>{gy.as<T>() + first, x_.as<T>() + first, mean_.as<float>(),
-                                                   rstd_.as<float>(), a, b, dbeta, dgamma, rows, c, g.inner,
+                                                   rstd_.as<float>(), a, b, rows, c, g.inner,
                                                    options_.relu ? y_.as<T>() + first : nullptr};
       };
-      if (local_sums) launch_rows(c, sums_op(0, g.n, sg, sgx, nullptr, nullptr), s, "batch_norm gradient sums");
-      if (affine()) {
-        if (ctx.deterministic()) {
-          // each chunk's sums rounded to T, added exactly into the parameters' accumulators
-          auto partial = [&](bool gamma) {
-            return [&, gamma](std::int64_t b, std::int64_t r, T* out) {
-              launch_rows(c,
-                          sums_op(static_cast<std::size_t>(b), static_cast<std::size_t>(r), nullptr, nullptr,
-                                  gamma ? nullptr : out, gamma ? out : nullptr),
-                          s, "batch_norm parameter gradients");
+      if (local_sums) launch_rows(c, sums_op(0, g.n, sg, sgx), s, "batch_norm gradient sums");
+      if (ctx.deterministic() && (affine() || batch_dx)) {
+        // Each chunk's two sums in one pass (f32, side by side in terms_), which both parameters' partials (rounded
+        // to T, added exactly) and the input gradient's exact sums read: a pass over gy and x for each of the three
+        // gave the same floats three times.
+        const std::int64_t cr = ctx.deterministic()->chunk_rows;
+        const std::int64_t chunks = chunk_terms(gy.rows(), 2 * c, ctx, [&](std::size_t first_row, std::size_t rows,
+                                                                          float* out) {
+          launch_rows(c, sums_op(first_row, rows, out, out + c), s, "batch_norm gradient sums");
+        });
+        if (affine()) {
+          auto partial = [&](std::size_t offset) {  // 0: the sums of gy (beta's), c: of gy * xhat (gamma's)
+            return [&, offset](std::int64_t b, std::int64_t, T* out) {
+              const float* chunk = terms_.as<float>() + (b / cr) * static_cast<std::int64_t>(2 * c);
+              launch_elementwise(c, kernels::cast_op<T, float>{chunk + offset, out}, s, "batch_norm parameter gradients");
             };
           };
-          exact_.accumulate<T>(weight_, gy.rows(), ctx, partial(true));
-          exact_.accumulate<T>(bias_, gy.rows(), ctx, partial(false));
-        } else if (g.n == 0) {
+          exact_.accumulate<T>(weight_, gy.rows(), ctx, partial(c));
+          exact_.accumulate<T>(bias_, gy.rows(), ctx, partial(0));
+        }
+        if (batch_dx) sum_terms(chunks, 2 * c, sg, ctx);
+      } else if (affine()) {
+        if (g.n == 0) {
           zero_parameter_gradients(s);  // a replica without rows: its share is zero
         } else {
           const float wbeta = weight_.begin_accumulate(), bbeta = bias_.begin_accumulate();
@@ -179,15 +187,7 @@ class batch_norm {
                              s, "batch_norm parameter gradients");
         }
       }
-      if (batch_dx) {
-        if (ctx.deterministic()) {
-          exact_sums(gy.rows(), 2 * c, sg, ctx, [&](std::size_t first_row, std::size_t rows, float* out) {
-            launch_rows(c, sums_op(first_row, rows, out, out + c, nullptr, nullptr), s, "batch_norm gradient sums");
-          });
-        } else if (group_ != nullptr) {
-          group_->sum(sg, 2 * c, s);
-        }
-      }
+      if (batch_dx && !ctx.deterministic() && group_ != nullptr) group_->sum(sg, 2 * c, s);
       if (need == input_grad::required && g.n > 0) {
         launch_rows(c,
                     kernels::batch_norm_input_grad_op<T>{
@@ -278,12 +278,25 @@ class batch_norm {
   // added as integers, and the result rounded once into out[width].
   template <class Partial>
   void exact_sums(std::int64_t rows, std::size_t width, float* out, context& ctx, Partial&& partial) {
-    const stream_ref s = ctx.stream();
+    sum_terms(chunk_terms(rows, width, ctx, partial), width, out, ctx);
+  }
+
+  // The first half of exact_sums: each chunk's terms into terms_ (chunk j's `width` floats at j * width); returns
+  // the number of chunks.
+  template <class Partial>
+  std::int64_t chunk_terms(std::int64_t rows, std::size_t width, context& ctx, Partial&& partial) {
     const std::int64_t cr = ctx.deterministic()->chunk_rows, chunks = (rows + cr - 1) / cr;
-    terms_.ensure(shape{std::max<std::int64_t>(chunks, 1) * static_cast<std::int64_t>(width)}, dtype::f32, s);
+    terms_.ensure(shape{std::max<std::int64_t>(chunks, 1) * static_cast<std::int64_t>(width)}, dtype::f32, ctx.stream());
     for_each_row_chunk(rows, ctx, "batch_norm", [&](std::int64_t b, std::int64_t r) {
       partial(static_cast<std::size_t>(b), static_cast<std::size_t>(r), terms_.as<float>() + (b / cr) * static_cast<std::int64_t>(width));
     });
+    return chunks;
+  }
+
+  // The second half: the chunks' terms added exactly, the replicas' sums (synchronized) as integers, rounded once
+  // into out[width].
+  void sum_terms(std::int64_t chunks, std::size_t width, float* out, context& ctx) {
+    const stream_ref s = ctx.stream();
     const std::size_t words = kernels::exact_words(width);
     limbs_.ensure(shape{static_cast<std::int64_t>(words)}, dtype::i64, s);
     std::int64_t* hi = limbs_.as<std::int64_t>();

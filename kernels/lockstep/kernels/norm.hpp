@@ -396,9 +396,7 @@ LOCKSTEP_HD void with_relu_mask(const T* relu_y, F&& f) {
 }
 
 /// Backward's sums over channel c: sg[c] = the sum of gy and sgx[c] = the sum of gy * xhat, xhat = (x - mean[c]) *
-/// rstd[c] (either array may be null); and, for deterministic mode's per-chunk partial gradients, the same rounded to
-/// T into dbeta_out[c] and dgamma_out[c] (either may be null). With relu_y, gy is masked by the fused relu's output
-/// (batch_norm_output_grad).
+/// rstd[c]. With relu_y, gy is masked by the fused relu's output (batch_norm_output_grad).
 template <class T>
 struct batch_norm_grad_sums_op {
   const T* gy;
@@ -407,8 +405,6 @@ struct batch_norm_grad_sums_op {
   const float* rstd;
   float* sg;
   float* sgx;
-  T* dbeta_out;
-  T* dgamma_out;
   std::size_t n, channels, inner;
   const T* relu_y = nullptr;  // the fused relu's output, or null
   // gy * xhat
@@ -416,10 +412,8 @@ struct batch_norm_grad_sums_op {
     return grad * ((value - m) * rs);
   }
   LOCKSTEP_HD void finish(std::size_t c, float sum_g, float sum_gx) const {
-    if (sg != nullptr) sg[c] = sum_g;
-    if (sgx != nullptr) sgx[c] = sum_gx;
-    if (dbeta_out != nullptr) dbeta_out[c] = convert<T>(sum_g);
-    if (dgamma_out != nullptr) dgamma_out[c] = convert<T>(sum_gx);
+    sg[c] = sum_g;
+    sgx[c] = sum_gx;
   }
   template <class Lanes>
   LOCKSTEP_HD void row(std::size_t c, const Lanes& lanes) const {
