@@ -915,28 +915,46 @@ TEST(row_products, every_tile_kernel_gives_each_element_the_fma_chain_over_its_d
   expect_row_products_are_fma_chains<lockstep::bfloat16>();
 }
 
-// The transposed packing's two builds move the same floats (panels of 8 and 32, ragged counts and depths).
+// The transposed packing's two builds move the same floats (panels of 8 and 32, ragged counts and depths), f16 and
+// bf16 widened alike (NaNs, subnormals and negative zeros among the values).
 TEST(row_products, the_transposed_packing_is_the_same_in_every_build) {
-#if LOCKSTEP_CHUNK_PRODUCTS_X86
-  if (!__builtin_cpu_supports("avx2")) GTEST_SKIP() << "this CPU has no AVX2";
-  for (const std::int64_t width : {std::int64_t{8}, std::int64_t{32}}) {
-    for (const auto& [count, depth] : {std::pair<std::int64_t, std::int64_t>{37, 19}, {64, 64}, {5, 3}, {33, 70}}) {
-      const std::int64_t ld = depth + 4;
-      std::vector<float> src(static_cast<std::size_t>(count * ld));
-      for (std::size_t i = 0; i < src.size(); ++i) src[i] = static_cast<float>(i) * 0.5f - 100.0f;
-      const std::int64_t floats = (count + width - 1) / width * width * depth;
-      std::vector<float> portable(static_cast<std::size_t>(floats), 1.0f), avx2(static_cast<std::size_t>(floats), 2.0f);
-      detail::chunk_products::pack_panels_transposed_portable(src.data(), ld, count, depth, width, portable.data());
-      detail::chunk_products::pack_panels_transposed_avx2(src.data(), ld, count, depth, width, avx2.data());
-      EXPECT_EQ(portable, avx2) << "width " << width << ", count " << count << ", depth " << depth;
-      // and what the packing means: panel t, depth d, lane w holds row t * width + w's element d (zero past count)
-      for (std::int64_t e = 0; e < floats; ++e) {
-        const std::int64_t t = e / (depth * width), d = e / width % depth, w = e % width, q = t * width + w;
-        ASSERT_EQ(portable[static_cast<std::size_t>(e)], q < count ? src[static_cast<std::size_t>(q * ld + d)] : 0.0f)
-            << "width " << width << ", element " << e;
+#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
+  if (!detail::has_avx2_f16c()) GTEST_SKIP() << "this CPU has no AVX2 and F16C";
+  auto bits = [](const std::vector<float>& v) {
+    std::vector<std::uint32_t> out(v.size());
+    for (std::size_t i = 0; i < v.size(); ++i) out[i] = std::bit_cast<std::uint32_t>(v[i]);
+    return out;
+  };
+  auto check = [&]<class T>() {
+    for (const std::int64_t width : {std::int64_t{8}, std::int64_t{32}}) {
+      for (const auto& [count, depth] : {std::pair<std::int64_t, std::int64_t>{37, 19}, {64, 64}, {5, 3}, {33, 70}}) {
+        SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << ", width " << width << ", count " << count
+                                          << ", depth " << depth);
+        const std::int64_t ld = depth + 4;
+        std::vector<T> src(static_cast<std::size_t>(count * ld));
+        for (std::size_t i = 0; i < src.size(); ++i) {
+          const float v = i % 29 == 3 ? std::nanf("") : i % 31 == 5 ? -0.0f : i % 37 == 7 ? 1e-40f * 7.0f
+                          : static_cast<float>(i) * 0.5f - 100.0f;
+          src[i] = convert<T>(v);
+        }
+        const std::int64_t floats = (count + width - 1) / width * width * depth;
+        std::vector<float> portable(static_cast<std::size_t>(floats), 1.0f), avx2(static_cast<std::size_t>(floats), 2.0f);
+        detail::chunk_products::pack_panels_transposed_portable(src.data(), ld, count, depth, width, portable.data());
+        detail::chunk_products::pack_panels_transposed_avx2(src.data(), ld, count, depth, width, avx2.data());
+        EXPECT_EQ(bits(portable), bits(avx2));
+        // and what the packing means: panel t, depth d, lane w holds row t * width + w's element d (zero past count)
+        for (std::int64_t e = 0; e < floats; ++e) {
+          const std::int64_t t = e / (depth * width), d = e / width % depth, w = e % width, q = t * width + w;
+          const float want = q < count ? to_float(src[static_cast<std::size_t>(q * ld + d)]) : 0.0f;
+          ASSERT_EQ(std::bit_cast<std::uint32_t>(portable[static_cast<std::size_t>(e)]), std::bit_cast<std::uint32_t>(want))
+              << "element " << e;
+        }
       }
     }
-  }
+  };
+  check.template operator()<float>();
+  check.template operator()<lockstep::half>();
+  check.template operator()<lockstep::bfloat16>();
 #else
   GTEST_SKIP() << "the AVX2 build exists on x86 only";
 #endif

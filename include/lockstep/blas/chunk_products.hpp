@@ -153,41 +153,51 @@ void pack_panels_transposed_portable(const T* src, std::int64_t ld, std::int64_t
   }
 }
 
-#if LOCKSTEP_CHUNK_PRODUCTS_X86
-/// pack_panels_transposed for floats and a width that is a multiple of 8: 8 x 8 blocks transposed in registers.
-__attribute__((target("avx2"))) inline void pack_panels_transposed_avx2(const float* src, std::int64_t ld,
-                                                                        std::int64_t count, std::int64_t depth,
-                                                                        std::int64_t width, float* dst) {
+#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
+/// Eight values of src as floats (f16 and bf16 widened as widen_run widens them: the same floats).
+__attribute__((target("avx2,f16c"))) inline __m256 load8_as_floats(const float* src) { return _mm256_loadu_ps(src); }
+template <class T>
+__attribute__((target("avx2,f16c"))) inline __m256 load8_as_floats(const T* src) {
+  return widen8(src);
+}
+
+/// pack_panels_transposed for a width that is a multiple of 8: 8 x 8 blocks transposed in registers (f16 and bf16
+/// widened on the way in).
+template <class T>
+__attribute__((target("avx2,f16c"))) void pack_panels_transposed_avx2(const T* src, std::int64_t ld, std::int64_t count,
+                                                                      std::int64_t depth, std::int64_t width,
+                                                                      float* dst) {
   const std::int64_t panels = (count + width - 1) / width, d8 = depth / 8 * 8;
   for (std::int64_t t = 0; t < panels; ++t) {
     float* panel = dst + t * depth * width;
     for (std::int64_t w0 = 0; w0 < width; w0 += 8) {
       const std::int64_t q0 = t * width + w0;
-      const float* rows[8];
+      const T* rows[8];
       for (std::int64_t i = 0; i < 8; ++i) rows[i] = q0 + i < count ? src + (q0 + i) * ld : nullptr;
       for (std::int64_t d = 0; d < d8; d += 8) {
         __m256 r[8], columns[8];
-        for (int i = 0; i < 8; ++i) r[i] = rows[i] != nullptr ? _mm256_loadu_ps(rows[i] + d) : _mm256_setzero_ps();
+        for (int i = 0; i < 8; ++i) r[i] = rows[i] != nullptr ? load8_as_floats(rows[i] + d) : _mm256_setzero_ps();
         transpose_8x8(r, columns);
         float* out = panel + d * width + w0;
         for (std::int64_t i = 0; i < 8; ++i) _mm256_storeu_ps(out + i * width, columns[i]);
       }
       for (std::int64_t d = d8; d < depth; ++d) {
-        for (std::int64_t i = 0; i < 8; ++i) panel[d * width + w0 + i] = rows[i] != nullptr ? rows[i][d] : 0.0f;
+        for (std::int64_t i = 0; i < 8; ++i) {
+          panel[d * width + w0 + i] = rows[i] != nullptr ? widen_value(rows[i][d]) : 0.0f;
+        }
       }
     }
   }
 }
 #endif
 
-/// pack_panels_transposed in the best build the CPU runs (data movement only: the same floats either way).
+/// pack_panels_transposed in the best build the CPU runs (data movement and exact widening only: the same floats
+/// either way).
 template <class T>
 void pack_panels_transposed(const T* src, std::int64_t ld, std::int64_t count, std::int64_t depth, std::int64_t width,
                             float* dst) {
-#if LOCKSTEP_CHUNK_PRODUCTS_X86
-  if constexpr (std::is_same_v<T, float>) {
-    if (cpu_has_avx2() && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
-  }
+#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
+  if (has_avx2_f16c() && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
 #endif
   pack_panels_transposed_portable(src, ld, count, depth, width, dst);
 }
