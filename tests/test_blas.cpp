@@ -739,6 +739,16 @@ TEST(blas_host, vectorized_conversions_give_the_bits_of_core_half) {
     ASSERT_EQ(b[i].bits, eb) << "float bits 0x" << std::hex << patterns[i];
     ASSERT_EQ(b_portable[i].bits, eb) << "float bits 0x" << std::hex << patterns[i];
   }
+  // round_run: rounded to T and widened back in one go, the floats of narrowing then widening
+  std::vector<float> rh(floats.size()), rb(floats.size());
+  detail::round_run<lockstep::half>(floats.data(), rh.data(), n);
+  detail::round_run<bfloat16>(floats.data(), rb.data(), n);
+  for (std::size_t i = 0; i < floats.size(); ++i) {
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(rh[i]), std::bit_cast<std::uint32_t>(to_float(to_half(floats[i]))))
+        << "float bits 0x" << std::hex << patterns[i];
+    ASSERT_EQ(std::bit_cast<std::uint32_t>(rb[i]), std::bit_cast<std::uint32_t>(to_float(to_bfloat16(floats[i]))))
+        << "float bits 0x" << std::hex << patterns[i];
+  }
 }
 
 #if LOCKSTEP_HAS_CUDA

@@ -157,7 +157,19 @@ __attribute__((target("avx2,f16c"))) void store_run_avx2(const float* __restrict
   }
   for (std::int64_t i = n8; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
 }
+template <class T>
+__attribute__((target("avx2,f16c"))) void round_run_avx2(const float* __restrict src, float* __restrict dst,
+                                                         std::int64_t n) noexcept {
+  const std::int64_t n8 = n - n % 8;
+  for (std::int64_t i = 0; i < n8; i += 8) {
+    alignas(16) T rounded[8];
+    narrow8(_mm256_loadu_ps(src + i), rounded);
+    _mm256_storeu_ps(dst + i, widen8(rounded));
+  }
+  for (std::int64_t i = n8; i < n; ++i) dst[i] = widen_value(narrow_value<T>(src[i]));
+}
 #endif
+
 
 /// dst[i] = float(src[i]) for i < n.
 template <class T>
@@ -181,6 +193,16 @@ void store_run(const float* acc, T* c, std::int64_t n, float alpha, float beta) 
 template <class T>
 void narrow_run(const float* src, T* dst, std::int64_t n) noexcept {
   store_run(src, dst, n, 1.0f, 0.0f);  // 1 * x is x, exactly
+}
+
+/// dst[i] = float(T(src[i])) for i < n: each float rounded to T (nearest even; NaN as narrow_run makes it) and
+/// widened back, the values narrow_run then widen_run give, without a T array in between.
+template <class T>
+void round_run(const float* src, float* dst, std::int64_t n) noexcept {
+#if LOCKSTEP_BLAS_X86_SIMD
+  if (has_avx2_f16c()) return round_run_avx2<T>(src, dst, n);
+#endif
+  for (std::int64_t i = 0; i < n; ++i) dst[i] = widen_value(narrow_value<T>(src[i]));
 }
 
 /// Elements per block of the host loops that convert runs through fp32 arrays on the stack (2 KiB each).

@@ -366,8 +366,9 @@ class exact_gradient {
           return;
         }
       }
-      // T terms for the exact sums: the tile itself for floats, else a rounded copy of a row's chunks
-      T* narrowed = reinterpret_cast<T*>(scratch + cp::scratch_floats(rows, problem.m, n, chunks));
+      // the terms of the exact sums: the tile itself for floats; for f16 and bf16, a row's chunks rounded to T and
+      // kept as floats (the values T partials hold, summed on the floats' vectorized path)
+      float* rounded = scratch + cp::scratch_floats(rows, problem.m, n, chunks);
       std::int64_t outside_terms = 0;
       detail::host_chunk_products(problem, scratch, [&](std::int64_t i0, std::int64_t mb, std::int64_t j0,
                                                         std::int64_t nb, const float* tiles, std::int64_t chunk_stride) {
@@ -385,24 +386,23 @@ class exact_gradient {
             }
             continue;
           }
-          const T* terms = nullptr;
-          std::size_t stride = 0;
-          if constexpr (std::is_same_v<T, float>) {
-            terms = row;
-            stride = static_cast<std::size_t>(chunk_stride);
-          } else {
-            for (std::int64_t c = 0; c < chunks; ++c) detail::narrow_run(row + c * chunk_stride, narrowed + c * nb, nb);
-            terms = narrowed;
+          const float* terms = row;
+          auto stride = static_cast<std::size_t>(chunk_stride);
+          if constexpr (!std::is_same_v<T, float>) {
+            for (std::int64_t c = 0; c < chunks; ++c) detail::round_run<T>(row + c * chunk_stride, rounded + c * nb, nb);
+            terms = rounded;
             stride = static_cast<std::size_t>(nb);
           }
           if (where == sum_path::one_pass) {
+            const auto term = [terms, stride](std::size_t c) { return terms + c * stride; };
+            T* const outs[1] = {out + first};
             detail::run_host_loop(static_cast<std::size_t>(nb),
-                                  kernels::exact_sum_op<T>{terms, static_cast<std::size_t>(chunks), stride, out + first,
-                                                           &outside_terms});
+                                  kernels::exact_sums_host_op<float, decltype(term), T>{
+                                      term, static_cast<std::size_t>(chunks), outs, 1, &outside_terms});
           } else {
             detail::run_host_loop(static_cast<std::size_t>(nb),
-                                  kernels::exact_accumulate_op<T>{terms, static_cast<std::size_t>(chunks), stride,
-                                                                  hi + first, lo + first, &outside_terms, overwrite});
+                                  kernels::exact_accumulate_op<float>{terms, static_cast<std::size_t>(chunks), stride,
+                                                                      hi + first, lo + first, &outside_terms, overwrite});
           }
         }
       });

@@ -346,12 +346,12 @@ template <class T>
   }
 }
 
-/// The host loop of exact sums: outs[k][i] = the exact sum over c < terms of term(c)[i], rounded once to float,
-/// then to T, for i < count and k < outputs (the same values into each output). Returns the number of terms
+/// The host loop of exact sums: outs[k][i] = the exact sum over c < terms of term(c)[i] (T values), rounded once
+/// to float, then to Out, for i < count and k < outputs (the same values into each output). Returns the number of terms
 /// outside the window (the caller makes the tensor NaN when it is not 0). The double path vectorized, the
 /// term-by-term path for the elements it left.
-template <class T, class Term>
-inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t count, T* const* outs, int outputs) {
+template <class T, class Term, class Out = T>
+inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t count, Out* const* outs, int outputs) {
   constexpr std::size_t block = 512;
   alignas(64) double sums[block];
   alignas(64) std::uint8_t fast[block];
@@ -362,11 +362,11 @@ inline std::int64_t host_exact_sums(Term term, std::size_t terms, std::size_t co
     bool all_fast = true;
     block_double_sums<T, block>(term, terms, b0, len, sums, fast, all_fast);
     float* __restrict r = f;
-    if constexpr (std::is_same_v<T, float>) r = outs[0] + b0;  // floats straight out (into the first output)
+    if constexpr (std::is_same_v<Out, float>) r = outs[0] + b0;  // floats straight out (into the first output)
     for (std::size_t j = 0; j < len; ++j) r[j] = static_cast<float>(sums[j]);
     if (!all_fast) total_outside += slow_sums(term, terms, b0, len, fast, r);  // rare
     for (int k = 0; k < outputs; ++k) {
-      if constexpr (std::is_same_v<T, float>) {
+      if constexpr (std::is_same_v<Out, float>) {
         if (k > 0) std::copy_n(r, len, outs[k] + b0);
       } else {
         detail::narrow_run(r, outs[k] + b0, static_cast<std::int64_t>(len));
@@ -494,14 +494,16 @@ struct exact_sum_op {
 /// Host only, for communicators: outs[k][i] for k < outputs = the exact sum over t < terms of term(t)[i], rounded
 /// once, for i < count (run it with detail::run_host_loop, whose AVX2 copy vectorizes it); the terms outside the
 /// window added to *outside.
-template <class T, class Term>
+/// The terms are T; the outputs Out (float terms of f16 or bf16 values, as T would hold them, summed into f16 or
+/// bf16 outputs: the sums of T terms, on the floats' faster path).
+template <class T, class Term, class Out = T>
 struct exact_sums_host_op {
   /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
   /// contraction cannot change a bit.
   static constexpr bool host_avx512 = std::is_same_v<T, float>;
   Term term;
   std::size_t terms;
-  T* const* outs;
+  Out* const* outs;
   int outputs;
   std::int64_t* outside;
   void for_all(std::size_t count) const { *outside += exact_detail::host_exact_sums<T>(term, terms, count, outs, outputs); }
