@@ -157,15 +157,30 @@ __attribute__((target("avx2,f16c"))) void store_run_avx2(const float* __restrict
   }
   for (std::int64_t i = n8; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
 }
+/// widen8(narrow8(x)) without the round trip through memory: 8 floats rounded to half (nearest even), as floats;
+/// every NaN 0x7fffffff, the widening of narrow8's NaN.
+__attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 x, const half*) noexcept {
+  const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
+  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+}
+/// The same for bfloat16: narrow8's rounding of the magnitude kept in the upper 16 bits, the sign put back; every
+/// NaN 0x7fff0000.
+__attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 x, const bfloat16*) noexcept {
+  const __m256i bits = _mm256_castps_si256(x);
+  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
+  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(1));
+  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7fff)), lsb),
+                               _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
+  r = _mm256_or_si256(r, _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
+  const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
+  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fff0000), nan));
+}
+
 template <class T>
 __attribute__((target("avx2,f16c"))) void round_run_avx2(const float* __restrict src, float* __restrict dst,
                                                          std::int64_t n) noexcept {
   const std::int64_t n8 = n - n % 8;
-  for (std::int64_t i = 0; i < n8; i += 8) {
-    alignas(16) T rounded[8];
-    narrow8(_mm256_loadu_ps(src + i), rounded);
-    _mm256_storeu_ps(dst + i, widen8(rounded));
-  }
+  for (std::int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(dst + i, round8(_mm256_loadu_ps(src + i), static_cast<const T*>(nullptr)));
   for (std::int64_t i = n8; i < n; ++i) dst[i] = widen_value(narrow_value<T>(src[i]));
 }
 #endif
