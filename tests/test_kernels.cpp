@@ -536,6 +536,50 @@ TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {
   check.template operator()<lockstep::bfloat16>();
 }
 
+// The backward's host loop on other geometries, from the forward's own indices: each window's gradient added to its
+// maximum in window order, from zero, rounded once; where windows do not overlap (stride >= kernel, with and
+// without padding: each gradient written straight to its maximum) that is also the per-pixel gather's value.
+TEST(host_block_loops, max_pool_backward_matches_the_gather_on_every_geometry) {
+  struct pooling_case {
+    std::size_t k, stride, padding;
+  };
+  for (const pooling_case pc : {pooling_case{3, 3, 1}, pooling_case{2, 3, 0}, pooling_case{2, 2, 1},
+                                pooling_case{3, 2, 1}, pooling_case{3, 1, 1}}) {
+    const std::size_t h = 7, w = 9, planes = 2;
+    SCOPED_TRACE(::testing::Message() << "kernel " << pc.k << ", stride " << pc.stride << ", padding " << pc.padding);
+    const kernels::conv_geometry g{.n = planes, .c = 1, .h = h, .w = w, .kh = pc.k, .kw = pc.k, .stride = pc.stride,
+                                   .padding = pc.padding, .oh = (h + 2 * pc.padding - pc.k) / pc.stride + 1,
+                                   .ow = (w + 2 * pc.padding - pc.k) / pc.stride + 1};
+    std::vector<float> x(planes * h * w), y(planes * g.pixels()), gy(y.size());
+    for (std::size_t i = 0; i < x.size(); ++i) {
+      const float u = philox_uniform(8, pc.k * 16 + pc.stride * 4 + pc.padding, i);
+      x[i] = u < 0.3f ? 0.0f : 4.0f * u - 2.0f;
+    }
+    for (std::size_t i = 0; i < gy.size(); ++i) {
+      const float u = philox_uniform(9, pc.k, i);
+      gy[i] = u < 0.2f ? -0.0f : 2.0f * u - 1.0f;
+    }
+    std::vector<std::int32_t> at(y.size(), -7);
+    kernels::max_pool_forward_op<float>{x.data(), y.data(), at.data(), g}.for_rows(planes, g.pixels());
+    std::vector<float> dx(x.size(), 7.0f), in_order(x.size(), 0.0f), gathered(x.size());
+    kernels::max_pool_backward_op<float>{gy.data(), at.data(), dx.data(), g}.for_rows(planes, h * w);
+    for (std::size_t r = 0; r < planes; ++r) {
+      for (std::size_t o = 0; o < g.pixels(); ++o) in_order[r * h * w + at[r * g.pixels() + o]] += gy[r * g.pixels() + o];
+    }
+    const kernels::max_pool_backward_op<float> back{gy.data(), at.data(), gathered.data(), g};
+    for (std::size_t r = 0; r < planes; ++r) {
+      for (std::size_t p = 0; p < h * w; ++p) back(r, p);
+    }
+    const bool overlapping = pc.stride < pc.k;
+    for (std::size_t i = 0; i < dx.size(); ++i) {
+      ASSERT_EQ(std::bit_cast<std::uint32_t>(dx[i]), std::bit_cast<std::uint32_t>(in_order[i])) << "input gradient " << i;
+      if (!overlapping) {
+        ASSERT_EQ(std::bit_cast<std::uint32_t>(dx[i]), std::bit_cast<std::uint32_t>(gathered[i])) << "input gradient " << i;
+      }
+    }
+  }
+}
+
 TEST(host_block_loops, optimizer_updates_match_the_per_element_code) {
   auto check = [&]<class T>() {
     for (std::size_t n : {std::size_t{1}, std::size_t{511}, std::size_t{1500}}) {
@@ -827,6 +871,34 @@ TEST(host_block_loops, exact_sums_give_the_same_bits_in_every_loop_this_cpu_runs
       }
     });
   }
+  // f16 and bf16: floats rounded to T (round_run) summed into T outputs give the sums of the T terms themselves
+  // (exact_sum_op<T>, which deterministic mode's one-pass weight gradients ran before), NaNs, infinities and terms
+  // outside the window (counted alike) included
+  auto rounded_terms = [&]<class T>() {
+    std::vector<float> special(terms);
+    for (std::size_t i = 0; i < n; i += 97) special[i] = std::nanf("");
+    for (std::size_t i = 13; i < n; i += 101) special[n + i] = 1e30f;  // bf16: finite, past 2^32; f16: infinite
+    for (std::size_t i = 29; i < n; i += 89) special[2 * n + i] = -std::numeric_limits<float>::infinity();
+    const auto all = static_cast<std::int64_t>(special.size());
+    std::vector<T> narrow(special.size());
+    std::vector<float> wide(special.size());
+    detail::narrow_run(special.data(), narrow.data(), all);
+    detail::round_run<T>(special.data(), wide.data(), all);
+    for (const std::size_t k : {std::size_t{1}, std::size_t{3}, most}) {
+      SCOPED_TRACE(::testing::Message() << name_of(dtype_of_v<T>) << ", " << k << " chunks");
+      std::vector<T> want(n), got(n);
+      std::int64_t outside_want = 0, outside_got = 0;
+      detail::run_host_loop(n, kernels::exact_sum_op<T>{narrow.data(), k, n, want.data(), &outside_want});
+      T* const outs[1] = {got.data()};
+      const auto term = [&](std::size_t c) -> const float* { return wide.data() + c * n; };
+      detail::run_host_loop(n, kernels::exact_sums_host_op<float, decltype(term), T>{term, k, outs, 1, &outside_got});
+      EXPECT_EQ(outside_got, outside_want);
+      EXPECT_NE(outside_want, 0);
+      for (std::size_t i = 0; i < n; ++i) ASSERT_EQ(got[i].bits, want[i].bits) << "element " << i;
+    }
+  };
+  rounded_terms.template operator()<lockstep::half>();
+  rounded_terms.template operator()<lockstep::bfloat16>();
 }
 
 namespace {

@@ -178,16 +178,18 @@ void pack_panels_transposed_portable(const T* src, std::int64_t ld, std::int64_t
   }
 }
 
-#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
 /// Eight values of src as floats (f16 and bf16 widened as widen_run widens them: the same floats).
-__attribute__((target("avx2,f16c"))) inline __m256 load8_as_floats(const float* src) { return _mm256_loadu_ps(src); }
+__attribute__((target("avx2"))) inline __m256 load8_as_floats(const float* src) { return _mm256_loadu_ps(src); }
+#if LOCKSTEP_BLAS_X86_SIMD
 template <class T>
 __attribute__((target("avx2,f16c"))) inline __m256 load8_as_floats(const T* src) {
   return widen8(src);
 }
+#endif
 
 /// pack_panels_transposed for a width that is a multiple of 8: 8 x 8 blocks transposed in registers (f16 and bf16
-/// widened on the way in).
+/// widened on the way in; floats use no F16C instruction, so they run on any AVX2 CPU).
 template <class T>
 __attribute__((target("avx2,f16c"))) void pack_panels_transposed_avx2(const T* src, std::int64_t ld, std::int64_t count,
                                                                       std::int64_t depth, std::int64_t width,
@@ -221,8 +223,14 @@ __attribute__((target("avx2,f16c"))) void pack_panels_transposed_avx2(const T* s
 template <class T>
 void pack_panels_transposed(const T* src, std::int64_t ld, std::int64_t count, std::int64_t depth, std::int64_t width,
                             float* dst) {
-#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
-  if (has_avx2_f16c() && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
+#if LOCKSTEP_CHUNK_PRODUCTS_X86
+  if constexpr (std::is_same_v<T, float>) {
+    if (cpu_has_avx2() && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
+  } else {
+#if LOCKSTEP_BLAS_X86_SIMD
+    if (has_avx2_f16c() && width % 8 == 0) return pack_panels_transposed_avx2(src, ld, count, depth, width, dst);
+#endif
+  }
 #endif
   pack_panels_transposed_portable(src, ld, count, depth, width, dst);
 }

@@ -185,7 +185,6 @@ __attribute__((target("avx2,f16c"))) void round_run_avx2(const float* __restrict
 }
 #endif
 
-
 /// dst[i] = float(src[i]) for i < n.
 template <class T>
 void widen_run(const T* src, float* dst, std::int64_t n) noexcept {

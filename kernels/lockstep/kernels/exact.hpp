@@ -491,11 +491,11 @@ struct exact_sum_op {
   }
 };
 
-/// Host only, for communicators: outs[k][i] for k < outputs = the exact sum over t < terms of term(t)[i], rounded
-/// once, for i < count (run it with detail::run_host_loop, whose AVX2 copy vectorizes it); the terms outside the
-/// window added to *outside.
-/// The terms are T; the outputs Out (float terms of f16 or bf16 values, as T would hold them, summed into f16 or
-/// bf16 outputs: the sums of T terms, on the floats' faster path).
+/// Host only (the communicators' sums; a host device's one-pass f16/bf16 weight gradients): outs[k][i] for
+/// k < outputs = the exact sum over t < terms of term(t)[i], rounded once, for i < count (run it with
+/// detail::run_host_loop, whose AVX2 copy vectorizes it); the terms outside the window added to *outside. The
+/// terms are T, the outputs Out: float terms holding f16 or bf16 values summed into f16 or bf16 outputs give the
+/// sums of the T terms, on the floats' faster path.
 template <class T, class Term, class Out = T>
 struct exact_sums_host_op {
   /// The host loop's AVX-512 copy for floats (host_loop.hpp): every product here is by a power of two, so FMA
