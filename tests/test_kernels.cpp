@@ -483,7 +483,7 @@ TEST(host_block_loops, batch_norm_kernels_match_their_per_channel_rows) {
 }
 
 // 2x2 max pooling's host loop (eight windows at a time on an AVX2 CPU, four in rows of 4 to 7, the last step
-// overlapping the one before; masked in rows of 1 to 3) gives the per-window code's values and indices bit for bit:
+// overlapping the one before; the scalar loop in rows of 1 to 3) gives the per-window code's values and indices bit for bit:
 // the first of equal maxima, the last NaN of a window; on widths with and without a tail, odd ones (the last column
 // unused), ReLU-like inputs (many zeros: ties), NaNs and negative zeros. Its backward gives the per-pixel gather's.
 TEST(host_block_loops, max_pool_2x2_matches_the_per_window_code) {

@@ -97,6 +97,33 @@ __attribute__((target("avx2,f16c"))) void widen_slices(const T* src, std::int64_
 }
 #endif
 
+/// A whole panel of `width` columns (tile_m or tile_n) copied or widened with a width the compiler knows
+/// (copy_slices, widen_slices); false, and nothing done, for another width or where T has no such copy here.
+template <class T>
+bool pack_whole_panel(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t width, float* dst) {
+  const auto with_width = [width](auto copy) {  // copy(W) for the compile-time width W
+    if (width == tile_m) {
+      copy(std::integral_constant<std::int64_t, tile_m>{});
+      return true;
+    }
+    if (width == tile_n) {
+      copy(std::integral_constant<std::int64_t, tile_n>{});
+      return true;
+    }
+    return false;
+  };
+  if constexpr (std::is_same_v<T, float>) {
+    return with_width([&](auto w) { copy_slices<decltype(w)::value>(src, ld, rows, dst); });
+  } else {
+#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
+    if (has_avx2_f16c()) return with_width([&](auto w) { widen_slices<decltype(w)::value>(src, ld, rows, dst); });
+#else
+    (void)src, (void)ld, (void)rows, (void)dst, (void)with_width;
+#endif
+    return false;
+  }
+}
+
 /// dst[(t * rows + r) * width + b] = src[r][t * width + b] as floats, zero past `cols`: panels of `width`
 /// columns, each row's slice contiguous, the panel's rows one after another.
 template <class T>
@@ -104,29 +131,7 @@ void pack_panels(const T* src, std::int64_t ld, std::int64_t rows, std::int64_t 
   const std::int64_t panels = (cols + width - 1) / width;
   for (std::int64_t t = 0; t < panels; ++t) {
     const std::int64_t c0 = t * width, w = std::min(width, cols - c0);
-    if constexpr (std::is_same_v<T, float>) {
-      if (w == tile_m && width == tile_m) {
-        copy_slices<tile_m>(src + c0, ld, rows, dst + t * rows * width);
-        continue;
-      }
-      if (w == tile_n && width == tile_n) {
-        copy_slices<tile_n>(src + c0, ld, rows, dst + t * rows * width);
-        continue;
-      }
-    } else {
-#if LOCKSTEP_CHUNK_PRODUCTS_X86 && LOCKSTEP_BLAS_X86_SIMD
-      if (w == width && has_avx2_f16c()) {
-        if (width == tile_m) {
-          widen_slices<tile_m>(src + c0, ld, rows, dst + t * rows * width);
-          continue;
-        }
-        if (width == tile_n) {
-          widen_slices<tile_n>(src + c0, ld, rows, dst + t * rows * width);
-          continue;
-        }
-      }
-#endif
-    }
+    if (w == width && pack_whole_panel(src + c0, ld, rows, width, dst + t * rows * width)) continue;
     for (std::int64_t r = 0; r < rows; ++r) {
       float* d = dst + (t * rows + r) * width;
       if constexpr (std::is_same_v<T, float>) {

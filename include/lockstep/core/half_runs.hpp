@@ -98,11 +98,15 @@ inline bool has_avx2_f16c() noexcept {
   return yes;
 }
 
-__attribute__((target("avx2,f16c"))) inline __m256 widen8(const half* src) noexcept {
-  const __m256 x = _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
+/// 8 halves (their bits) as floats.
+__attribute__((target("avx2,f16c"))) inline __m256 widen_halves(__m128i h) noexcept {
+  const __m256 x = _mm256_cvtph_ps(h);
   // Every NaN becomes 0x7fffffff, as core/half.hpp and CUDA's __half2float make it (vcvtph2ps keeps the payload
   // and sign): fp32 values computed from it, such as master weights, keep the same bits as on a GPU.
   return _mm256_blendv_ps(x, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), _mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+}
+__attribute__((target("avx2,f16c"))) inline __m256 widen8(const half* src) noexcept {
+  return widen_halves(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
 }
 __attribute__((target("avx2,f16c"))) inline __m256 widen8(const bfloat16* src) noexcept {
   const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(src)));
@@ -116,15 +120,19 @@ __attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, half* dst) no
   h = _mm_or_si128(_mm_andnot_si128(nan, h), _mm_and_si128(nan, _mm_set1_epi16(0x7fff)));
   _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), h);
 }
-/// Rounds 8 floats to bfloat16 (nearest even; NaN -> 0x7fff) and stores them, like float_to_bfloat16_bits.
-__attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, bfloat16* dst) noexcept {
+/// 8 floats rounded to bfloat16 (nearest even; NaN -> 0x7fff), like float_to_bfloat16_bits: each lane's low 16 bits.
+__attribute__((target("avx2,f16c"))) inline __m256i bfloat16_lanes(__m256 x) noexcept {
   const __m256i bits = _mm256_castps_si256(x);
   const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7fff)), lsb), 16);
   r = _mm256_or_si256(r, _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(0x8000)));
   const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
-  r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fff), nan);
+  return _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fff), nan);
+}
+/// Rounds 8 floats to bfloat16 (bfloat16_lanes) and stores them.
+__attribute__((target("avx2,f16c"))) inline void narrow8(__m256 x, bfloat16* dst) noexcept {
+  const __m256i r = bfloat16_lanes(x);
   // Every lane is <= 0xffff, so the saturating pack is exact; it packs within 128-bit halves, so the
   // 64-bit quarters are put back in order afterwards.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xd8);
@@ -157,30 +165,22 @@ __attribute__((target("avx2,f16c"))) void store_run_avx2(const float* __restrict
   }
   for (std::int64_t i = n8; i < n; ++i) c[i] = narrow_value<T>(alpha * acc[i] + beta * widen_value(c[i]));
 }
-/// widen8(narrow8(x)) without the round trip through memory: 8 floats rounded to half (nearest even), as floats;
-/// every NaN 0x7fffffff, the widening of narrow8's NaN.
+/// widen8(narrow8(x)) without the round trip through memory: 8 floats rounded to T and widened back.
 __attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 x, const half*) noexcept {
-  const __m256 r = _mm256_cvtph_ps(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
-  return _mm256_blendv_ps(r, _mm256_castsi256_ps(_mm256_set1_epi32(0x7fffffff)), _mm256_cmp_ps(r, r, _CMP_UNORD_Q));
+  // (vcvtps2ph keeps a NaN a NaN; narrow8's 0x7fff widens to 0x7fffffff, as widen_halves makes every NaN)
+  return widen_halves(_mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC));
 }
-/// The same for bfloat16: narrow8's rounding of the magnitude kept in the upper 16 bits, the sign put back; every
-/// NaN 0x7fff0000.
 __attribute__((target("avx2,f16c"))) inline __m256 round8(__m256 x, const bfloat16*) noexcept {
-  const __m256i bits = _mm256_castps_si256(x);
-  const __m256i mag = _mm256_and_si256(bits, _mm256_set1_epi32(0x7fffffff));
-  const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(mag, 16), _mm256_set1_epi32(1));
-  __m256i r = _mm256_and_si256(_mm256_add_epi32(_mm256_add_epi32(mag, _mm256_set1_epi32(0x7fff)), lsb),
-                               _mm256_set1_epi32(static_cast<int>(0xffff0000u)));
-  r = _mm256_or_si256(r, _mm256_and_si256(bits, _mm256_set1_epi32(static_cast<int>(0x80000000u))));
-  const __m256i nan = _mm256_cmpgt_epi32(mag, _mm256_set1_epi32(0x7f800000));
-  return _mm256_castsi256_ps(_mm256_blendv_epi8(r, _mm256_set1_epi32(0x7fff0000), nan));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bfloat16_lanes(x), 16));
 }
 
 template <class T>
 __attribute__((target("avx2,f16c"))) void round_run_avx2(const float* __restrict src, float* __restrict dst,
                                                          std::int64_t n) noexcept {
   const std::int64_t n8 = n - n % 8;
-  for (std::int64_t i = 0; i < n8; i += 8) _mm256_storeu_ps(dst + i, round8(_mm256_loadu_ps(src + i), static_cast<const T*>(nullptr)));
+  for (std::int64_t i = 0; i < n8; i += 8) {
+    _mm256_storeu_ps(dst + i, round8(_mm256_loadu_ps(src + i), static_cast<const T*>(nullptr)));
+  }
   for (std::int64_t i = n8; i < n; ++i) dst[i] = widen_value(narrow_value<T>(src[i]));
 }
 #endif

@@ -118,13 +118,13 @@ __attribute__((target("avx2"))) inline void max_pool_2x2_windows(const float* r0
   }
 }
 
-/// 2x2 max pooling of stride 2 without padding, one output row: for ox < ow, the window r0[2ox], r0[2ox + 1],
-/// r1[2ox], r1[2ox + 1] (in that order; plane indices top + 2ox, + 1, + w, + w + 1) gives y[ox] = its first maximum,
-/// or its last NaN, and at[ox] that value's plane index: the comparisons of the scalar loop
-/// (kernels::max_pool_forward_op), so the same values and indices. Eight windows a step (four when the row has
+/// 2x2 max pooling of stride 2 without padding, one output row of ow >= 4 windows: for ox < ow, the window
+/// r0[2ox], r0[2ox + 1], r1[2ox], r1[2ox + 1] (in that order; plane indices top + 2ox, + 1, + w, + w + 1) gives
+/// y[ox] = its first maximum, or its last NaN, and at[ox] that value's plane index: the comparisons of the scalar
+/// loop (kernels::max_pool_forward_op), so the same values and indices. Eight windows a step (four when the row has
 /// fewer than eight), with whole loads and stores: the last step ends at the row's end, computing again (the same
-/// values) the windows it shares with the one before. Masked loads and stores, which AMD's Zen runs in microcode,
-/// made this loop twice as slow there; rows of fewer than four windows still take them.
+/// values) the windows it shares with the one before. (Masked loads and stores, which AMD's Zen runs in microcode,
+/// made this loop twice as slow there; rows of fewer than four windows take the scalar loop.)
 __attribute__((target("avx2"))) inline void max_pool_2x2_row_avx2(const float* r0, const float* r1, std::size_t ow,
                                                                   std::int32_t top, std::int32_t w, float* y,
                                                                   std::int32_t* at) {
@@ -132,32 +132,14 @@ __attribute__((target("avx2"))) inline void max_pool_2x2_row_avx2(const float* r
     for (std::size_t ox = 0; ox < ow; ox += 8) max_pool_2x2_windows<8>(r0, r1, ox + 8 <= ow ? ox : ow - 8, top, w, y, at);
     return;
   }
-  if (ow >= 4) {
-    for (std::size_t ox = 0; ox < ow; ox += 4) max_pool_2x2_windows<4>(r0, r1, ox + 4 <= ow ? ox : ow - 4, top, w, y, at);
-    return;
-  }
-  const __m256i lane = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7);
-  const auto n = static_cast<std::int32_t>(ow);  // 1 to 3 windows
-  const __m256i out_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(n), lane);
-  const __m256i in_mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(2 * n), lane);
-  __m256 a, b, c, d;
-  split_even_odd(_mm256_maskload_ps(r0, in_mask), _mm256_setzero_ps(), a, b);
-  split_even_odd(_mm256_maskload_ps(r1, in_mask), _mm256_setzero_ps(), c, d);
-  const __m256i first = _mm256_add_epi32(_mm256_set1_epi32(top), _mm256_add_epi32(lane, lane));
-  __m256 best = a;
-  __m256i index = first;
-  take_larger_or_nan(b, _mm256_add_epi32(first, _mm256_set1_epi32(1)), best, index);
-  take_larger_or_nan(c, _mm256_add_epi32(first, _mm256_set1_epi32(w)), best, index);
-  take_larger_or_nan(d, _mm256_add_epi32(first, _mm256_set1_epi32(w + 1)), best, index);
-  _mm256_maskstore_ps(y, out_mask, best);
-  _mm256_maskstore_epi32(at, out_mask, index);
+  for (std::size_t ox = 0; ox < ow; ox += 4) max_pool_2x2_windows<4>(r0, r1, ox + 4 <= ow ? ox : ow - 4, top, w, y, at);
 }
 #endif
 
-/// Whether max_pool_2x2_row_avx2 runs on this CPU.
-inline bool max_pool_2x2_row_available() noexcept {
+/// Whether max_pool_2x2_row_avx2 runs on this CPU, for rows of `ow` windows.
+inline bool max_pool_2x2_row_available(std::size_t ow) noexcept {
 #if LOCKSTEP_TRANSPOSE_X86
-  return cpu_has_avx2();
+  return ow >= 4 && cpu_has_avx2();
 #else
   return false;
 #endif

@@ -317,7 +317,7 @@ struct max_pool_forward_op {
     if (g.kh == 2 && g.kw == 2 && g.stride == 2 && g.padding == 0) {
 #if LOCKSTEP_TRANSPOSE_X86
       if constexpr (std::is_same_v<T, float>) {
-        if (detail::max_pool_2x2_row_available()) {  // eight windows at a time
+        if (detail::max_pool_2x2_row_available(g.ow)) {  // eight windows at a time
           for (std::size_t row = 0; row < rows; ++row) {
             const float* plane = x + row * g.h * g.w;
             for (std::size_t oy = 0; oy < g.oh; ++oy) {
