@@ -687,6 +687,79 @@ TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_
   }
 }
 
+#if LOCKSTEP_HAS_ONEDNN
+// A convolution with one input channel runs in plain layouts on oneDNN's AVX2 code (convolution.hpp: its blocked
+// kernels are 2-4 times slower there) and in oneDNN's layouts on AVX-512. The table is pure, and both layouts give
+// the same outputs and gradients to within f32 rounding on whichever CPU runs the test (the CPU's own oneDNN code:
+// both are forced here), the plain one with no reorder, the weights pass adding to its gradients (beta 1) too.
+TEST(onednn_convolution_layouts, one_input_channel_runs_plain_below_avx512_and_both_layouts_agree) {
+  using detail::onednn_conv_key;
+  using detail::onednn_conv_layouts;
+  using detail::onednn_conv_pass;
+  using slot = detail::onednn_convolution::slot;
+  const onednn_conv_key one{.n = 4, .c = 1, .h = 12, .w = 11, .oc = 5, .k = 5, .stride = 1, .padding = 2};
+  onednn_conv_key three = one;
+  three.c = 3;
+  EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx2, one), onednn_conv_layouts::plain);
+  EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx512, one), onednn_conv_layouts::chosen_by_onednn);
+  EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::amx, one), onednn_conv_layouts::chosen_by_onednn);
+  EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx2, three), onednn_conv_layouts::chosen_by_onednn);
+
+  struct conv_case {
+    std::int64_t h, w, oc, k, stride, padding;
+    bool bias;
+  };
+  for (const conv_case c : {conv_case{12, 11, 5, 5, 1, 2, true}, conv_case{9, 10, 4, 3, 2, 1, false}}) {
+    for (const auto pass :
+         {onednn_conv_pass::forward, onednn_conv_pass::backward_data, onednn_conv_pass::backward_weights}) {
+      for (const float beta : {0.0f, 1.0f}) {
+        if (beta != 0.0f && pass != onednn_conv_pass::backward_weights) continue;
+        SCOPED_TRACE(::testing::Message() << "1->" << c.oc << " k" << c.k << " " << c.h << "x" << c.w << " stride "
+                                          << c.stride << " pass " << static_cast<int>(pass) << " beta " << beta);
+        onednn_conv_key key{.n = 4, .c = 1, .h = c.h, .w = c.w, .oc = c.oc, .k = c.k, .stride = c.stride,
+                            .padding = c.padding, .bias = c.bias, .pass = pass, .beta = beta, .bias_beta = beta};
+        const std::size_t xs = static_cast<std::size_t>(key.n * c.h * c.w);
+        const std::size_t ys = static_cast<std::size_t>(key.n * c.oc * key.out_h() * key.out_w());
+        const std::size_t ws = static_cast<std::size_t>(c.oc * c.k * c.k);
+        const std::size_t bs = static_cast<std::size_t>(c.oc);
+        auto run = [&](onednn_conv_layouts layouts) {
+          key.layouts = layouts;
+          const detail::onednn_convolution conv(key);
+          EXPECT_TRUE(conv.usable()) << conv.implementation();
+          if (layouts == onednn_conv_layouts::plain && beta == 0.0f) {
+            for (const slot s : {slot::a, slot::b, slot::c, slot::out, slot::out2}) EXPECT_FALSE(conv.reorders(s));
+          }
+          std::vector<float> a, b, bias, out, out2;
+          if (pass == onednn_conv_pass::forward) {
+            a = random_values(xs, 1), b = random_values(ws, 2), bias = random_values(bs, 3), out.resize(ys);
+          } else if (pass == onednn_conv_pass::backward_data) {
+            a = random_values(ys, 4), b = random_values(ws, 2), out.resize(xs);
+          } else {
+            a = random_values(xs, 1), b = random_values(ys, 4), out = random_values(ws, 5), out2 = random_values(bs, 6);
+          }
+          std::vector<std::byte> workspace(conv.workspace_bytes() + 64);
+          std::byte* aligned = workspace.data() + (64 - reinterpret_cast<std::uintptr_t>(workspace.data()) % 64) % 64;
+          conv.run(a.data(), b.data(), c.bias && pass == onednn_conv_pass::forward ? bias.data() : nullptr,
+                   out.data(), c.bias && pass == onednn_conv_pass::backward_weights ? out2.data() : nullptr, aligned);
+          out.insert(out.end(), out2.begin(), out2.end());
+          return out;
+        };
+        const std::vector<float> blocked = run(onednn_conv_layouts::chosen_by_onednn);
+        const std::vector<float> plain = run(onednn_conv_layouts::plain);
+        ASSERT_EQ(blocked.size(), plain.size());
+        double diff = 0.0, norm = 0.0;
+        for (std::size_t i = 0; i < plain.size(); ++i) {
+          diff += (static_cast<double>(plain[i]) - blocked[i]) * (static_cast<double>(plain[i]) - blocked[i]);
+          norm += static_cast<double>(blocked[i]) * blocked[i];
+        }
+        EXPECT_GT(norm, 0.0);
+        EXPECT_LE(std::sqrt(diff), 1e-6 * std::sqrt(norm));
+      }
+    }
+  }
+}
+#endif
+
 // A program that returns from main while a host stream still runs its first convolutions and matmuls (nothing
 // synchronized) exits cleanly, as it would with GPUs: oneDNN's primitives run once where they are made, and an exit
 // handler waits for the host streams (blas/onednn.hpp). Without both, oneDNN could make a kernel's code under the

@@ -17,10 +17,21 @@
 #if LOCKSTEP_HAS_ONEDNN
 LOCKSTEP_DETAIL_BEGIN
 
-/// The pass `key` as a oneDNN convolution on `h`'s host device, or null when it does not run there (a GPU, a plan
-/// that does not name oneDNN for the type, no kernel or only oneDNN's reference loop for the shape).
-inline std::shared_ptr<const onednn_convolution> host_convolution(blas_handle& h, const onednn_conv_key& key) {
+/// The layouts of a convolution with `key`'s shape on oneDNN code for `isa` (the table of docs/blas.md, "Host
+/// convolutions"; pure: the same on every machine with that instruction set). Plain for one input channel below
+/// AVX-512: oneDNN 2.6's blocked AVX2 kernels for it run at 4-8 GFLOP/s (backward weights, backward data) where
+/// its gemm:jit on the plain tensors reaches 15-34, which also saves the reorders of the layer's output and output
+/// gradient. oneDNN's choice otherwise (on AVX-512 its blocked kernels are the faster ones for every shape measured).
+constexpr onednn_conv_layouts onednn_conv_layouts_for(host_isa isa, const onednn_conv_key& key) noexcept {
+  return key.c == 1 && isa < host_isa::avx512 ? onednn_conv_layouts::plain : onednn_conv_layouts::chosen_by_onednn;
+}
+
+/// The pass `key` (its layouts chosen here) as a oneDNN convolution on `h`'s host device, or null when it does not
+/// run there (a GPU, a plan that does not name oneDNN for the type, no kernel or only oneDNN's reference loop for the
+/// shape).
+inline std::shared_ptr<const onednn_convolution> host_convolution(blas_handle& h, onednn_conv_key key) {
   if (!h.get_device().is_host() || h.host_plan().for_dtype(key.type) != host_gemm_kernel::onednn) return nullptr;
+  key.layouts = onednn_conv_layouts_for(h.host_plan().isa, key);
   std::shared_ptr<const onednn_convolution> conv = h.onednn_conv_cache().get(key);
   return conv->usable() ? conv : nullptr;
 }

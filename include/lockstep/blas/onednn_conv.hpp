@@ -8,7 +8,8 @@
 // against 67 ms for lockstep's im2col + GEMM + layout kernels, and 38 ms for PyTorch 1.13's convolutions.
 //
 // oneDNN chooses the layouts its kernels want (format_tag any: blocked, nChw16c and OIhw16i16o on AVX-512; its
-// im2col kernel for plain layouts is 2-3 times slower); reorders move the values between those and lockstep's
+// im2col kernel for plain layouts is 2-3 times slower there; with one input channel on AVX2 it is the faster one,
+// and the key then names plain layouts: onednn_conv_layouts_for in convolution.hpp); reorders move the values between those and lockstep's
 // plain NCHW / OIHW / [C] tensors before and after each pass, through a workspace taken from the handle's scratch
 // memory: the blocked copies of the pass's tensors (each the size of the plain one, rounded up to 16 channels) and
 // the primitive's scratchpad. So the workspace is bounded by the pass's tensors, a few times the layer's output
@@ -37,6 +38,11 @@ LOCKSTEP_DETAIL_BEGIN
 /// The three passes of a convolution.
 enum class onednn_conv_pass : std::uint8_t { forward, backward_data, backward_weights };
 
+/// The layouts a pass's primitive reads and writes: those oneDNN chooses for its kernels (blocked, with reorders
+/// from and to lockstep's plain tensors), or lockstep's plain NCHW / OIHW tensors themselves (no reorder; oneDNN
+/// then runs its gemm:jit kernels). convolution.hpp picks by the table of docs/blas.md (onednn_conv_layouts_for).
+enum class onednn_conv_layouts : std::uint8_t { chosen_by_onednn, plain };
+
 /// One pass of one convolution: NCHW input [n, c, h, w], weight [oc, c, k, k], square stride and padding; beta and
 /// bias_beta apply to backward_weights' outputs (dW = dW' + beta dW, dbias = dbias' + bias_beta dbias).
 struct onednn_conv_key {
@@ -46,13 +52,14 @@ struct onednn_conv_key {
   onednn_conv_pass pass = onednn_conv_pass::forward;
   float beta = 0.0f;
   float bias_beta = 0.0f;
+  onednn_conv_layouts layouts = onednn_conv_layouts::chosen_by_onednn;
 
   [[nodiscard]] std::int64_t out_h() const noexcept { return (h + 2 * padding - k) / stride + 1; }
   [[nodiscard]] std::int64_t out_w() const noexcept { return (w + 2 * padding - k) / stride + 1; }
   friend bool operator==(const onednn_conv_key& x, const onednn_conv_key& y) noexcept {
     return x.n == y.n && x.c == y.c && x.h == y.h && x.w == y.w && x.oc == y.oc && x.k == y.k &&
            x.stride == y.stride && x.padding == y.padding && x.type == y.type && x.bias == y.bias &&
-           x.pass == y.pass && std::bit_cast<std::uint32_t>(x.beta) == std::bit_cast<std::uint32_t>(y.beta) &&
+           x.pass == y.pass && x.layouts == y.layouts && std::bit_cast<std::uint32_t>(x.beta) == std::bit_cast<std::uint32_t>(y.beta) &&
            std::bit_cast<std::uint32_t>(x.bias_beta) == std::bit_cast<std::uint32_t>(y.bias_beta);
   }
 };
@@ -63,7 +70,8 @@ struct onednn_conv_key_hash {
     return onednn_key_hash({u(key.n), u(key.c), u(key.h), u(key.w), u(key.oc), u(key.k), u(key.stride),
                             u(key.padding),
                             static_cast<std::uint64_t>(key.type) | (std::uint64_t{key.bias} << 8) |
-                                (static_cast<std::uint64_t>(key.pass) << 9),
+                                (static_cast<std::uint64_t>(key.pass) << 9) |
+                                (static_cast<std::uint64_t>(key.layouts) << 11),
                             std::bit_cast<std::uint32_t>(key.beta) |
                                 (std::uint64_t{std::bit_cast<std::uint32_t>(key.bias_beta)} << 32)});
   }
@@ -95,14 +103,17 @@ class onednn_convolution {
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&weight_plain, 4, weight_dims, t, dnnl_oihw), "describing W");
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dst_plain, 4, dst_dims, t, dnnl_nchw), "describing y");
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&bias_plain, 1, bias_dims, t, dnnl_x), "describing the bias");
-    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&src_any, 4, src_dims, t, dnnl_format_tag_any), "describing x");
-    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&weight_any, 4, weight_dims, t, dnnl_format_tag_any),
-                          "describing W");
-    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dst_any, 4, dst_dims, t, dnnl_format_tag_any), "describing y");
+    // the layouts the primitives are described with: any (oneDNN's choice), or the plain ones
+    const bool plain = key.layouts == onednn_conv_layouts::plain;
+    const dnnl_format_tag_t image_tag = plain ? dnnl_nchw : dnnl_format_tag_any;
+    const dnnl_format_tag_t weight_tag = plain ? dnnl_oihw : dnnl_format_tag_any;
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&src_any, 4, src_dims, t, image_tag), "describing x");
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&weight_any, 4, weight_dims, t, weight_tag), "describing W");
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dst_any, 4, dst_dims, t, image_tag), "describing y");
     const dnnl_memory_desc_t* bias_md = key.bias ? &bias_plain : nullptr;
     // the parameters' gradients in f32, rounded once into the plain gradient by its reorder
     dnnl_memory_desc_t dweight_any{}, dbias_f32{};
-    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dweight_any, 4, weight_dims, dnnl_f32, dnnl_format_tag_any),
+    LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dweight_any, 4, weight_dims, dnnl_f32, weight_tag),
                           "describing dW");
     LOCKSTEP_ONEDNN_CHECK(dnnl_memory_desc_init_by_tag(&dbias_f32, 1, bias_dims, dnnl_f32, dnnl_x),
                           "describing the bias gradient");
