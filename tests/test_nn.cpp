@@ -689,9 +689,10 @@ TEST_P(finite_differences_test, conv2d_kernels_agree_and_a_second_backward_adds_
 
 #if LOCKSTEP_HAS_ONEDNN
 // A convolution with one input channel runs in plain layouts on oneDNN's AVX2 code (convolution.hpp: its blocked
-// kernels are 2-4 times slower there) and in oneDNN's layouts on AVX-512. The table is pure, and both layouts give
-// the same outputs and gradients to within f32 rounding on whichever CPU runs the test (the CPU's own oneDNN code:
-// both are forced here), the plain one with no reorder, the weights pass adding to its gradients (beta 1) too.
+// kernels are 2-4 times slower there) and in oneDNN's layouts on AVX-512, but for its backward data pass (plain
+// there too). The table is pure, host_convolution follows it, and both layouts give the same outputs and gradients
+// to within f32 rounding on whichever CPU runs the test (the CPU's own oneDNN code: both are forced here), the
+// plain one with no reorder, the weights pass adding to its gradients (beta 1) too.
 TEST(onednn_convolution_layouts, one_input_channel_runs_plain_below_avx512_and_both_layouts_agree) {
   using detail::onednn_conv_key;
   using detail::onednn_conv_layouts;
@@ -700,10 +701,28 @@ TEST(onednn_convolution_layouts, one_input_channel_runs_plain_below_avx512_and_b
   const onednn_conv_key one{.n = 4, .c = 1, .h = 12, .w = 11, .oc = 5, .k = 5, .stride = 1, .padding = 2};
   onednn_conv_key three = one;
   three.c = 3;
+  onednn_conv_key one_data = one;
+  one_data.pass = onednn_conv_pass::backward_data;
   EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx2, one), onednn_conv_layouts::plain);
   EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx512, one), onednn_conv_layouts::chosen_by_onednn);
   EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::amx, one), onednn_conv_layouts::chosen_by_onednn);
+  EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx512, one_data), onednn_conv_layouts::plain);
   EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx2, three), onednn_conv_layouts::chosen_by_onednn);
+  three.pass = onednn_conv_pass::backward_data;
+  EXPECT_EQ(detail::onednn_conv_layouts_for(host_isa::avx512, three), onednn_conv_layouts::chosen_by_onednn);
+
+  // conv2d's way in, host_convolution, runs the primitive of the table's layouts for the handle's plan
+  context ctx(default_stream(device{device_kind::host, 0}));
+  if (ctx.blas().host_plan().f32 == host_gemm_kernel::onednn) {
+    for (const auto pass :
+         {onednn_conv_pass::forward, onednn_conv_pass::backward_data, onednn_conv_pass::backward_weights}) {
+      onednn_conv_key key = one;
+      key.pass = pass;
+      const auto conv = detail::host_convolution(ctx.blas(), key);
+      key.layouts = detail::onednn_conv_layouts_for(ctx.blas().host_plan().isa, key);
+      EXPECT_EQ(conv.get(), ctx.blas().onednn_conv_cache().get(key).get()) << "pass " << static_cast<int>(pass);
+    }
+  }
 
   struct conv_case {
     std::int64_t h, w, oc, k, stride, padding;
@@ -725,7 +744,10 @@ TEST(onednn_convolution_layouts, one_input_channel_runs_plain_below_avx512_and_b
         auto run = [&](onednn_conv_layouts layouts) {
           key.layouts = layouts;
           const detail::onednn_convolution conv(key);
-          EXPECT_TRUE(conv.usable()) << conv.implementation();
+          if (!conv.usable()) {
+            ADD_FAILURE() << "no oneDNN kernel but " << conv.implementation();
+            return std::vector<float>{};
+          }
           if (layouts == onednn_conv_layouts::plain && beta == 0.0f) {
             for (const slot s : {slot::a, slot::b, slot::c, slot::out, slot::out2}) EXPECT_FALSE(conv.reorders(s));
           }
@@ -737,6 +759,7 @@ TEST(onednn_convolution_layouts, one_input_channel_runs_plain_below_avx512_and_b
           } else {
             a = random_values(xs, 1), b = random_values(ys, 4), out = random_values(ws, 5), out2 = random_values(bs, 6);
           }
+          // (run() on this thread, as a stream's worker would: it sets this thread's OpenMP threads to one)
           std::vector<std::byte> workspace(conv.workspace_bytes() + 64);
           std::byte* aligned = workspace.data() + (64 - reinterpret_cast<std::uintptr_t>(workspace.data()) % 64) % 64;
           conv.run(a.data(), b.data(), c.bias && pass == onednn_conv_pass::forward ? bias.data() : nullptr,
@@ -746,6 +769,7 @@ TEST(onednn_convolution_layouts, one_input_channel_runs_plain_below_avx512_and_b
         };
         const std::vector<float> blocked = run(onednn_conv_layouts::chosen_by_onednn);
         const std::vector<float> plain = run(onednn_conv_layouts::plain);
+        ASSERT_FALSE(plain.empty());
         ASSERT_EQ(blocked.size(), plain.size());
         double diff = 0.0, norm = 0.0;
         for (std::size_t i = 0; i < plain.size(); ++i) {

@@ -17,13 +17,15 @@
 #if LOCKSTEP_HAS_ONEDNN
 LOCKSTEP_DETAIL_BEGIN
 
-/// The layouts of a convolution with `key`'s shape on oneDNN code for `isa` (the table of docs/blas.md, "Host
-/// convolutions"; pure: the same on every machine with that instruction set). Plain for one input channel below
-/// AVX-512: oneDNN 2.6's blocked AVX2 kernels for it run at 4-8 GFLOP/s (backward weights, backward data) where
-/// its gemm:jit on the plain tensors reaches 15-34, which also saves the reorders of the layer's output and output
-/// gradient. oneDNN's choice otherwise (on AVX-512 its blocked kernels are the faster ones for every shape measured).
+/// The layouts of pass `key` on oneDNN code for `isa` (the tables of docs/blas.md, "Host convolutions"; pure: the
+/// same on every machine with that instruction set). Plain for one input channel below AVX-512, every pass: oneDNN
+/// 2.6's blocked AVX2 kernels for it run at 4-8 GFLOP/s in the backward passes, where its gemm:jit on the plain
+/// tensors reaches 12-17 (and the forward, 34 against 53, saves the reorder of the layer's output). Plain for one
+/// input channel's backward data on AVX-512 too (3.3 ms against 10.5 blocked on Zen 4; a first layer never runs
+/// it). oneDNN's choice otherwise.
 constexpr onednn_conv_layouts onednn_conv_layouts_for(host_isa isa, const onednn_conv_key& key) noexcept {
-  return key.c == 1 && isa < host_isa::avx512 ? onednn_conv_layouts::plain : onednn_conv_layouts::chosen_by_onednn;
+  const bool plain = key.c == 1 && (isa < host_isa::avx512 || key.pass == onednn_conv_pass::backward_data);
+  return plain ? onednn_conv_layouts::plain : onednn_conv_layouts::chosen_by_onednn;
 }
 
 /// The pass `key` (its layouts chosen here) as a oneDNN convolution on `h`'s host device, or null when it does not

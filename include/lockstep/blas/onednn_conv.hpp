@@ -8,8 +8,9 @@
 // against 67 ms for lockstep's im2col + GEMM + layout kernels, and 38 ms for PyTorch 1.13's convolutions.
 //
 // oneDNN chooses the layouts its kernels want (format_tag any: blocked, nChw16c and OIhw16i16o on AVX-512; its
-// im2col kernel for plain layouts is 2-3 times slower there; with one input channel on AVX2 it is the faster one,
-// and the key then names plain layouts: onednn_conv_layouts_for in convolution.hpp); reorders move the values between those and lockstep's
+// im2col kernel for plain layouts is mostly 2-3 times slower there), except where the key names plain layouts (one
+// input channel below AVX-512, and its backward data on AVX-512: onednn_conv_layouts_for in convolution.hpp, where
+// the im2col kernel is the faster one); reorders move the values between those and lockstep's
 // plain NCHW / OIHW / [C] tensors before and after each pass, through a workspace taken from the handle's scratch
 // memory: the blocked copies of the pass's tensors (each the size of the plain one, rounded up to 16 channels) and
 // the primitive's scratchpad. So the workspace is bounded by the pass's tensors, a few times the layer's output
