@@ -60,7 +60,8 @@ struct onednn_conv_key {
   friend bool operator==(const onednn_conv_key& x, const onednn_conv_key& y) noexcept {
     return x.n == y.n && x.c == y.c && x.h == y.h && x.w == y.w && x.oc == y.oc && x.k == y.k &&
            x.stride == y.stride && x.padding == y.padding && x.type == y.type && x.bias == y.bias &&
-           x.pass == y.pass && x.layouts == y.layouts && std::bit_cast<std::uint32_t>(x.beta) == std::bit_cast<std::uint32_t>(y.beta) &&
+           x.pass == y.pass && x.layouts == y.layouts &&
+           std::bit_cast<std::uint32_t>(x.beta) == std::bit_cast<std::uint32_t>(y.beta) &&
            std::bit_cast<std::uint32_t>(x.bias_beta) == std::bit_cast<std::uint32_t>(y.bias_beta);
   }
 };

@@ -38,10 +38,11 @@ struct conv2d_options {
 ///
 /// How it runs: on a host device whose GEMMs run on oneDNN (f32, bf16), outside deterministic mode, as oneDNN's
 /// convolutions (blas/convolution.hpp; their workspace, in the handle's scratch memory, is the pass's tensors in
-/// oneDNN's layouts, or only oneDNN's scratchpad where a pass runs on the plain tensors). Otherwise: im2col, then one GEMM over the whole batch (kernels/conv.hpp): the input as rows of patches col
-/// [N * OH * OW, in * k * k] times the weight transposed; backward, the weight gradient is the output gradient in
-/// rows (transposed) times col, and the input gradient the output gradient times the weight, added back from patches
-/// into pixels by a gather (no atomics). Workspace: col (N * OH * OW * in * k * k values of the compute type, reused
+/// oneDNN's layouts, or only oneDNN's scratchpad where a pass runs on the plain tensors). Otherwise: im2col, then
+/// one GEMM over the whole batch (kernels/conv.hpp): the input as rows of patches col [N * OH * OW, in * k * k]
+/// times the weight transposed; backward, the weight gradient is the output gradient in rows (transposed) times
+/// col, and the input gradient the output gradient times the weight, added back from patches into pixels by a
+/// gather (no atomics). Workspace: col (N * OH * OW * in * k * k values of the compute type, reused
 /// for the patches' gradient) and the output in rows (N * OH * OW * out), both grown to the largest batch seen.
 ///
 /// Deterministic mode follows nn/deterministic.hpp: outputs and input gradients are per-row products (each output
